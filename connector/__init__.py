@@ -1,0 +1,1 @@
+"""KV transfer between engines: the connector contract and its transports."""

@@ -1,0 +1,1 @@
+"""The Ray Serve application and the `pdserve` command line."""

@@ -1,0 +1,1 @@
+"""One LLM engine: everything a prefill or a decode replica embeds."""

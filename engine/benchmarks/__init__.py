@@ -1,0 +1,1 @@
+"""Benchmarks behind `pdserve bench …`: each prints one JSON object."""

@@ -1,0 +1,129 @@
+"""`pdserve bench sched`: scheduler + update_from_output cost per step on a fixed workload.
+
+No model runs: FakeModelRunner samples one token per finished prefill, so the figures are the
+CPU cost of scheduling alone, the part that sits between two forward passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core.scheduler import Scheduler
+from engine.request import Request, SamplingParams
+from engine.testing.fake_runner import FakeModelRunner
+
+
+@dataclass(frozen=True)
+class SchedWorkload:
+    num_requests: int = 512
+    min_prompt: int = 128
+    max_prompt: int = 2048
+    shared_prefix_fraction: float = 0.3
+    shared_prefix_len: int = 512
+    min_output: int = 64
+    max_output: int = 256
+    num_blocks: int = 32768
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    vocab_size: int = 32000
+    seed: int = 0
+
+
+def make_requests(w: SchedWorkload) -> list[Request]:
+    rng = random.Random(w.seed)
+    prefix = [rng.randrange(w.vocab_size) for _ in range(w.shared_prefix_len)]
+    requests = []
+    for i in range(w.num_requests):
+        length = rng.randint(w.min_prompt, w.max_prompt)
+        if rng.random() < w.shared_prefix_fraction:
+            body = [rng.randrange(w.vocab_size) for _ in range(max(0, length - len(prefix)))]
+            prompt = (prefix + body)[:length]
+        else:
+            prompt = [rng.randrange(w.vocab_size) for _ in range(length)]
+        params = SamplingParams(max_tokens=rng.randint(w.min_output, w.max_output), ignore_eos=True)
+        requests.append(Request(f"req-{i}", prompt, params, arrival_time=float(i)))
+    return requests
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def _summary(values_us: list[float]) -> dict[str, float]:
+    ordered = sorted(values_us)
+    return {
+        "mean": round(statistics.fmean(ordered), 2) if ordered else 0.0,
+        "p50": round(_percentile(ordered, 0.50), 2),
+        "p99": round(_percentile(ordered, 0.99), 2),
+    }
+
+
+def run(w: SchedWorkload) -> dict[str, object]:
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=w.max_num_batched_tokens,
+            max_num_seqs=w.max_num_seqs,
+            max_model_len=w.max_prompt + w.max_output,
+        ),
+        CacheConfig(block_size=w.block_size, num_blocks=w.num_blocks),
+    )
+    runner = FakeModelRunner(w.block_size, w.num_blocks, w.vocab_size)
+    for request in make_requests(w):
+        scheduler.add_request(request)
+    all_us: list[float] = []
+    steady_us: list[float] = []  # steps that only decode, with the batch (nearly) full
+    clock = time.perf_counter
+    while scheduler.has_requests():
+        t0 = clock()
+        so = scheduler.schedule()
+        t1 = clock()
+        mro = runner.execute(so)
+        t2 = clock()
+        scheduler.update_from_output(so, mro)
+        t3 = clock()
+        step_us = ((t1 - t0) + (t3 - t2)) * 1e6
+        all_us.append(step_us)
+        num_reqs = len(so.num_scheduled_tokens)
+        if num_reqs >= 0.97 * w.max_num_seqs and so.total_num_scheduled_tokens == num_reqs:
+            steady_us.append(step_us)
+    stats = scheduler.kv_cache_manager.prefix_cache_stats
+    return {
+        "benchmark": "sched",
+        "workload": asdict(w),
+        "steps": len(all_us),
+        "step_us": _summary(all_us),
+        "steady_decode_steps": len(steady_us),
+        "steady_decode_step_us": _summary(steady_us),
+        "preemptions": scheduler.num_preemptions,
+        "prefix_hit_rate": round(stats.hit_rate, 4),
+        "free_blocks_at_end": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = SchedWorkload()
+    parser.add_argument("--num-requests", type=int, default=defaults.num_requests)
+    parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens
+    )
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+
+
+def workload_from_args(args: argparse.Namespace) -> SchedWorkload:
+    return SchedWorkload(
+        num_requests=args.num_requests,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+    )

@@ -1,0 +1,193 @@
+"""KVCacheManager: the scheduler's one door to KV blocks (lookup, allocate, cache, free)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.config import CacheConfig
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_utils import (
+    HASH_FUNCTIONS,
+    KVCacheBlock,
+    make_block_hasher,
+)
+from engine.core.kv_events import KVCacheEvent
+from engine.core.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+)
+from engine.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counts since the last `take_prefix_cache_stats()`; tokens, not blocks."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, cache_config: CacheConfig, max_model_len: int) -> None:
+        if cache_config.num_blocks is None:
+            raise ValueError("CacheConfig.num_blocks must be set before building the KV cache")
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = cache_config.enable_prefix_caching
+        self.block_pool = BlockPool(
+            cache_config.num_blocks, self.enable_caching, cache_config.enable_kv_cache_events
+        )
+        self.manager = _make_single_type_manager(cache_config, self.block_pool)
+        self.block_hasher = make_block_hasher(
+            self.block_size, HASH_FUNCTIONS[cache_config.prefix_caching_hash_algo]
+        )
+        self.prefix_cache_stats = PrefixCacheStats()
+        # Block ids allocated in the current step (for KV zeroing and events).
+        self._new_block_ids: list[int] = []
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of a request as (blocks, num_tokens).
+
+        Capped at `num_tokens - 1`: the last token must run through the model so that there
+        are logits to sample from, even when the whole prompt is cached.
+        """
+        if not self.enable_caching:
+            return [], 0
+        blocks = self.manager.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+        num_hit_tokens = len(blocks) * self.block_size
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_hit_tokens
+        return blocks, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for the tokens a step will compute; None if the pool cannot.
+
+        Slots of a request, left to right:
+        | computed | new computed (local hits) | external (connector) | new | lookahead |
+                                               |<------------- allocated ------------->|
+        Nothing is changed before the capacity check passes, so None leaves no trace.
+        Returns the newly allocated blocks (possibly empty).
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if not (new_computed_blocks or num_external_computed_tokens or num_lookahead_tokens):
+            fast = self._allocate_within_held_blocks(request, num_new_tokens, delay_cache_blocks)
+            if fast is not None:
+                return fast
+        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_computed = min(num_local_computed + num_external_computed_tokens, self.max_model_len)
+        num_tokens_need_slot = min(
+            num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
+        manager = self.manager
+        manager.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+        num_to_allocate = manager.get_num_blocks_to_allocate(
+            request.request_id, num_tokens_need_slot, new_computed_blocks
+        )
+        if num_to_allocate > self.block_pool.get_num_free_blocks():
+            return None
+        if new_computed_blocks:
+            manager.save_new_computed_blocks(request.request_id, new_computed_blocks)
+        new_blocks = manager.allocate_new_blocks(request.request_id, num_tokens_need_slot)
+        if new_blocks:
+            self._new_block_ids.extend(b.block_id for b in new_blocks)
+        if self.enable_caching and not delay_cache_blocks:
+            # Only verified tokens are cached: lookahead slots hold nothing yet.
+            manager.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    def _allocate_within_held_blocks(
+        self, request: Request, num_new_tokens: int, delay_cache_blocks: bool
+    ) -> list[KVCacheBlock] | None:
+        """The decode fast path: the held blocks already have room, nothing to allocate.
+
+        Returns None when the general path is needed (more blocks, or blocks to drop)."""
+        manager = self.manager
+        if manager.drops_blocks:
+            return None
+        blocks = manager.req_to_blocks.get(request.request_id)
+        num_tokens_need_slot = min(request.num_computed_tokens + num_new_tokens, self.max_model_len)
+        if blocks is None or len(blocks) * self.block_size < num_tokens_need_slot:
+            return None
+        if self.enable_caching and not delay_cache_blocks:
+            manager.cache_blocks(request, min(num_tokens_need_slot, request.num_tokens))
+        return []
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache blocks whose caching was delayed (e.g. until a remote load finished)."""
+        if self.enable_caching:
+            self.manager.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request: Request) -> None:
+        self.manager.free(request.request_id)
+
+    def evict_blocks(self, block_ids: Sequence[int]) -> None:
+        """Remove blocks from the prefix cache (their KV is not to be trusted)."""
+        blocks = self.block_pool.blocks
+        self.block_pool.evict_blocks(blocks[i] for i in block_ids)
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.manager.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.manager.req_to_blocks.get(request_id, ())]
+
+    def new_step_starts(self) -> None:
+        self._new_block_ids.clear()
+
+    def take_new_block_ids(self) -> list[int]:
+        ids, self._new_block_ids = self._new_block_ids, []
+        return ids
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats:
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def check_integrity(self) -> None:
+        """The pool's invariants, plus: every block a request holds is counted in its ref_cnt."""
+        self.block_pool.check_integrity()
+        users: dict[int, int] = {}
+        for blocks in self.manager.req_to_blocks.values():
+            for block in blocks:
+                if not block.is_null:
+                    users[block.block_id] = users.get(block.block_id, 0) + 1
+        for block in self.block_pool.blocks[1:]:
+            if block.ref_cnt != users.get(block.block_id, 0):
+                raise AssertionError(
+                    f"{block}: ref_cnt {block.ref_cnt} but held by "
+                    f"{users.get(block.block_id, 0)} requests"
+                )
+
+
+def _make_single_type_manager(config: CacheConfig, pool: BlockPool) -> SingleTypeKVCacheManager:
+    if config.sliding_window is not None:
+        return SlidingWindowManager(pool, config.block_size, config.sliding_window)
+    return FullAttentionManager(pool, config.block_size)

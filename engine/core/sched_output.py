@@ -1,0 +1,111 @@
+"""What the scheduler tells the worker each step, and what the worker answers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.request import FinishReason, Request, SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker sees for the first time (its whole state)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
+        return cls(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+            sampling_params=request.sampling_params,
+        )
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the worker already knows, as parallel lists (only what changed).
+
+    `new_block_ids[i]` is None when request i got no new block this step. A request resumed
+    after preemption lost all its blocks, so for it `new_block_ids[i]` is its whole block
+    table (replacing the old one) and `resumed_token_ids` carries every token it has.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list[list[int] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    resumed_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # {req_id: tokens to compute this step}; prefill chunks and decodes alike.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: set[str]
+    # Requests finished since the last step: the worker drops their state.
+    finished_req_ids: set[str]
+    # Newly allocated block ids this step (a worker may zero them).
+    new_block_ids_to_zero: list[int] = field(default_factory=list)
+    kv_connector_metadata: Any = None
+
+
+@dataclass
+class KVConnectorOutput:
+    """The worker-side connector's report for one step.
+
+    finished_sending: requests whose blocks the remote side has read (free them now).
+    finished_recving: requests whose asynchronous load ended (successfully or not).
+    invalid_block_ids: blocks whose load failed; their KV must be recomputed or the request
+    failed, according to the connector's load-failure policy.
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens in `req_ids` order; an empty list for a request still in prefill."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+@dataclass
+class EngineCoreOutput:
+    """Per-request result of one step: new tokens, and how it ended if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

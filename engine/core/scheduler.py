@@ -1,0 +1,450 @@
+"""The V1 scheduler: one token budget shared by prefills and decodes, running requests first.
+
+There is no prefill phase and no decode phase. A request has `num_computed_tokens` and
+`num_tokens`; each step hands out `{request_id: num_new_tokens}` so that the former catches up
+with the latter. A decode is a request one token behind; a prefill chunk is one further behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from connector.base import KVConnectorBase
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_utils import KVCacheBlock, cdiv
+from engine.core.kv_transfer_state import KVTransferState
+from engine.core.request_queue import RequestQueue, create_request_queue
+from engine.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from engine.core.stop import check_stop
+from engine.request import FinishReason, Request, RequestStatus, finish_reason_of
+
+_WAITING = RequestStatus.WAITING
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+class _Step:
+    """Everything one `schedule()` call decides, before it becomes a SchedulerOutput."""
+
+    __slots__ = (
+        "budget",
+        "new_blocks",
+        "num_scheduled",
+        "preempted",
+        "scheduled_new",
+        "scheduled_resumed",
+        "scheduled_running",
+        "skipped",
+    )
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.num_scheduled: dict[str, int] = {}
+        self.new_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.scheduled_running: list[Request] = []
+        self.scheduled_new: list[Request] = []
+        self.scheduled_resumed: list[Request] = []
+        self.preempted: list[Request] = []
+        self.skipped: list[Request] = []  # back to skipped_waiting once the step is decided
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        connector: KVConnectorBase | None = None,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.connector = connector
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        _check_capacity(scheduler_config, cache_config)
+        self.kv_cache_manager = KVCacheManager(cache_config, scheduler_config.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
+        # Requests that could not be considered (blocked on a remote load, or the connector
+        # asked to retry); looked at again each step before `waiting` under FCFS.
+        self.skipped_waiting: RequestQueue = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the worker drops their state.
+        self.finished_req_ids: set[str] = set()
+        self.kv_transfers = KVTransferState(self)
+        # Outputs produced outside a step (e.g. rejected on arrival), sent with the next one.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.status != _WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} was already scheduled once")
+        if request.num_prompt_tokens > self.max_model_len:
+            error = (
+                f"prompt has {request.num_prompt_tokens} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+            request.status = RequestStatus.FINISHED_IGNORED
+            request.error = error
+            self._pending_outputs.append(
+                EngineCoreOutput(request.request_id, [], FinishReason.LENGTH, error=error)
+            )
+            return
+        request.set_block_hasher(self.kv_cache_manager.block_hasher, self.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (abort, error). Unknown or finished ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        doomed = [r for r in (self.requests.get(i) for i in ids) if r and not r.is_finished]
+        if not doomed:
+            return
+        running = {id(r) for r in doomed if r.status == _RUNNING}
+        if running:
+            self.running = [r for r in self.running if id(r) not in running]
+        others = [r for r in doomed if id(r) not in running]
+        if others:
+            self.waiting.remove_requests(others)
+            self.skipped_waiting.remove_requests(others)
+        for request in doomed:
+            self._finish(request, status)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_requests(self) -> bool:
+        """Work to do, or results not handed out yet: the engine loop should step."""
+        return self.has_unfinished_requests() or bool(
+            self.finished_req_ids or self._pending_outputs
+        )
+
+    # ---------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        self.kv_cache_manager.new_step_starts()
+        step = _Step(self.scheduler_config.max_num_batched_tokens)
+        self._schedule_running(step)
+        # A step that had to preempt is short of blocks: admitting now would only thrash.
+        if not step.preempted:
+            self._schedule_waiting(step)
+        output = self._build_output(step)
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        # The worker computes these tokens this step; the next schedule() builds on that.
+        requests = self.requests
+        for req_id, num_new_tokens in step.num_scheduled.items():
+            requests[req_id].num_computed_tokens += num_new_tokens
+        return output
+
+    def _schedule_running(self, step: _Step) -> None:
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        running = self.running
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        i = 0
+        while i < len(running) and step.budget > 0:
+            request = running[i]
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            num_new_tokens = min(num_new_tokens, step.budget)
+            if num_new_tokens <= 0:
+                i += 1
+                continue
+            new_blocks = allocate_slots(request, num_new_tokens)
+            if new_blocks is None:
+                new_blocks, i = self._preempt_until_fits(request, num_new_tokens, i, step)
+                if new_blocks is None:
+                    # It was the victim itself and left `running`: running[i] is the next one
+                    # (under FCFS there is none; under priority a better one may now fit).
+                    continue
+            step.scheduled_running.append(request)
+            step.num_scheduled[request.request_id] = num_new_tokens
+            step.new_blocks[request.request_id] = new_blocks
+            step.budget -= num_new_tokens
+            i += 1
+
+    def _preempt_until_fits(
+        self, request: Request, num_new_tokens: int, index: int, step: _Step
+    ) -> tuple[list[KVCacheBlock] | None, int]:
+        """Preempt victims until `request` fits. Returns its new blocks (None if the victim
+        was `request` itself) and its index in `running`, which shifts left when a victim
+        before it is removed."""
+        priority = self.scheduler_config.policy == "priority"
+        while True:
+            if priority:
+                victim = max(self.running, key=Request.sort_key)
+                victim_index = self.running.index(victim)
+                del self.running[victim_index]
+                if victim_index < index:
+                    self._unschedule(victim, step)
+                    index -= 1
+            else:
+                victim = self.running.pop()  # the most recently admitted
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is request:
+                return None, index
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks, index
+
+    def _unschedule(self, victim: Request, step: _Step) -> None:
+        """Roll back what this step already granted a request that is now preempted."""
+        req_id = victim.request_id
+        step.scheduled_running.remove(victim)
+        step.budget += step.num_scheduled.pop(req_id)
+        step.new_blocks.pop(req_id)
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop every block; prefix caching may win some back."""
+        self.kv_cache_manager.free(request)
+        request.status = _PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        while (self.waiting or self.skipped_waiting) and step.budget > 0:
+            if len(self.running) >= max_num_seqs:
+                break
+            queue = self._select_waiting_queue()
+            request = queue.peek_request()
+            if request.status == _WAITING_FOR_REMOTE_KVS and not self.kv_transfers.promote(request):
+                queue.pop_request()
+                step.skipped.append(request)
+                continue
+            admitted = self._try_admit(request, queue, step)
+            if admitted is None:
+                break
+        if step.skipped:
+            self.skipped_waiting.prepend_requests(step.skipped)
+
+    def _select_waiting_queue(self) -> RequestQueue:
+        if self.scheduler_config.policy == "fcfs":
+            return self.skipped_waiting or self.waiting
+        if self.waiting and self.skipped_waiting:
+            head, skipped_head = self.waiting.peek_request(), self.skipped_waiting.peek_request()
+            return (
+                self.waiting if head.sort_key() < skipped_head.sort_key() else self.skipped_waiting
+            )
+        return self.waiting or self.skipped_waiting
+
+    def _try_admit(self, request: Request, queue: RequestQueue, step: _Step) -> bool | None:
+        """Admit the head of `queue`. None: stop admitting this step (no room)."""
+        kv = self.kv_cache_manager
+        new_computed_blocks: list[KVCacheBlock] = []
+        num_local = num_external = 0
+        load_async = False
+        if request.num_computed_tokens == 0:
+            new_computed_blocks, num_local = kv.get_computed_blocks(request)
+            if self.connector is not None:
+                matched, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                if matched is None:  # the connector cannot tell yet
+                    queue.pop_request()
+                    step.skipped.append(request)
+                    return False
+                # At least one token is always computed here, for its logits.
+                num_external = max(0, min(matched, request.num_tokens - 1 - num_local))
+                load_async = load_async and num_external > 0
+        num_computed = request.num_computed_tokens + num_local + num_external
+        num_new_tokens = 0 if load_async else self._num_new_tokens(request, num_computed, step)
+        if num_new_tokens is None:
+            return None
+        new_blocks = kv.allocate_slots(
+            request,
+            num_new_tokens,
+            num_local,
+            new_computed_blocks,
+            num_external_computed_tokens=num_external,
+            # KV that arrives from elsewhere is not cached until it has arrived intact.
+            delay_cache_blocks=num_external > 0,
+        )
+        if new_blocks is None:
+            return None
+        queue.pop_request()
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(
+                request, kv.get_blocks(request.request_id), num_external
+            )
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_local + num_external
+        request.num_external_computed_tokens = num_external
+        if load_async:
+            self.kv_transfers.start_async_load(request, num_local)
+            step.skipped.append(request)
+            return True
+        if num_external:
+            self.kv_transfers.note_sync_load(request)
+        self._start_running(request, num_computed, num_new_tokens, new_blocks, step)
+        return True
+
+    def _num_new_tokens(self, request: Request, num_computed: int, step: _Step) -> int | None:
+        num_new_tokens = request.num_tokens - num_computed
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > step.budget:
+            return None  # the prompt goes whole or not at all
+        return min(num_new_tokens, step.budget)
+
+    def _start_running(
+        self,
+        request: Request,
+        num_computed: int,
+        num_new_tokens: int,
+        new_blocks: list[KVCacheBlock],
+        step: _Step,
+    ) -> None:
+        if request.status == _PREEMPTED:
+            step.scheduled_resumed.append(request)
+        else:
+            step.scheduled_new.append(request)
+        request.status = _RUNNING
+        request.num_computed_tokens = num_computed
+        self.running.append(request)
+        step.num_scheduled[request.request_id] = num_new_tokens
+        step.new_blocks[request.request_id] = new_blocks
+        step.budget -= num_new_tokens
+
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        get_block_ids = self.kv_cache_manager.get_block_ids
+        new_reqs = [
+            NewRequestData.from_request(r, get_block_ids(r.request_id)) for r in step.scheduled_new
+        ]
+        cached = CachedRequestData()
+        for request in step.scheduled_running:
+            blocks = step.new_blocks[request.request_id]
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append([b.block_id for b in blocks] if blocks else None)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+        for request in step.scheduled_resumed:
+            req_id = request.request_id
+            cached.req_ids.append(req_id)
+            cached.resumed_req_ids.add(req_id)
+            cached.new_block_ids.append(get_block_ids(req_id))
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            cached.resumed_token_ids[req_id] = list(request.all_token_ids)
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=sum(step.num_scheduled.values()),
+            preempted_req_ids={r.request_id for r in step.preempted},
+            finished_req_ids=finished,
+            new_block_ids_to_zero=self.kv_cache_manager.take_new_block_ids(),
+        )
+
+    # ---------------------------------------------------------------- results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, settle KV transfers."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        kv_output = model_runner_output.kv_connector_output
+        discarded: set[str] = set()
+        if kv_output is not None and kv_output.invalid_block_ids:
+            discarded = self.kv_transfers.handle_invalid_blocks(kv_output.invalid_block_ids)
+        self.kv_transfers.end_step()
+        requests = self.requests
+        any_stopped = False
+        for req_id, token_ids in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+        ):
+            if not token_ids:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request = requests.get(req_id)
+            if request is None or request.status != _RUNNING or req_id in discarded:
+                continue  # aborted during the step, or its logits came from bad KV
+            output = self._append_tokens(request, token_ids)
+            any_stopped = any_stopped or output.finish_reason is not None
+            outputs.append(output)
+        if any_stopped:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        outputs.extend(self._pending_outputs)
+        self._pending_outputs = []
+        if kv_output is not None:
+            self.kv_transfers.update_from_xfer_finished(kv_output)
+        return outputs
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> EngineCoreOutput:
+        new_token_ids = token_ids
+        status = None
+        for n, token_id in enumerate(token_ids, 1):
+            request.append_output_token_ids(token_id)
+            status = check_stop(request, token_id, self.max_model_len)
+            if status is not None:
+                new_token_ids = token_ids[:n]  # what follows a stop is never emitted
+                break
+        if status is None:
+            return EngineCoreOutput(request.request_id, new_token_ids)
+        kv_transfer_params = self._finish(request, status)
+        return EngineCoreOutput(
+            request.request_id,
+            new_token_ids,
+            finish_reason_of(status),
+            request.stop_reason,
+            kv_transfer_params,
+            request.num_cached_tokens or 0,
+        )
+
+    def _finish(self, request: Request, status: RequestStatus) -> dict | None:
+        """Mark finished and release its blocks, unless the connector still needs them."""
+        request.status = status
+        self.finished_req_ids.add(request.request_id)
+        kv_transfer_params = None
+        delay_free = False
+        if self.connector is not None:
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
+        if not delay_free:
+            self.free_request_blocks(request)
+        return kv_transfer_params
+
+    def free_request_blocks(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.requests.pop(request.request_id, None)
+        self.kv_transfers.forget(request.request_id)
+
+    def fail_request(self, request: Request, error: str) -> None:
+        """End a request with FINISHED_ERROR; its output goes out with the next update."""
+        request.error = error
+        self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+        self._pending_outputs.append(
+            EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=error)
+        )
+
+
+def _check_capacity(scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    """A pool that cannot hold one max_model_len sequence would let a lone request preempt
+    itself forever; refuse the configuration instead."""
+    if cache_config.num_blocks is None or cache_config.sliding_window is not None:
+        return
+    needed = cdiv(scheduler_config.max_model_len, cache_config.block_size)
+    usable = cache_config.num_blocks - 1
+    if needed > usable:
+        raise ValueError(
+            f"the KV cache ({usable} usable blocks of {cache_config.block_size} tokens) cannot "
+            f"hold one sequence of max_model_len={scheduler_config.max_model_len} tokens "
+            f"({needed} blocks); raise num_blocks or lower max_model_len"
+        )

@@ -1,0 +1,27 @@
+"""Stop conditions checked after every appended token."""
+
+from __future__ import annotations
+
+from engine.request import Request, RequestStatus
+
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
+    """The finished status `token_id` (just appended) puts the request in, if any.
+
+    EOS and stop tokens count only once `min_tokens` outputs exist; length limits always do.
+    A stop token is reported as the stop reason, as in the OpenAI API's `stop_reason`.
+    """
+    params = request.sampling_params
+    num_output_tokens = request.num_output_tokens
+    if num_output_tokens >= params.min_tokens:
+        if token_id == request.eos_token_id and not params.ignore_eos:
+            return _STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return _STOPPED
+    if num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        return _LENGTH_CAPPED
+    return None

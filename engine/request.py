@@ -1,0 +1,294 @@
+"""What the scheduler knows of a request: inputs, sampling parameters, progress, status."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Every status after PREEMPTED is a finished one."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended, in the words of the OpenAI API."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+def finish_reason_of(status: RequestStatus) -> FinishReason | None:
+    return _FINISH_REASONS.get(status)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """A real, finite number (NaN passes every `<` check as False, so reject it here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Validated on construction (ValueError)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop: Sequence[str] = ()
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    extra_args: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._check_lengths()
+        self._check_probability_knobs()
+        self._check_penalties()
+        # Normalise sequences so a params object is hashable-ish and never aliased.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _check_lengths(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for token_id in self.stop_token_ids:
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
+        if isinstance(self.stop, str):
+            raise ValueError("stop must be a list of strings, not a single string")
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop strings must be non-empty strings, got {text!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+
+    def _check_probability_knobs(self) -> None:
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
+            raise ValueError(
+                f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}"
+            )
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id!r}")
+            if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+
+
+BlockHasher = Callable[["Request"], None]
+
+# Token ids are packed as int32 for hashing and on the wire; every vocabulary fits.
+MAX_TOKEN_ID = 2**31
+
+
+class Request:
+    """One generation request as the scheduler sees it.
+
+    `num_computed_tokens` counts positions whose KV is written (or scheduled to be written this
+    step); `num_tokens` counts prompt + output tokens. The scheduler's only goal is to make the
+    former catch up with the latter.
+    """
+
+    __slots__ = (
+        "_all_token_ids",
+        "_block_hasher",
+        "_hash_block_size",
+        "_next_hash_at",
+        "_output_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "cache_salt",
+        "eos_token_id",
+        "error",
+        "kv_transfer_params",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_external_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "sampling_params",
+        "status",
+        "stop_reason",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
+        _check_request_inputs(request_id, prompt_token_ids, sampling_params, priority, cache_salt)
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = sampling_params.max_tokens
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else float(arrival_time)
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.kv_transfer_params = kv_transfer_params
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self._output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_external_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prefix hits at first scheduling
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.block_hashes: list[bytes] = []
+        self._block_hasher: BlockHasher | None = None
+        self._hash_block_size = 0
+        self._next_hash_at = 0  # num_tokens at which the next block becomes full
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def set_block_hasher(self, hasher: BlockHasher, block_size: int) -> None:
+        """Install the hasher that keeps `block_hashes` in step with the tokens."""
+        self._block_hasher = hasher
+        self._hash_block_size = block_size
+        hasher(self)
+        self._next_hash_at = (len(self.block_hashes) + 1) * block_size
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        tokens = self._all_token_ids
+        tokens.append(token_id)
+        self._output_token_ids.append(token_id)
+        # Hash only when a block fills up: a plain comparison on the decode hot path.
+        if self._block_hasher is not None and len(tokens) >= self._next_hash_at:
+            self._block_hasher(self)
+            self._next_hash_at = (len(self.block_hashes) + 1) * self._hash_block_size
+
+    def sort_key(self) -> tuple[int, float]:
+        """Priority order: lower `priority` first, then earlier arrival."""
+        return (self.priority, self.arrival_time)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
+
+
+def _check_request_inputs(
+    request_id: object,
+    prompt_token_ids: Sequence[int],
+    sampling_params: object,
+    priority: object,
+    cache_salt: object,
+) -> None:
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+    if len(prompt_token_ids) == 0:
+        raise ValueError(f"request {request_id!r}: the prompt is empty")
+    for token_id in prompt_token_ids:
+        if not _is_int(token_id) or not 0 <= token_id < MAX_TOKEN_ID:
+            raise ValueError(
+                f"request {request_id!r}: prompt token ids must be integers in "
+                f"[0, 2**31), got {token_id!r}"
+            )
+    if not isinstance(sampling_params, SamplingParams):
+        raise ValueError(
+            f"request {request_id!r}: sampling_params must be SamplingParams, "
+            f"got {type(sampling_params).__name__}"
+        )
+    if not _is_int(priority):
+        raise ValueError(f"request {request_id!r}: priority must be an integer, got {priority!r}")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"request {request_id!r}: cache_salt must be a non-empty string")

@@ -1,0 +1,427 @@
+"""BlockPool and BlockHashToBlockMap: exact block ids, eviction order, events, integrity."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.core.block_pool import BlockHashToBlockMap, BlockPool
+from engine.core.kv_cache_utils import KVCacheBlock, make_block_hasher, sha256_digest
+from engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from engine.request import Request, SamplingParams
+
+BLOCK_SIZE = 4
+
+
+def hashed_request(tokens: list[int], request_id: str = "r") -> Request:
+    req = Request(request_id, tokens, SamplingParams())
+    req.set_block_hasher(make_block_hasher(BLOCK_SIZE, sha256_digest), BLOCK_SIZE)
+    return req
+
+
+def ids(blocks: list[KVCacheBlock]) -> list[int]:
+    return [b.block_id for b in blocks]
+
+
+def free_ids(pool: BlockPool) -> list[int]:
+    return ids(pool.free_block_queue.get_all_free_blocks())
+
+
+def cache_one(pool: BlockPool, block: KVCacheBlock, tokens: list[int]) -> bytes:
+    """Cache `block` as the single full block of a request with `tokens`; return its hash."""
+    req = hashed_request(tokens)
+    pool.cache_full_blocks(req, [block], 0, 1, BLOCK_SIZE)
+    return req.block_hashes[0]
+
+
+def test_null_block_is_block_zero_and_never_handed_out() -> None:
+    pool = BlockPool(5, enable_caching=True)
+    assert pool.null_block is pool.blocks[0]
+    assert pool.null_block.is_null
+    assert not any(b.is_null for b in pool.blocks[1:])
+    assert pool.get_num_free_blocks() == 4
+    assert free_ids(pool) == [1, 2, 3, 4]
+    assert ids(pool.get_new_blocks(4)) == [1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(1)
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_get_new_blocks_in_lru_order_with_ref_cnt_one(enable_caching: bool) -> None:
+    pool = BlockPool(8, enable_caching=enable_caching)
+    first = pool.get_new_blocks(3)
+    second = pool.get_new_blocks(2)
+    assert ids(first) == [1, 2, 3]
+    assert ids(second) == [4, 5]
+    assert all(b.ref_cnt == 1 for b in first + second)
+    assert free_ids(pool) == [6, 7]
+    assert pool.get_num_free_blocks() == 2
+    pool.check_integrity()
+
+
+def test_get_new_blocks_more_than_free_raises_and_changes_nothing() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(4)
+    assert free_ids(pool) == [1, 2, 3]
+    pool.check_integrity()
+
+
+def test_free_blocks_appends_in_given_order() -> None:
+    pool = BlockPool(8, enable_caching=True)
+    a = pool.get_new_blocks(3)  # 1 2 3
+    b = pool.get_new_blocks(2)  # 4 5
+    pool.free_blocks(reversed(a))
+    assert free_ids(pool) == [6, 7, 3, 2, 1]
+    pool.free_blocks([b[1], b[0]])
+    assert free_ids(pool) == [6, 7, 3, 2, 1, 5, 4]
+    assert all(blk.ref_cnt == 0 for blk in a + b)
+    pool.check_integrity()
+    assert ids(pool.get_new_blocks(7)) == [6, 7, 3, 2, 1, 5, 4]
+
+
+def test_shared_block_returns_to_queue_only_when_last_user_frees() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    block = pool.get_new_blocks(1)[0]
+    pool.touch([block])  # a second request shares it
+    assert block.ref_cnt == 2
+    assert pool.get_num_free_blocks() == 2
+    pool.free_blocks([block])
+    assert block.ref_cnt == 1
+    assert free_ids(pool) == [2, 3]
+    pool.check_integrity()
+    pool.free_blocks([block])
+    assert block.ref_cnt == 0
+    assert free_ids(pool) == [2, 3, 1]
+    pool.check_integrity()
+
+
+def test_freed_cached_block_stays_findable_until_reallocated() -> None:
+    pool = BlockPool(5, enable_caching=True, enable_kv_cache_events=True)
+    block = pool.get_new_blocks(1)[0]
+    assert block.block_id == 1
+    block_hash = cache_one(pool, block, [1, 2, 3, 4])
+    pool.free_blocks([block])
+    assert pool.get_cached_block(block_hash) is block
+    assert block.block_hash == block_hash
+    pool.check_integrity()
+    assert ids(pool.get_new_blocks(3)) == [2, 3, 4]  # the cached block is at the back
+    assert pool.get_cached_block(block_hash) is block
+    stored = pool.take_events()
+    assert [type(e) for e in stored] == [BlockStored]
+    assert ids(pool.get_new_blocks(1)) == [1]  # now it is evicted
+    assert pool.get_cached_block(block_hash) is None
+    assert block.block_hash is None
+    assert block.ref_cnt == 1
+    assert pool.take_events() == [BlockRemoved(block_hashes=[block_hash])]
+    pool.check_integrity()
+
+
+def test_touch_cached_free_block_removes_it_from_free_queue() -> None:
+    pool = BlockPool(5, enable_caching=True)
+    block = pool.get_new_blocks(1)[0]
+    block_hash = cache_one(pool, block, [7, 7, 7, 7])
+    pool.free_blocks([block])
+    assert free_ids(pool) == [2, 3, 4, 1]
+    hit = pool.get_cached_block(block_hash)
+    assert hit is block and hit.ref_cnt == 0
+    pool.touch([hit])
+    assert block.ref_cnt == 1
+    assert pool.get_num_free_blocks() == 3
+    assert free_ids(pool) == [2, 3, 4]
+    assert pool.get_cached_block(block_hash) is block  # still cached while in use
+    pool.check_integrity()
+    assert ids(pool.get_new_blocks(3)) == [2, 3, 4]
+    assert pool.get_cached_block(block_hash) is block
+
+
+def test_duplicate_hash_blocks_both_cached_and_evicted_independently() -> None:
+    pool = BlockPool(4, enable_caching=True, enable_kv_cache_events=True)
+    a, b = pool.get_new_blocks(2)
+    tokens = [5, 6, 7, 8]
+    hash_a = cache_one(pool, a, tokens)
+    hash_b = cache_one(pool, b, tokens)
+    assert hash_a == hash_b
+    assert pool.cached_block_hash_to_block.num_blocks() == 2
+    assert len(pool.cached_block_hash_to_block) == 1
+    assert pool.get_cached_block(hash_a) in (a, b)
+    pool.check_integrity()
+    pool.free_blocks([a, b])  # queue: 3, 1, 2
+    pool.take_events()
+    assert ids(pool.get_new_blocks(2)) == [3, 1]  # evicts a only
+    assert pool.get_cached_block(hash_a) is b
+    assert b.block_hash == hash_a
+    assert pool.take_events() == [BlockRemoved(block_hashes=[hash_a])]
+    pool.check_integrity()
+    assert ids(pool.get_new_blocks(1)) == [2]
+    assert pool.get_cached_block(hash_a) is None
+    assert pool.cached_block_hash_to_block.num_blocks() == 0
+    pool.check_integrity()
+
+
+def test_hash_map_duplicates_direct() -> None:
+    cache = BlockHashToBlockMap()
+    a, b, c = KVCacheBlock(1), KVCacheBlock(2), KVCacheBlock(3)
+    key, other = b"k" * 32, b"o" * 32
+    assert cache.get_one_block(key) is None
+    cache.insert(key, a)
+    assert cache.get_one_block(key) is a
+    assert cache.pop(key, 2) is None  # wrong block id: the entry stays
+    assert cache.get_one_block(key) is a
+    cache.insert(key, b)
+    cache.insert(key, c)
+    cache.insert(other, b)
+    assert (len(cache), cache.num_blocks()) == (2, 4)
+    assert cache.pop(key, 2) is b
+    assert cache.get_one_block(key) in (a, c)
+    assert cache.pop(key, 9) is None
+    assert cache.num_blocks() == 3
+    assert cache.pop(key, 1) is a
+    assert cache.get_one_block(key) is c
+    assert cache.pop(key, 3) is c
+    assert cache.get_one_block(key) is None
+    assert cache.pop(key, 3) is None
+    assert cache.get_one_block(other) is b
+    assert (len(cache), cache.num_blocks()) == (1, 1)
+
+
+def test_cache_full_blocks_emits_block_stored() -> None:
+    pool = BlockPool(6, enable_caching=True, enable_kv_cache_events=True)
+    tokens = list(range(10, 20))  # 10 tokens: 2 full blocks
+    req = hashed_request(tokens)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(req, blocks, 0, 2, BLOCK_SIZE)
+    h0, h1 = req.block_hashes
+    assert (blocks[0].block_hash, blocks[1].block_hash, blocks[2].block_hash) == (h0, h1, None)
+    assert pool.take_events() == [
+        BlockStored(
+            block_hashes=[h0, h1], parent_block_hash=None, token_ids=tokens[:8], block_size=4
+        )
+    ]
+    pool.cache_full_blocks(req, blocks, 2, 2, BLOCK_SIZE)  # nothing new is full
+    assert pool.take_events() == []
+    req.append_output_token_ids(20)
+    req.append_output_token_ids(21)
+    h2 = req.block_hashes[2]
+    pool.cache_full_blocks(req, blocks, 2, 3, BLOCK_SIZE)
+    assert pool.get_cached_block(h2) is blocks[2]
+    assert pool.take_events() == [
+        BlockStored(
+            block_hashes=[h2], parent_block_hash=h1, token_ids=[18, 19, 20, 21], block_size=4
+        )
+    ]
+    pool.check_integrity()
+
+
+def test_cache_full_blocks_without_events_records_none() -> None:
+    pool = BlockPool(4, enable_caching=True, enable_kv_cache_events=False)
+    block = pool.get_new_blocks(1)[0]
+    block_hash = cache_one(pool, block, [1, 2, 3, 4])
+    assert pool.get_cached_block(block_hash) is block
+    pool.free_blocks([block])
+    pool.get_new_blocks(3)
+    assert pool.get_cached_block(block_hash) is None
+    assert pool.take_events() == []
+
+
+def test_reset_prefix_cache_refused_while_in_use_then_clears() -> None:
+    pool = BlockPool(5, enable_caching=True, enable_kv_cache_events=True)
+    blocks = pool.get_new_blocks(2)
+    req = hashed_request(list(range(8)))
+    pool.cache_full_blocks(req, blocks, 0, 2, BLOCK_SIZE)
+    pool.take_events()
+    pool.free_blocks(blocks[:1])
+    assert pool.reset_prefix_cache() is False
+    assert pool.get_cached_block(req.block_hashes[1]) is blocks[1]
+    assert pool.take_events() == []
+    pool.check_integrity()
+    pool.free_blocks(blocks[1:])
+    assert pool.reset_prefix_cache() is True
+    assert all(pool.get_cached_block(h) is None for h in req.block_hashes)
+    assert all(b.block_hash is None for b in pool.blocks)
+    assert pool.cached_block_hash_to_block.num_blocks() == 0
+    assert pool.take_events() == [AllBlocksCleared()]
+    assert free_ids(pool) == [3, 4, 1, 2]  # resetting does not reorder the queue
+    pool.check_integrity()
+    pool.get_new_blocks(4)
+    assert pool.take_events() == []  # nothing left to evict
+
+
+def test_take_events_drains() -> None:
+    pool = BlockPool(4, enable_caching=True, enable_kv_cache_events=True)
+    block = pool.get_new_blocks(1)[0]
+    cache_one(pool, block, [1, 1, 1, 1])
+    pool.free_blocks([block])
+    assert pool.reset_prefix_cache()
+    events = pool.take_events()
+    assert [type(e) for e in events] == [BlockStored, AllBlocksCleared]
+    assert pool.take_events() == []
+
+
+def test_get_usage() -> None:
+    pool = BlockPool(5, enable_caching=True)
+    assert pool.get_usage() == 0.0
+    a = pool.get_new_blocks(1)
+    assert pool.get_usage() == pytest.approx(0.25)
+    b = pool.get_new_blocks(3)
+    assert pool.get_usage() == 1.0
+    cache_one(pool, a[0], [1, 2, 3, 4])
+    pool.free_blocks(a)  # cached but free counts as free
+    assert pool.get_usage() == pytest.approx(0.75)
+    pool.free_blocks(b)
+    assert pool.get_usage() == 0.0
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda pool: setattr(pool.blocks[4], "ref_cnt", 1),  # free block claims a user
+        lambda pool: setattr(pool.blocks[2], "ref_cnt", 0),  # held block claims to be free
+        lambda pool: setattr(pool.blocks[2], "block_hash", b"x" * 32),  # hash not in the map
+        lambda pool: setattr(pool.blocks[1], "block_hash", None),  # map entry lost its hash
+        lambda pool: setattr(pool.free_block_queue, "num_free_blocks", 3),  # miscount
+        lambda pool: pool.free_block_queue.append(pool.null_block),
+    ],
+    ids=["free-ref1", "held-ref0", "hash-not-mapped", "map-stale", "miscount", "null-free"],
+)
+def test_check_integrity_detects_corruption(corrupt) -> None:
+    pool = BlockPool(5, enable_caching=True)
+    held = pool.get_new_blocks(2)  # blocks 1, 2 held; 3, 4 free
+    cache_one(pool, held[0], [1, 2, 3, 4])
+    pool.check_integrity()
+    corrupt(pool)
+    with pytest.raises(AssertionError):
+        pool.check_integrity()
+
+
+# --- Stateful model -------------------------------------------------------------------------
+
+NUM_BLOCKS = 12
+HASHES = [bytes([i]) * 32 for i in range(3)]
+
+
+class BlockPoolMachine(RuleBasedStateMachine):
+    """Requests hold lists of blocks; the model mirrors ref counts and cached hashes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(NUM_BLOCKS, enable_caching=True, enable_kv_cache_events=True)
+        # Each held list: [(block, obtained_by_touch)], as one request would hold them.
+        self.held: list[list[tuple[KVCacheBlock, bool]]] = []
+        self.model_hash: dict[int, bytes] = {}  # block_id -> hash the model expects
+
+    def _ref_counts(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for entry in self.held:
+            for block, _ in entry:
+                counts[block.block_id] = counts.get(block.block_id, 0) + 1
+        return counts
+
+    @rule(n=st.integers(1, 4))
+    def allocate(self, n: int) -> None:
+        free_before = free_ids(self.pool)
+        if n > len(free_before):
+            return
+        ref_before = {b.block_id: b.ref_cnt for b in self.pool.blocks}
+        blocks = self.pool.get_new_blocks(n)
+        assert ids(blocks) == free_before[:n]
+        evicted = []
+        for block in blocks:
+            assert not block.is_null and block.block_id != 0
+            assert ref_before[block.block_id] == 0
+            assert block.ref_cnt == 1
+            if block.block_id in self.model_hash:
+                evicted.append(BlockRemoved(block_hashes=[self.model_hash.pop(block.block_id)]))
+        assert self.pool.take_events() == evicted
+        self.held.append([(b, False) for b in blocks])
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        entry = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
+        ordered = [block for block, _ in reversed(entry)]
+        remaining = self._ref_counts()
+        newly_free = [b.block_id for b in ordered if remaining.get(b.block_id, 0) == 0]
+        self.pool.free_blocks(ordered)
+        if newly_free:
+            assert free_ids(self.pool)[-len(newly_free) :] == newly_free
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), block_hash=st.sampled_from(HASHES))
+    def cache(self, data: st.DataObject, block_hash: bytes) -> None:
+        candidates = [b for entry in self.held for b, _ in entry if b.block_hash is None]
+        if not candidates:
+            return
+        block = data.draw(st.sampled_from(candidates))
+        req = Request("c", [1] * BLOCK_SIZE, SamplingParams())
+        req.block_hashes = [block_hash]
+        self.pool.cache_full_blocks(req, [block], 0, 1, BLOCK_SIZE)
+        self.model_hash[block.block_id] = block_hash
+        assert self.pool.take_events() == [
+            BlockStored(
+                block_hashes=[block_hash],
+                parent_block_hash=None,
+                token_ids=[1] * BLOCK_SIZE,
+                block_size=BLOCK_SIZE,
+            )
+        ]
+
+    @rule(block_hash=st.sampled_from(HASHES))
+    def touch(self, block_hash: bytes) -> None:
+        block = self.pool.get_cached_block(block_hash)
+        expected_ids = {bid for bid, h in self.model_hash.items() if h == block_hash}
+        if block is None:
+            assert not expected_ids
+            return
+        assert block.block_id in expected_ids
+        was_free = block.ref_cnt == 0
+        num_free = self.pool.get_num_free_blocks()
+        self.pool.touch([block])
+        assert self.pool.get_num_free_blocks() == num_free - was_free
+        self.held.append([(block, True)])
+
+    @rule()
+    def reset(self) -> None:
+        ok = self.pool.reset_prefix_cache()
+        assert ok == (not self.held)
+        if ok:
+            self.model_hash.clear()
+            assert self.pool.take_events() == [AllBlocksCleared()]
+            assert all(self.pool.get_cached_block(h) is None for h in HASHES)
+        else:
+            assert self.pool.take_events() == []
+
+    @invariant()
+    def pool_is_consistent(self) -> None:
+        self.pool.check_integrity()
+
+    @invariant()
+    def free_plus_held_is_all_usable(self) -> None:
+        distinct = {b.block_id for entry in self.held for b, _ in entry}
+        assert 0 not in distinct
+        assert self.pool.get_num_free_blocks() + len(distinct) == NUM_BLOCKS - 1
+
+    @invariant()
+    def sharing_only_through_touch(self) -> None:
+        allocated: dict[int, int] = {}
+        for entry in self.held:
+            for block, by_touch in entry:
+                if not by_touch:
+                    allocated[block.block_id] = allocated.get(block.block_id, 0) + 1
+        assert all(count == 1 for count in allocated.values())
+
+    @invariant()
+    def ref_counts_and_hashes_match_model(self) -> None:
+        counts = self._ref_counts()
+        for block in self.pool.blocks[1:]:
+            assert block.ref_cnt == counts.get(block.block_id, 0)
+            assert block.block_hash == self.model_hash.get(block.block_id)
+
+
+BlockPoolMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=50, deadline=None
+)
+TestBlockPoolMachine = BlockPoolMachine.TestCase

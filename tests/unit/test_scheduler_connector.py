@@ -1,0 +1,194 @@
+"""The scheduler's KV connector hooks, driven by a fake connector (no transport here)."""
+
+from __future__ import annotations
+
+from engine.core.sched_output import KVConnectorOutput, ModelRunnerOutput
+from engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from tests.unit.fake_connector import FakeConnector
+from tests.unit.sched_utils import make_scheduler, runner_for, step
+
+BLOCK = 4
+PROMPT = list(range(500, 517))  # 17 tokens: 4 full blocks + 1
+
+
+def remote_request(req_id: str = "d", *, is_async: bool = True, max_tokens: int = 3, **extra):
+    params = {"remote_num_tokens": 16, "async": is_async, **extra}
+    return Request(req_id, PROMPT, SamplingParams(max_tokens=max_tokens), kv_transfer_params=params)
+
+
+def setup(policy="recompute", **kwargs):
+    connector = FakeConnector(policy)
+    scheduler = make_scheduler(block_size=BLOCK, connector=connector, **kwargs)
+    return scheduler, connector, runner_for(scheduler)
+
+
+def report(scheduler, runner, **kv_output):
+    """One step whose runner output carries a connector report."""
+    so = scheduler.schedule()
+    out = runner.execute(so)
+    out.kv_connector_output = KVConnectorOutput(**kv_output)
+    outputs = scheduler.update_from_output(so, out)
+    scheduler.kv_cache_manager.check_integrity()
+    return so, outputs
+
+
+def land_load(scheduler, runner, req_id):
+    """The worker finished writing the remote KV into the request's blocks."""
+    request = scheduler.requests[req_id]
+    block_ids = scheduler.kv_cache_manager.get_block_ids(req_id)
+    runner.load_blocks(request.all_token_ids, block_ids, 16)
+
+
+def test_async_load_waits_then_computes_only_the_rest():
+    scheduler, connector, runner = setup()
+    scheduler.add_request(remote_request())
+    so, _ = step(scheduler, runner)
+    request = scheduler.requests["d"]
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert so.num_scheduled_tokens == {}
+    assert connector.allocations["d"] == ([1, 2, 3, 4], 16)
+    assert so.kv_connector_metadata == {"loads": ["d"]}
+    # Blocks that are still being written are not in the prefix cache.
+    assert all(scheduler.kv_cache_manager.block_pool.blocks[i].block_hash is None for i in (1, 4))
+    so, _ = step(scheduler, runner)  # still loading: skipped again
+    assert so.num_scheduled_tokens == {}
+    land_load(scheduler, runner, "d")
+    connector.loads_in_flight.discard("d")
+    report(scheduler, runner, finished_recving={"d"})
+    so, outputs = step(scheduler, runner)
+    assert so.num_scheduled_tokens == {"d": 1}  # only the 17th token is computed locally
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 16
+    assert [o.request_id for o in outputs] == ["d"]
+    pool = scheduler.kv_cache_manager.block_pool
+    assert [pool.blocks[i].block_hash for i in (1, 2, 3, 4)] == request.block_hashes[:4]
+
+
+def test_sync_load_is_scheduled_in_the_same_step():
+    scheduler, connector, runner = setup()
+    scheduler.add_request(remote_request(is_async=False))
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens == {"d": 1}
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 16
+    land_load(scheduler, runner, "d")
+    outputs = scheduler.update_from_output(so, runner.execute(so))
+    assert len(outputs[0].new_token_ids) == 1
+
+
+def test_failed_async_load_recomputes_from_the_first_invalid_block():
+    scheduler, connector, runner = setup("recompute")
+    scheduler.add_request(remote_request())
+    step(scheduler, runner)
+    land_load(scheduler, runner, "d")
+    runner.invalidate_blocks({3})  # block index 2 (tokens 8..11) arrived broken
+    connector.loads_in_flight.discard("d")
+    report(scheduler, runner, finished_recving={"d"}, invalid_block_ids={3})
+    so, _ = step(scheduler, runner)
+    # Tokens 0..7 are kept; 8..16 are computed here, in the blocks it already holds.
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 8
+    assert so.num_scheduled_tokens == {"d": 9}
+    assert so.scheduled_new_reqs[0].block_ids == [1, 2, 3, 4, 5]
+    pool = scheduler.kv_cache_manager.block_pool
+    request = scheduler.requests["d"]
+    # The valid blocks were cached at promotion; the recomputed ones once scheduled.
+    assert pool.blocks[1].block_hash == request.block_hashes[0]
+    assert pool.blocks[3].block_hash == request.block_hashes[2]
+
+
+def test_invalid_block_never_enters_the_prefix_cache():
+    scheduler, connector, runner = setup("recompute")
+    scheduler.add_request(remote_request())
+    step(scheduler, runner)
+    connector.loads_in_flight.discard("d")
+    report(scheduler, runner, finished_recving={"d"}, invalid_block_ids={1})
+    request = scheduler.requests["d"]
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert all(b.block_hash is None for b in scheduler.kv_cache_manager.block_pool.blocks)
+    # A second request with the same prompt finds nothing cached yet.
+    twin = Request("twin", PROMPT, SamplingParams(max_tokens=1))
+    twin.set_block_hasher(scheduler.kv_cache_manager.block_hasher, BLOCK)
+    assert scheduler.kv_cache_manager.get_computed_blocks(twin)[1] == 0
+
+
+def test_failed_load_under_fail_policy_ends_with_an_error():
+    scheduler, connector, runner = setup("fail")
+    scheduler.add_request(remote_request())
+    step(scheduler, runner)
+    connector.loads_in_flight.discard("d")
+    _, outputs = report(scheduler, runner, finished_recving={"d"}, invalid_block_ids={2})
+    (out,) = outputs
+    assert out.finish_reason == FinishReason.ERROR
+    assert "invalid blocks [2]" in out.error
+    assert scheduler.requests == {}
+    assert scheduler.get_num_unfinished_requests() == 0
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+
+
+def test_failed_sync_load_drops_the_step_and_rewinds():
+    scheduler, connector, runner = setup("recompute")
+    scheduler.add_request(remote_request(is_async=False))
+    so = scheduler.schedule()
+    land_load(scheduler, runner, "d")
+    out = runner.execute(so)
+    out.kv_connector_output = KVConnectorOutput(invalid_block_ids={2})
+    assert scheduler.update_from_output(so, out) == []  # token sampled over bad KV: dropped
+    request = scheduler.requests["d"]
+    assert request.num_computed_tokens == 4 and request.num_output_tokens == 0
+    runner.invalidate_blocks({2})
+    runner.reqs["d"].num_computed_tokens = 4  # the worker rewinds with the scheduler
+    so, _ = step(scheduler, runner)
+    assert so.num_scheduled_tokens == {"d": 13}
+
+
+def test_delay_free_keeps_blocks_until_the_remote_side_read_them():
+    scheduler, connector, runner = setup()
+    prefill = Request(
+        "p", PROMPT, SamplingParams(max_tokens=1), kv_transfer_params={"do_remote_decode": True}
+    )
+    scheduler.add_request(prefill)
+    _, outputs = step(scheduler, runner)
+    (out,) = outputs
+    assert out.finish_reason == FinishReason.LENGTH
+    assert out.kv_transfer_params == {
+        "remote_block_ids": [1, 2, 3, 4, 5],
+        "do_remote_prefill": True,
+    }
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == 63 - 5  # held under the lease
+    assert scheduler.get_num_unfinished_requests() == 0
+    report(scheduler, runner, finished_sending={"p"})
+    assert pool.get_num_free_blocks() == 63
+    assert scheduler.requests == {}
+
+
+def test_abort_during_a_load_frees_only_after_the_read_stopped():
+    scheduler, connector, runner = setup()
+    scheduler.add_request(remote_request())
+    step(scheduler, runner)
+    scheduler.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == 63 - 4  # the read may still be writing into them
+    assert scheduler.get_num_unfinished_requests() == 0
+    report(scheduler, runner, finished_recving={"d"})
+    assert pool.get_num_free_blocks() == 63
+    assert scheduler.requests == {}
+
+
+def test_connector_asking_to_retry_parks_the_request():
+    scheduler, connector, runner = setup()
+    scheduler.add_request(remote_request(retry_steps=2, is_async=False))
+    scheduler.add_request(Request("plain", [1, 2, 3], SamplingParams(max_tokens=1)))
+    so, _ = step(scheduler, runner)
+    assert list(so.num_scheduled_tokens) == ["plain"]
+    so, _ = step(scheduler, runner)
+    assert so.num_scheduled_tokens == {}
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens == {"d": 1}
+    land_load(scheduler, runner, "d")
+    assert len(scheduler.update_from_output(so, runner.execute(so))) == 1
+
+
+def test_connector_output_without_tokens_is_accepted():
+    scheduler, connector, runner = setup()
+    so = scheduler.schedule()
+    out = ModelRunnerOutput([], [], KVConnectorOutput(finished_sending={"gone"}))
+    assert scheduler.update_from_output(so, out) == []

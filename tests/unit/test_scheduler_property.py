@@ -1,0 +1,139 @@
+"""Whole scheduler runs on random workloads, with invariants checked at every step.
+
+The fake runner simulates the paged KV cache (see FakeModelRunner), so a wrong prefix hit,
+a block reused while held, or a bad block table fails the run, not just a counter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.core.kv_cache_utils import cdiv
+from engine.core.scheduler import Scheduler
+from engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from tests.unit.sched_utils import make_scheduler, runner_for
+
+MAX_MODEL_LEN = 48
+SHARED = list(range(1000, 1040))  # prompts draw prefixes of this to share blocks
+
+
+@dataclass
+class Arrival:
+    step: int
+    request: Request
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    min_blocks = cdiv(MAX_MODEL_LEN, block_size) + 1
+    num_blocks = draw(st.integers(min_blocks, min_blocks * 3))
+    chunked = draw(st.booleans())
+    config = {
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "max_num_seqs": draw(st.integers(1, 8)),
+        "max_num_batched_tokens": draw(st.integers(MAX_MODEL_LEN if not chunked else 4, 96)),
+        "max_model_len": MAX_MODEL_LEN,
+        "enable_chunked_prefill": chunked,
+        "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 3, 16])) if chunked else 0,
+        "policy": draw(st.sampled_from(["fcfs", "priority"])),
+        "enable_prefix_caching": draw(st.booleans()),
+    }
+    arrivals = []
+    for i in range(draw(st.integers(1, 14))):
+        shared = draw(st.integers(0, len(SHARED)))
+        own = draw(st.lists(st.integers(0, 99), max_size=30))
+        prompt = (SHARED[:shared] + own)[: MAX_MODEL_LEN + 4] or [7]
+        params = SamplingParams(
+            max_tokens=draw(st.integers(1, 24)),
+            ignore_eos=draw(st.booleans()),
+            min_tokens=0,
+        )
+        request = Request(
+            f"r{i}",
+            prompt,
+            params,
+            eos_token_id=draw(st.sampled_from([None, 3, 5])),
+            arrival_time=float(i),
+            priority=draw(st.integers(0, 3)),
+        )
+        arrivals.append(Arrival(draw(st.integers(0, 12)), request))
+    aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 13)), max_size=4))
+    return config, arrivals, aborts
+
+
+def check_step(scheduler: Scheduler, so, config) -> None:
+    assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+    assert so.total_num_scheduled_tokens <= config["max_num_batched_tokens"]
+    assert len(so.num_scheduled_tokens) <= config["max_num_seqs"]
+    assert len(scheduler.running) <= config["max_num_seqs"]
+    assert all(n > 0 for n in so.num_scheduled_tokens.values())
+    if so.preempted_req_ids:
+        assert not so.scheduled_new_reqs and not so.scheduled_cached_reqs.resumed_req_ids
+    assert not so.preempted_req_ids & so.num_scheduled_tokens.keys()
+    for request in scheduler.running:
+        assert request.num_computed_tokens <= request.num_tokens
+    pool = scheduler.kv_cache_manager.block_pool
+    for new in so.scheduled_new_reqs:
+        request = scheduler.requests[new.req_id]
+        # A prefix hit maps the request's leading blocks to the very blocks that hold the
+        # same hashes, i.e. those another request computed.
+        for i in range(new.num_computed_tokens // config["block_size"]):
+            assert pool.blocks[new.block_ids[i]].block_hash == request.block_hashes[i]
+    scheduler.kv_cache_manager.check_integrity()
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(workloads())
+def test_random_runs_keep_every_invariant(workload):
+    config, arrivals, aborts = workload
+    scheduler = make_scheduler(**config)
+    runner = runner_for(scheduler)
+    pending = sorted(arrivals, key=lambda a: a.step)
+    requests = {a.request.request_id: a.request for a in arrivals}
+    emitted: dict[str, list[int]] = {r: [] for r in requests}
+    finals: dict[str, FinishReason] = {}
+    aborted: set[str] = set()
+    for step_index in range(2000):
+        while pending and pending[0].step <= step_index:
+            scheduler.add_request(pending.pop(0).request)
+        for at, index in aborts:
+            req_id = f"r{index}"
+            if at == step_index and req_id in scheduler.requests:
+                scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+                aborted.add(req_id)
+        if not pending and not scheduler.has_requests():
+            break
+        so = scheduler.schedule()
+        check_step(scheduler, so, config)
+        for out in scheduler.update_from_output(so, runner.execute(so)):
+            emitted[out.request_id] += out.new_token_ids
+            if out.finished:
+                assert out.request_id not in finals, "finished twice"
+                finals[out.request_id] = out.finish_reason
+        scheduler.kv_cache_manager.check_integrity()
+    else:
+        raise AssertionError("the run did not finish")
+
+    # Every request ended: with an output, or by the abort we sent.
+    assert set(finals) | aborted == set(requests)
+    assert scheduler.requests == {}
+    assert scheduler.get_num_unfinished_requests() == 0
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == config["num_blocks"] - 1  # no block leaked
+    for req_id, reason in finals.items():
+        request = requests[req_id]
+        assert emitted[req_id] == request.output_token_ids
+        assert len(emitted[req_id]) <= request.max_tokens
+        if reason == FinishReason.LENGTH and request.num_prompt_tokens <= MAX_MODEL_LEN:
+            assert len(emitted[req_id]) == request.max_tokens or request.num_tokens >= MAX_MODEL_LEN
+        if reason == FinishReason.STOP:
+            assert emitted[req_id][-1] == request.eos_token_id
