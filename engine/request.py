@@ -158,11 +158,10 @@ class Request:
     """
 
     __slots__ = (
-        "_all_token_ids",
         "_block_hasher",
         "_hash_block_size",
         "_next_hash_at",
-        "_output_token_ids",
+        "all_token_ids",
         "arrival_time",
         "block_hashes",
         "cache_salt",
@@ -175,6 +174,7 @@ class Request:
         "num_external_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "output_token_ids",
         "priority",
         "prompt_token_ids",
         "request_id",
@@ -205,8 +205,10 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
-        self._output_token_ids: list[int] = []
+        # Plain attributes, not properties: the scheduler reads them on every step of every
+        # request. Only append_output_token_ids changes them.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_external_computed_tokens = 0
@@ -221,19 +223,11 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self._output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self._all_token_ids
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self._output_token_ids
+        return len(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -247,9 +241,9 @@ class Request:
         self._next_hash_at = (len(self.block_hashes) + 1) * block_size
 
     def append_output_token_ids(self, token_id: int) -> None:
-        tokens = self._all_token_ids
+        tokens = self.all_token_ids
         tokens.append(token_id)
-        self._output_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
         # Hash only when a block fills up: a plain comparison on the decode hot path.
         if self._block_hasher is not None and len(tokens) >= self._next_hash_at:
             self._block_hasher(self)

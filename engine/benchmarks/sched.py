@@ -34,6 +34,10 @@ class SchedWorkload:
     vocab_size: int = 32000
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+
 
 def make_requests(w: SchedWorkload) -> list[Request]:
     rng = random.Random(w.seed)

@@ -92,10 +92,42 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if not (new_computed_blocks or num_external_computed_tokens or num_lookahead_tokens):
-            fast = self._allocate_within_held_blocks(request, num_new_tokens, delay_cache_blocks)
-            if fast is not None:
-                return fast
+        if not (
+            new_computed_blocks
+            or num_external_computed_tokens
+            or num_lookahead_tokens
+            or self.manager.drops_blocks
+        ):
+            # The decode fast path: the held blocks usually have room already.
+            need = request.num_computed_tokens + num_new_tokens
+            if need > self.max_model_len:
+                need = self.max_model_len
+            held = self.manager.req_to_blocks.get(request.request_id)
+            if held is not None and len(held) * self.block_size >= need:
+                if self.enable_caching and not delay_cache_blocks:
+                    num_tokens = len(request.all_token_ids)
+                    self.manager.cache_blocks(request, need if need < num_tokens else num_tokens)
+                return []
+        return self._allocate_general(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+        )
+
+    def _allocate_general(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        delay_cache_blocks: bool,
+    ) -> list[KVCacheBlock] | None:
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         num_computed = min(num_local_computed + num_external_computed_tokens, self.max_model_len)
         num_tokens_need_slot = min(
@@ -117,23 +149,6 @@ class KVCacheManager:
             # Only verified tokens are cached: lookahead slots hold nothing yet.
             manager.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
-
-    def _allocate_within_held_blocks(
-        self, request: Request, num_new_tokens: int, delay_cache_blocks: bool
-    ) -> list[KVCacheBlock] | None:
-        """The decode fast path: the held blocks already have room, nothing to allocate.
-
-        Returns None when the general path is needed (more blocks, or blocks to drop)."""
-        manager = self.manager
-        if manager.drops_blocks:
-            return None
-        blocks = manager.req_to_blocks.get(request.request_id)
-        num_tokens_need_slot = min(request.num_computed_tokens + num_new_tokens, self.max_model_len)
-        if blocks is None or len(blocks) * self.block_size < num_tokens_need_slot:
-            return None
-        if self.enable_caching and not delay_cache_blocks:
-            manager.cache_blocks(request, min(num_tokens_need_slot, request.num_tokens))
-        return []
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache blocks whose caching was delayed (e.g. until a remote load finished)."""

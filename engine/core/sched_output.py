@@ -94,7 +94,7 @@ class ModelRunnerOutput:
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """Per-request result of one step: new tokens, and how it ended if it did."""
 

@@ -48,7 +48,7 @@ class _Step:
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.num_scheduled: dict[str, int] = {}
-        self.new_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.new_blocks: dict[str, list[KVCacheBlock]] = {}  # only requests that got some
         self.scheduled_running: list[Request] = []
         self.scheduled_new: list[Request] = []
         self.scheduled_resumed: list[Request] = []
@@ -147,23 +147,23 @@ class Scheduler:
         output = self._build_output(step)
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
-        # The worker computes these tokens this step; the next schedule() builds on that.
-        requests = self.requests
-        for req_id, num_new_tokens in step.num_scheduled.items():
-            requests[req_id].num_computed_tokens += num_new_tokens
         return output
 
     def _schedule_running(self, step: _Step) -> None:
         threshold = self.scheduler_config.long_prefill_token_threshold
         running = self.running
         allocate_slots = self.kv_cache_manager.allocate_slots
+        scheduled_running = step.scheduled_running
+        num_scheduled = step.num_scheduled
+        new_blocks_by_req = step.new_blocks
         i = 0
         while i < len(running) and step.budget > 0:
             request = running[i]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
-            num_new_tokens = min(num_new_tokens, step.budget)
+            if num_new_tokens > step.budget:
+                num_new_tokens = step.budget
             if num_new_tokens <= 0:
                 i += 1
                 continue
@@ -174,9 +174,10 @@ class Scheduler:
                     # It was the victim itself and left `running`: running[i] is the next one
                     # (under FCFS there is none; under priority a better one may now fit).
                     continue
-            step.scheduled_running.append(request)
-            step.num_scheduled[request.request_id] = num_new_tokens
-            step.new_blocks[request.request_id] = new_blocks
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = num_new_tokens
+            if new_blocks:
+                new_blocks_by_req[request.request_id] = new_blocks
             step.budget -= num_new_tokens
             i += 1
 
@@ -210,7 +211,7 @@ class Scheduler:
         req_id = victim.request_id
         step.scheduled_running.remove(victim)
         step.budget += step.num_scheduled.pop(req_id)
-        step.new_blocks.pop(req_id)
+        step.new_blocks.pop(req_id, None)
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop every block; prefix caching may win some back."""
@@ -294,7 +295,7 @@ class Scheduler:
             return True
         if num_external:
             self.kv_transfers.note_sync_load(request)
-        self._start_running(request, num_computed, num_new_tokens, new_blocks, step)
+        self._start_running(request, num_computed, num_new_tokens, step)
         return True
 
     def _num_new_tokens(self, request: Request, num_computed: int, step: _Step) -> int | None:
@@ -311,7 +312,6 @@ class Scheduler:
         request: Request,
         num_computed: int,
         num_new_tokens: int,
-        new_blocks: list[KVCacheBlock],
         step: _Step,
     ) -> None:
         if request.status == _PREEMPTED:
@@ -322,33 +322,43 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         self.running.append(request)
         step.num_scheduled[request.request_id] = num_new_tokens
-        step.new_blocks[request.request_id] = new_blocks
         step.budget -= num_new_tokens
 
     def _build_output(self, step: _Step) -> SchedulerOutput:
+        """Describe the step for the worker, then advance every scheduled request's
+        `num_computed_tokens`: the worker computes those tokens now, and the next schedule()
+        builds on that. (The output keeps the values from before the step.)"""
         get_block_ids = self.kv_cache_manager.get_block_ids
-        new_reqs = [
-            NewRequestData.from_request(r, get_block_ids(r.request_id)) for r in step.scheduled_new
-        ]
+        num_scheduled = step.num_scheduled
+        new_reqs = []
+        for request in step.scheduled_new:
+            new_reqs.append(NewRequestData.from_request(request, get_block_ids(request.request_id)))
+            request.num_computed_tokens += num_scheduled[request.request_id]
         cached = CachedRequestData()
+        req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+        num_computed_tokens = cached.num_computed_tokens
+        new_blocks_by_req = step.new_blocks
         for request in step.scheduled_running:
-            blocks = step.new_blocks[request.request_id]
-            cached.req_ids.append(request.request_id)
-            cached.new_block_ids.append([b.block_id for b in blocks] if blocks else None)
-            cached.num_computed_tokens.append(request.num_computed_tokens)
+            req_id = request.request_id
+            blocks = new_blocks_by_req.get(req_id)
+            req_ids.append(req_id)
+            new_block_ids.append([b.block_id for b in blocks] if blocks else None)
+            num_computed_tokens.append(request.num_computed_tokens)
+            request.num_computed_tokens += num_scheduled[req_id]
         for request in step.scheduled_resumed:
             req_id = request.request_id
-            cached.req_ids.append(req_id)
+            req_ids.append(req_id)
             cached.resumed_req_ids.add(req_id)
-            cached.new_block_ids.append(get_block_ids(req_id))
-            cached.num_computed_tokens.append(request.num_computed_tokens)
+            new_block_ids.append(get_block_ids(req_id))
+            num_computed_tokens.append(request.num_computed_tokens)
             cached.resumed_token_ids[req_id] = list(request.all_token_ids)
+            request.num_computed_tokens += num_scheduled[req_id]
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=step.num_scheduled,
-            total_num_scheduled_tokens=sum(step.num_scheduled.values()),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
             preempted_req_ids={r.request_id for r in step.preempted},
             finished_req_ids=finished,
             new_block_ids_to_zero=self.kv_cache_manager.take_new_block_ids(),
@@ -367,6 +377,7 @@ class Scheduler:
             discarded = self.kv_transfers.handle_invalid_blocks(kv_output.invalid_block_ids)
         self.kv_transfers.end_step()
         requests = self.requests
+        max_model_len = self.max_model_len
         any_stopped = False
         for req_id, token_ids in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
@@ -376,7 +387,15 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or request.status != _RUNNING or req_id in discarded:
                 continue  # aborted during the step, or its logits came from bad KV
-            output = self._append_tokens(request, token_ids)
+            if len(token_ids) == 1:  # the decode fast path: one token, usually no stop
+                request.append_output_token_ids(token_ids[0])
+                status = check_stop(request, token_ids[0], max_model_len)
+                if status is None:
+                    outputs.append(EngineCoreOutput(req_id, token_ids))
+                    continue
+                output = self._finish_output(request, token_ids, status)
+            else:
+                output = self._append_tokens(request, token_ids)
             any_stopped = any_stopped or output.finish_reason is not None
             outputs.append(output)
         if any_stopped:
@@ -388,16 +407,18 @@ class Scheduler:
         return outputs
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> EngineCoreOutput:
-        new_token_ids = token_ids
-        status = None
+        """Several tokens in one step (speculative decoding): stop at the first stop."""
         for n, token_id in enumerate(token_ids, 1):
             request.append_output_token_ids(token_id)
             status = check_stop(request, token_id, self.max_model_len)
             if status is not None:
-                new_token_ids = token_ids[:n]  # what follows a stop is never emitted
-                break
-        if status is None:
-            return EngineCoreOutput(request.request_id, new_token_ids)
+                # what follows a stop is never emitted
+                return self._finish_output(request, token_ids[:n], status)
+        return EngineCoreOutput(request.request_id, token_ids)
+
+    def _finish_output(
+        self, request: Request, new_token_ids: list[int], status: RequestStatus
+    ) -> EngineCoreOutput:
         kv_transfer_params = self._finish(request, status)
         return EngineCoreOutput(
             request.request_id,

@@ -62,10 +62,10 @@ class SingleTypeKVCacheManager(ABC):
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Index every full block among the first `num_tokens` tokens in the prefix cache."""
         request_id = request.request_id
-        num_cached = self.num_cached_block.get(request_id, 0)
         num_full = num_tokens // self.block_size
+        num_cached = self.num_cached_block.get(request_id, 0)
         if num_full <= num_cached:
-            return
+            return  # the common case on a decode step: the last block is still filling
         self.block_pool.cache_full_blocks(
             request, self.req_to_blocks[request_id], num_cached, num_full, self.block_size
         )

@@ -15,13 +15,13 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
     A stop token is reported as the stop reason, as in the OpenAI API's `stop_reason`.
     """
     params = request.sampling_params
-    num_output_tokens = request.num_output_tokens
+    num_output_tokens = len(request.output_token_ids)
     if num_output_tokens >= params.min_tokens:
         if token_id == request.eos_token_id and not params.ignore_eos:
             return _STOPPED
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return _STOPPED
-    if num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+    if num_output_tokens >= request.max_tokens or len(request.all_token_ids) >= max_model_len:
         return _LENGTH_CAPPED
     return None
