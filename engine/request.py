@@ -82,6 +82,10 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Tokens allowed between the model's reasoning-start and reasoning-end tokens; past it the
+    # reasoning-end token is forced (needs a model that declares both tokens).
+    thinking_token_budget: int | None = None
+    # Free-form arguments for custom logits processors.
     extra_args: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -116,6 +120,9 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty strings, got {text!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        budget = self.thinking_token_budget
+        if budget is not None and (not _is_int(budget) or budget < 0):
+            raise ValueError(f"thinking_token_budget must be an integer >= 0, got {budget!r}")
 
     def _check_probability_knobs(self) -> None:
         if not _is_number(self.temperature) or self.temperature < 0:
