@@ -79,3 +79,27 @@ class CacheConfig:
             )
         if self.sliding_window is not None:
             _require_int("sliding_window", self.sliding_window, 1)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights, in what precision, on which device."""
+
+    model: str
+    dtype: str = "float32"  # resolved: float32 | bfloat16 | float16
+    device: str = "cpu"  # resolved: cpu | cuda | cuda:N
+    seed: int = 0
+    attention_backend: str = "auto"
+    logits_processors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an EngineCore is built from. `cache.num_blocks` may stay None: the worker
+    then sizes the KV cache from `kv_cache_memory_bytes` (CPU) or `gpu_memory_utilization`."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9

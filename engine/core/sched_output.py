@@ -42,6 +42,9 @@ class CachedRequestData:
     resumed_req_ids: set[str] = field(default_factory=set)
     new_block_ids: list[list[int] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Outputs the scheduler kept; a worker holding more (a token the scheduler dropped, e.g.
+    # sampled over KV that failed to load) truncates to this.
+    num_output_tokens: list[int] = field(default_factory=list)
     resumed_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -82,6 +85,11 @@ class KVConnectorOutput:
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
 
 
+# Per sampled token: (token ids: the sampled one then the top-n, their logprobs, the rank of
+# the sampled token).
+TokenLogprobs = tuple[list[int], list[float], int]
+
+
 @dataclass
 class ModelRunnerOutput:
     """Sampled tokens in `req_ids` order; an empty list for a request still in prefill."""
@@ -89,6 +97,8 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     kv_connector_output: KVConnectorOutput | None = None
+    # Parallel to req_ids when some request asked for logprobs.
+    logprobs: list[list[TokenLogprobs]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -105,6 +115,7 @@ class EngineCoreOutput:
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

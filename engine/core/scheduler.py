@@ -336,7 +336,7 @@ class Scheduler:
             request.num_computed_tokens += num_scheduled[request.request_id]
         cached = CachedRequestData()
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
-        num_computed_tokens = cached.num_computed_tokens
+        num_computed_tokens, num_output_tokens = cached.num_computed_tokens, cached.num_output_tokens
         new_blocks_by_req = step.new_blocks
         for request in step.scheduled_running:
             req_id = request.request_id
@@ -344,6 +344,7 @@ class Scheduler:
             req_ids.append(req_id)
             new_block_ids.append([b.block_id for b in blocks] if blocks else None)
             num_computed_tokens.append(request.num_computed_tokens)
+            num_output_tokens.append(len(request.output_token_ids))
             request.num_computed_tokens += num_scheduled[req_id]
         for request in step.scheduled_resumed:
             req_id = request.request_id
@@ -351,6 +352,7 @@ class Scheduler:
             cached.resumed_req_ids.add(req_id)
             new_block_ids.append(get_block_ids(req_id))
             num_computed_tokens.append(request.num_computed_tokens)
+            num_output_tokens.append(len(request.output_token_ids))
             cached.resumed_token_ids[req_id] = list(request.all_token_ids)
             request.num_computed_tokens += num_scheduled[req_id]
         finished, self.finished_req_ids = self.finished_req_ids, set()
@@ -379,6 +381,7 @@ class Scheduler:
         requests = self.requests
         max_model_len = self.max_model_len
         any_stopped = False
+        first_output = len(outputs)
         for req_id, token_ids in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
@@ -400,6 +403,8 @@ class Scheduler:
             outputs.append(output)
         if any_stopped:
             self.running = [r for r in self.running if r.status == _RUNNING]
+        if model_runner_output.logprobs is not None:
+            _attach_logprobs(outputs[first_output:], model_runner_output)
         outputs.extend(self._pending_outputs)
         self._pending_outputs = []
         if kv_output is not None:
@@ -469,3 +474,12 @@ def _check_capacity(scheduler_config: SchedulerConfig, cache_config: CacheConfig
             f"hold one sequence of max_model_len={scheduler_config.max_model_len} tokens "
             f"({needed} blocks); raise num_blocks or lower max_model_len"
         )
+
+
+def _attach_logprobs(outputs: list[EngineCoreOutput], runner_output: ModelRunnerOutput) -> None:
+    assert runner_output.logprobs is not None
+    by_req = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=True))
+    for output in outputs:
+        entries = by_req.get(output.request_id)
+        if entries:
+            output.new_logprobs = entries[: len(output.new_token_ids)]

@@ -1,0 +1,122 @@
+"""EngineArgs: the user-facing knobs (vLLM's names where one exists) -> EngineConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.models import ModelArchConfig
+
+DEFAULT_MODEL = "default"
+
+
+@dataclass
+class EngineArgs:
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    scheduling_policy: str = "fcfs"
+    attention_backend: str = "auto"
+    logits_processors: tuple[str, ...] = ()
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(model=model, **kwargs)
+
+    def model_path(self) -> Path:
+        if self.model == DEFAULT_MODEL:
+            from engine.models.default_model import ensure_default_model
+
+            return ensure_default_model()
+        path = Path(self.model).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"model path {self.model!r} is not a directory")
+        return path
+
+    def create_engine_config(self) -> tuple[EngineConfig, ModelArchConfig]:
+        path = self.model_path()
+        arch = ModelArchConfig.from_pretrained(path)
+        device = _resolve_device(self.device)
+        max_model_len = self._max_model_len(arch)
+        max_batched = self.max_num_batched_tokens or (
+            8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+        )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        model = ModelConfig(
+            model=str(path),
+            dtype=_resolve_dtype(self.dtype, device, arch),
+            device=device,
+            seed=self.seed,
+            attention_backend=self.attention_backend,
+            logits_processors=tuple(self.logits_processors),
+        )
+        cache = CacheConfig(
+            block_size=self.block_size,
+            num_blocks=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
+            sliding_window=arch.sliding_window,
+        )
+        scheduler = SchedulerConfig(
+            max_num_batched_tokens=max_batched,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.scheduling_policy,  # type: ignore[arg-type]
+        )
+        config = EngineConfig(
+            model, cache, scheduler, self.kv_cache_memory_bytes, self.gpu_memory_utilization
+        )
+        return config, arch
+
+    def _max_model_len(self, arch: ModelArchConfig) -> int:
+        if self.max_model_len is None:
+            return arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={arch.max_position_embeddings}"
+            )
+        return self.max_model_len
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    return device
+
+
+def _resolve_dtype(dtype: str, device: str, arch: ModelArchConfig) -> str:
+    if dtype == "auto":
+        if device == "cpu":
+            return "float32"  # CPU half-precision matmuls are slow and not the parity oracle
+        return arch.torch_dtype if arch.torch_dtype in ("bfloat16", "float16") else "bfloat16"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return dtype

@@ -1,0 +1,110 @@
+"""Reference attention over the paged KV cache in plain torch: any device, the test oracle."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.attention.backend import AttentionBackend, AttentionMetadata, PrefillSlice
+
+
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+) -> None:
+    """Scatter this step's K/V into their slots (before any read: a request that hit a block
+    computed earlier in this same step reads it here)."""
+    kv_cache[metadata.slot_block, 0, metadata.slot_offset] = k
+    kv_cache[metadata.slot_block, 1, metadata.slot_offset] = v
+
+
+def gather_context(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of whole blocks: [..., n_blocks] ids -> [..., n_blocks * block_size, Hkv, D]."""
+    blocks = kv_cache[block_ids]  # [..., n, 2, bs, Hkv, D]
+    shape = (*block_ids.shape[:-1], -1, *blocks.shape[-2:])
+    return blocks[..., 0, :, :, :].reshape(shape), blocks[..., 1, :, :, :].reshape(shape)
+
+
+def _visible(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """Causal (and sliding-window) visibility, [..., q, k]: key j is seen by the query at
+    absolute position p when j <= p and, with a window W, p - j < W."""
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= query_pos - key_pos < window
+    return mask
+
+
+class TorchReferenceBackend(AttentionBackend):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(kv_cache, k, v, metadata)
+        out = torch.empty_like(q)
+        if metadata.num_decodes:
+            self._decodes(q, kv_cache, metadata, scale, out)
+        for prefill in metadata.prefills:
+            self._prefill(q, kv_cache, metadata, prefill, scale, out)
+        return out
+
+    def _decodes(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        table = md.block_table[md.decode_rows, : md.decode_num_blocks]
+        keys, values = gather_context(kv_cache, table)  # [Bd, S, Hkv, D]
+        key_pos = torch.arange(keys.shape[1], device=q.device)
+        query_pos = (md.decode_seq_lens - 1).unsqueeze(1)  # [Bd, 1]
+        # Keys past a row's own length are padding (other blocks, or unwritten slots).
+        mask = _visible(query_pos, key_pos.unsqueeze(0), md.sliding_window)  # [Bd, S]
+        queries = q[md.decode_token_indices].unsqueeze(2)  # [Bd, Hq, 1, D]
+        attended = F.scaled_dot_product_attention(
+            queries,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[md.decode_token_indices] = attended.squeeze(2)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        p: PrefillSlice,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        block_size = kv_cache.shape[2]
+        num_blocks = -(-p.seq_len // block_size)
+        keys, values = gather_context(kv_cache, md.block_table[p.row, :num_blocks])
+        keys, values = keys[: p.seq_len], values[: p.seq_len]  # [S, Hkv, D]
+        # Bottom-right alignment: the last query token sits at position seq_len - 1.
+        first = p.seq_len - p.query_len
+        query_pos = torch.arange(first, p.seq_len, device=q.device).unsqueeze(1)
+        key_pos = torch.arange(p.seq_len, device=q.device).unsqueeze(0)
+        mask = _visible(query_pos, key_pos, md.sliding_window)
+        queries = q[p.query_start : p.query_start + p.query_len].transpose(0, 1)  # [Hq, Q, D]
+        attended = F.scaled_dot_product_attention(
+            queries.unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[p.query_start : p.query_start + p.query_len] = attended[0].transpose(0, 1)

@@ -1,0 +1,132 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm).
+
+One module, switched by the config: the four differ only in biases, per-head norms, RoPE
+scaling and sliding windows. Parameter names follow Hugging Face so checkpoints load as-is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.config import ModelArchConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.rotary = rotary
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), positions, kv_cache, metadata, backend)
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelArchConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
+        self.rotary = rotary  # shared by every layer, registered once
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward() gives hidden states for every scheduled token; compute_logits() only for the
+    rows that get sampled (the last token of each request)."""
+
+    def __init__(self, config: ModelArchConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head (again after `to_empty`, which unties)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, kv_cache, metadata, backend)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

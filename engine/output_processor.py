@@ -1,0 +1,119 @@
+"""Turns EngineCoreOutputs into RequestOutputs: detokenizes and applies stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.sched_output import EngineCoreOutput
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class _RequestState:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    completion: CompletionOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _RequestState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        completion = CompletionOutput(index=0, text="", token_ids=[])
+        if params.logprobs is not None:
+            completion.logprobs = []
+        self._states[request_id] = _RequestState(
+            prompt, prompt_token_ids, params, detokenizer, completion
+        )
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def num_requests(self) -> int:
+        return len(self._states)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """RequestOutputs for this step, and the ids that matched a stop string (the caller
+        finishes them in the engine: the engine only knows tokens)."""
+        results: list[RequestOutput] = []
+        stopped_by_string: list[str] = []
+        for output in outputs:
+            state = self._states.get(output.request_id)
+            if state is None:
+                continue  # aborted by the caller meanwhile
+            if self._apply(state, output):
+                stopped_by_string.append(output.request_id)
+            finished = state.completion.finish_reason is not None
+            results.append(self._request_output(output, state, finished))
+            if finished:
+                del self._states[output.request_id]
+        return results, stopped_by_string
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request; its last RequestOutput says it was aborted."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return None
+        state.completion.finish_reason = "abort"
+        state.completion.delta_text, state.completion.new_token_ids = "", []
+        return RequestOutput(
+            request_id, state.prompt, state.prompt_token_ids, [state.completion], finished=True
+        )
+
+    def _apply(self, state: _RequestState, output: EngineCoreOutput) -> bool:
+        completion = state.completion
+        completion.token_ids.extend(output.new_token_ids)
+        completion.new_token_ids = list(output.new_token_ids)
+        if completion.logprobs is not None and output.new_logprobs:
+            completion.logprobs.extend(output.new_logprobs)
+        stopped_by_string = False
+        if state.detokenizer is not None:
+            was_stopped = state.detokenizer.stop_reason is not None
+            completion.delta_text = state.detokenizer.update(output.new_token_ids)
+            completion.text = state.detokenizer.output_text
+            if state.detokenizer.stop_reason is not None and not was_stopped:
+                stopped_by_string = output.finish_reason is None
+                completion.finish_reason = "stop"
+                completion.stop_reason = state.detokenizer.stop_reason
+        if output.finish_reason is not None and completion.finish_reason is None:
+            completion.finish_reason = output.finish_reason.value
+            completion.stop_reason = output.stop_reason
+        return stopped_by_string
+
+    @staticmethod
+    def _request_output(
+        output: EngineCoreOutput, state: _RequestState, finished: bool
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=output.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[state.completion],
+            finished=finished,
+            kv_transfer_params=output.kv_transfer_params,
+            num_cached_tokens=output.num_cached_tokens,
+            error=output.error,
+        )

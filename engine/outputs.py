@@ -1,0 +1,37 @@
+"""What callers get back: RequestOutput with one CompletionOutput (vLLM's shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.core.sched_output import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    # What this update added (streaming).
+    delta_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None

@@ -1,0 +1,54 @@
+"""KV cache tensors in the block-contiguous layout.
+
+One tensor [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: a block's K and V
+for every layer are one contiguous region, so one transfer descriptor moves a whole block and
+runs of consecutive block ids coalesce into one. Attention reads per-layer strided views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        """Blocks that fit in `budget_bytes` (block 0, the null block, included)."""
+        return budget_bytes // self.bytes_per_block
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
+    # Zeroed: slots that are read before written (padding inside a block) must not hold NaNs.
+    return torch.zeros(
+        (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim),
+        dtype=spec.dtype,
+        device=device,
+    )
+
+
+def layer_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:
+    """[num_blocks, 2, block_size, H, D] views of each layer, sharing the cache's storage."""
+    return [kv_cache[:, layer] for layer in range(kv_cache.shape[1])]
+
+
+def cuda_kv_cache_budget(device: torch.device, gpu_memory_utilization: float) -> int:
+    """What is left for KV out of `gpu_memory_utilization` of the card, after what is in use
+    now (weights, other processes)."""
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    return max(0, int(total * gpu_memory_utilization) - used)

@@ -1,0 +1,228 @@
+"""ModelRunner: executes a SchedulerOutput (prepare inputs -> forward -> sample)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.sched_output import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from engine.layers.attention import get_attention_backend
+from engine.models import ModelArchConfig, load_model
+from engine.request import SamplingParams
+from engine.sample import LogprobsOutput, Sampler, SamplingMetadata
+from engine.sample.logits_processor import LogitsProcessorConfig, build_logits_processors
+from engine.worker.input_batch import CachedRequestState, InputBatch
+from engine.worker.kv_cache import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    KVCacheSpec,
+    allocate_kv_cache,
+    cuda_kv_cache_budget,
+    layer_views,
+)
+from engine.worker.step_inputs import StepInputs, prepare_step_inputs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ReasoningTokens:
+    start: int | None = None
+    end: int | None = None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        arch: ModelArchConfig,
+        reasoning: ReasoningTokens = ReasoningTokens(),
+    ) -> None:
+        self.config = config
+        self.arch = arch
+        self.device = torch.device(config.model.device)
+        self.dtype = _DTYPES[config.model.dtype]
+        sched = config.scheduler
+        self.max_model_len = sched.max_model_len
+        self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, config.cache.block_size)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.attn_backend = get_attention_backend(config.model.attention_backend, self.device)
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.model.seed)
+        self.logitsprocs = build_logits_processors(
+            LogitsProcessorConfig(
+                vocab_size=arch.vocab_size,
+                max_num_seqs=sched.max_num_seqs,
+                eos_token_id=arch.eos_token_id,
+                reasoning_start_token_id=reasoning.start,
+                reasoning_end_token_id=reasoning.end,
+            ),
+            self.device,
+            config.model.logits_processors,
+        )
+        self.model: torch.nn.Module | None = None
+        self.kv_cache: torch.Tensor | None = None
+        self.kv_layers: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ set-up
+
+    def load_model(self) -> None:
+        # +1 position: the token sampled at max_model_len - 1 is never fed back, but the
+        # rotary table is indexed by every position the runner may see.
+        self.model = load_model(
+            self.config.model.model, self.arch, self.dtype, self.device, self.max_model_len + 1
+        )
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(
+            num_layers=self.arch.num_hidden_layers,
+            num_kv_heads=self.arch.num_key_value_heads,
+            head_dim=self.arch.head_dim,
+            block_size=self.config.cache.block_size,
+            dtype=self.dtype,
+        )
+
+    def determine_num_blocks(self) -> int:
+        """From the override, or the memory budget of this device."""
+        if self.config.cache.num_blocks is not None:
+            return self.config.cache.num_blocks
+        if self.device.type == "cuda":
+            budget = cuda_kv_cache_budget(self.device, self.config.gpu_memory_utilization)
+        else:
+            budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        return self.kv_cache_spec().num_blocks_for(budget)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = allocate_kv_cache(self.kv_cache_spec(), num_blocks, self.device)
+        self.kv_layers = layer_views(self.kv_cache)
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        assert self.model is not None, "load_model() first"
+        inputs = prepare_step_inputs(
+            self.input_batch, so.num_scheduled_tokens, self.device, self.arch.sliding_window
+        )
+        hidden = self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.kv_layers,
+            inputs.attn_metadata,
+            self.attn_backend,
+        )
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return self._sample_and_record(logits, inputs)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            batch.remove_request(req_id)
+            self.requests.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            batch.remove_request(req_id)  # the state stays: it comes back resumed
+        for new in so.scheduled_new_reqs:
+            state = CachedRequestState(
+                new.req_id, list(new.prompt_token_ids), [], new.sampling_params,
+                new.num_computed_tokens,
+            )
+            self.requests[new.req_id] = state
+            batch.add_request(state, new.block_ids)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            if req_id in cached.resumed_req_ids:
+                state.num_computed_tokens = cached.num_computed_tokens[i]
+                del state.output_token_ids[cached.num_output_tokens[i] :]
+                batch.add_request(state, cached.new_block_ids[i] or [])
+                continue
+            row = batch.req_id_to_index[req_id]
+            new_block_ids = cached.new_block_ids[i]
+            if new_block_ids:
+                batch.block_table.append_row(row, new_block_ids)
+            batch.num_computed_tokens[row] = cached.num_computed_tokens[i]
+            if len(state.output_token_ids) > cached.num_output_tokens[i]:
+                batch.truncate_outputs(row, cached.num_output_tokens[i])
+        batch.condense()
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Refuse, at admission, what a logits processor could only fail on mid-step."""
+        for processor in self.logitsprocs.all:
+            processor.validate_params(params)
+
+    def _sample_and_record(self, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        if len(inputs.rows) != num_reqs:
+            # Processors index rows of the whole batch; unscheduled rows get dummy logits.
+            full = logits.new_zeros((num_reqs, logits.shape[1]))
+            full[torch.from_numpy(inputs.rows).to(self.device)] = logits
+            logits = full
+        states = [s for s in batch.states[:num_reqs] if s is not None]
+        self.logitsprocs.update_state(batch.batch_update_builder.get_and_reset(num_reqs))
+        metadata = SamplingMetadata.build(
+            [s.sampling_params for s in states],
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            self.logitsprocs,
+            self.device,
+            self.generator,
+        )
+        sampled = self.sampler(logits, metadata)
+        tokens = sampled.sampled_token_ids.tolist()
+        logprobs = _logprobs_rows(sampled.logprobs, states)
+        req_ids: list[str] = []
+        out_tokens: list[list[int]] = []
+        out_logprobs: list[list[TokenLogprobs]] = []
+        for i, row in enumerate(inputs.rows.tolist()):
+            state = batch.states[row]
+            assert state is not None
+            req_ids.append(state.req_id)
+            batch.num_computed_tokens[row] += inputs.num_scheduled[i]
+            state.num_computed_tokens = int(batch.num_computed_tokens[row])
+            if not inputs.completes_prompt[i]:
+                out_tokens.append([])  # a chunk short of the prompt's end samples nothing
+                out_logprobs.append([])
+                continue
+            batch.append_token(row, tokens[row])
+            out_tokens.append([tokens[row]])
+            wants_logprobs = logprobs is not None and state.sampling_params.logprobs is not None
+            out_logprobs.append([logprobs[row]] if wants_logprobs else [])  # type: ignore[index]
+        return ModelRunnerOutput(
+            req_ids, out_tokens, logprobs=out_logprobs if logprobs is not None else None
+        )
+
+
+def _logprobs_rows(
+    logprobs: LogprobsOutput | None, states: list[CachedRequestState]
+) -> list[TokenLogprobs] | None:
+    """Per row: the sampled token then the request's own top-n (the batch computes the
+    largest n any row asked for)."""
+    if logprobs is None:
+        return None
+    ids, values = logprobs.token_ids.tolist(), logprobs.logprobs.tolist()
+    ranks = logprobs.ranks.tolist()
+    rows: list[TokenLogprobs] = []
+    for state, i, v, r in zip(states, ids, values, ranks, strict=True):
+        n = (state.sampling_params.logprobs or 0) + 1
+        rows.append((i[:n], v[:n], r))
+    return rows
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose from {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+__all__ = ["ModelRunner", "ReasoningTokens", "torch_dtype"]

@@ -1,0 +1,83 @@
+"""Flattening one step's scheduled tokens into model inputs (vectorised, numpy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.core.kv_cache_utils import cdiv
+from engine.layers.attention import AttentionMetadata, PrefillSlice
+from engine.worker.input_batch import InputBatch
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn_metadata: AttentionMetadata
+    rows: np.ndarray  # [R] batch rows of the scheduled requests, ascending
+    num_scheduled: np.ndarray  # [R]
+    logits_indices: torch.Tensor  # [R] last token of each scheduled request
+    completes_prompt: np.ndarray  # [R] bool: this step reaches the request's last token
+
+
+def prepare_step_inputs(
+    batch: InputBatch,
+    num_scheduled_tokens: dict[str, int],
+    device: torch.device,
+    sliding_window: int | None,
+) -> StepInputs:
+    """Tokens of every scheduled request, one after the other, in batch-row order.
+
+    # num_scheduled = [2, 5, 3]  ->  req_of_token = [0,0, 1,1,1,1,1, 2,2,2]
+    #                                offsets      = [0,1, 0,1,2,3,4, 0,1,2]
+    # positions = num_computed_tokens[req] + offsets
+    """
+    rows = np.array(
+        sorted(batch.req_id_to_index[req_id] for req_id in num_scheduled_tokens), dtype=np.int64
+    )
+    num_scheduled = np.array([num_scheduled_tokens[batch.req_ids[r]] for r in rows], np.int64)  # type: ignore[index]
+    ends = np.cumsum(num_scheduled)
+    starts = ends - num_scheduled
+    req_of_token = np.repeat(np.arange(len(rows)), num_scheduled)
+    offsets = np.arange(int(ends[-1])) - np.repeat(starts, num_scheduled)
+    computed = batch.num_computed_tokens[rows]
+    positions = computed[req_of_token] + offsets
+    token_rows = rows[req_of_token]
+    slot_block, slot_offset = batch.block_table.slot_mapping(token_rows, positions)
+    seq_lens = computed + num_scheduled
+    block_size = batch.block_table.block_size
+    table = batch.block_table.table[rows, : cdiv(int(seq_lens.max()), block_size)]
+    is_decode = num_scheduled == 1
+    decode = np.nonzero(is_decode)[0]
+    prefills = [
+        PrefillSlice(int(i), int(starts[i]), int(num_scheduled[i]), int(seq_lens[i]))
+        for i in np.nonzero(~is_decode)[0]
+    ]
+
+    def t(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+    metadata = AttentionMetadata(
+        num_tokens=int(ends[-1]),
+        slot_block=t(slot_block),
+        slot_offset=t(slot_offset),
+        block_table=t(table),
+        decode_rows=t(decode),
+        decode_token_indices=t(starts[decode]),
+        decode_seq_lens=t(seq_lens[decode]),
+        decode_num_blocks=cdiv(int(seq_lens[decode].max()), block_size) if len(decode) else 0,
+        prefills=prefills,
+        sliding_window=sliding_window,
+    )
+    return StepInputs(
+        input_ids=t(batch.token_ids[token_rows, positions]),
+        positions=t(positions),
+        attn_metadata=metadata,
+        rows=rows,
+        num_scheduled=num_scheduled,
+        logits_indices=t(ends - 1),
+        completes_prompt=seq_lens >= batch.num_tokens[rows],
+    )
