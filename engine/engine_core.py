@@ -19,12 +19,12 @@ class EngineCore:
         self,
         config: EngineConfig,
         arch: ModelArchConfig,
-        reasoning: ReasoningTokens = ReasoningTokens(),
+        reasoning: ReasoningTokens | None = None,
         connector: KVConnectorBase | None = None,
     ) -> None:
         self.config = config
         self.arch = arch
-        self.runner = ModelRunner(config, arch, reasoning)
+        self.runner = ModelRunner(config, arch, reasoning or ReasoningTokens())
         self.runner.load_model()
         num_blocks = self.runner.determine_num_blocks()
         cache = replace(config.cache, num_blocks=num_blocks)

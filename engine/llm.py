@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 from engine.arg_utils import EngineArgs
 from engine.engine_core import EngineCore
@@ -14,7 +15,7 @@ from engine.request import Request, RequestStatus, SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.worker.model_runner import ReasoningTokens
 
-PromptInput = Union[str, Sequence[int], dict[str, Any]]
+PromptInput = str | Sequence[int] | dict[str, Any]
 
 
 def load_tokenizer(model_path: str) -> Tokenizer | None:
@@ -60,37 +61,59 @@ class LLM:
         return [finals[request_id] for request_id in order]
 
     def _add(self, processor: OutputProcessor, prompt: PromptInput, params: SamplingParams) -> str:
-        text, token_ids = self.encode_prompt(prompt)
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens, more than "
-                f"max_model_len={self.max_model_len}"
-            )
+        text, token_ids = encode_prompt(self.tokenizer, prompt, self.max_model_len)
         request_id = str(next(self._counter))
-        eos = self.engine.arch.eos_token_id
-        request = Request(request_id, token_ids, params, eos_token_id=eos)
+        request = make_request(request_id, token_ids, params, self.engine.arch.eos_token_ids)
         processor.add_request(request_id, text, request.prompt_token_ids, params)
         self.engine.add_request(request)
         return request_id
 
-    def encode_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass token ids instead")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return None, list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self.encode_prompt(prompt["prompt"])
+
+def encode_prompt(
+    tokenizer: Tokenizer | None, prompt: PromptInput, max_model_len: int
+) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt given as text, token ids, or a dict of either."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            prompt = list(prompt["prompt_token_ids"])
+        elif "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        return None, list(prompt)
+    text: str | None = None
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; pass token ids instead")
+        text, token_ids = prompt, tokenizer.encode(prompt)
+    else:
+        token_ids = [int(t) for t in prompt]
+    if len(token_ids) > max_model_len:
+        raise ValueError(
+            f"prompt has {len(token_ids)} tokens, more than max_model_len={max_model_len}"
+        )
+    return text, token_ids
+
+
+def make_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    eos_token_ids: Sequence[int],
+    **request_kwargs: Any,
+) -> Request:
+    """A Request for this model: the first EOS id is the request's EOS; further ones (Llama 3
+    has two) stop generation as stop tokens, unless EOS is ignored."""
+    extra = [t for t in eos_token_ids[1:] if t not in params.stop_token_ids]
+    if extra and not params.ignore_eos:
+        params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
+    eos = eos_token_ids[0] if eos_token_ids else None
+    return Request(request_id, prompt_token_ids, params, eos_token_id=eos, **request_kwargs)
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    items = list(prompts)
+    items: list[Any] = list(prompts)
     if not items:
         raise ValueError("no prompts given")
     if all(isinstance(p, int) and not isinstance(p, bool) for p in items):

@@ -336,7 +336,10 @@ class Scheduler:
             request.num_computed_tokens += num_scheduled[request.request_id]
         cached = CachedRequestData()
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
-        num_computed_tokens, num_output_tokens = cached.num_computed_tokens, cached.num_output_tokens
+        num_computed_tokens, num_output_tokens = (
+            cached.num_computed_tokens,
+            cached.num_output_tokens,
+        )
         new_blocks_by_req = step.new_blocks
         for request in step.scheduled_running:
             req_id = request.request_id

@@ -14,7 +14,7 @@ from engine.core.sched_output import (
     TokenLogprobs,
 )
 from engine.layers.attention import get_attention_backend
-from engine.models import ModelArchConfig, load_model
+from engine.models import LlamaForCausalLM, ModelArchConfig, load_model
 from engine.request import SamplingParams
 from engine.sample import LogprobsOutput, Sampler, SamplingMetadata
 from engine.sample.logits_processor import LogitsProcessorConfig, build_logits_processors
@@ -42,15 +42,18 @@ class ModelRunner:
         self,
         config: EngineConfig,
         arch: ModelArchConfig,
-        reasoning: ReasoningTokens = ReasoningTokens(),
+        reasoning: ReasoningTokens | None = None,
     ) -> None:
+        reasoning = reasoning or ReasoningTokens()
         self.config = config
         self.arch = arch
         self.device = torch.device(config.model.device)
         self.dtype = _DTYPES[config.model.dtype]
         sched = config.scheduler
         self.max_model_len = sched.max_model_len
-        self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, config.cache.block_size)
+        self.input_batch = InputBatch(
+            sched.max_num_seqs, sched.max_model_len, config.cache.block_size
+        )
         self.requests: dict[str, CachedRequestState] = {}
         self.attn_backend = get_attention_backend(config.model.attention_backend, self.device)
         self.sampler = Sampler()
@@ -67,7 +70,7 @@ class ModelRunner:
             self.device,
             config.model.logits_processors,
         )
-        self.model: torch.nn.Module | None = None
+        self.model: LlamaForCausalLM | None = None
         self.kv_cache: torch.Tensor | None = None
         self.kv_layers: list[torch.Tensor] = []
 
@@ -133,7 +136,10 @@ class ModelRunner:
             batch.remove_request(req_id)  # the state stays: it comes back resumed
         for new in so.scheduled_new_reqs:
             state = CachedRequestState(
-                new.req_id, list(new.prompt_token_ids), [], new.sampling_params,
+                new.req_id,
+                list(new.prompt_token_ids),
+                [],
+                new.sampling_params,
                 new.num_computed_tokens,
             )
             self.requests[new.req_id] = state
@@ -154,6 +160,9 @@ class ModelRunner:
             if len(state.output_token_ids) > cached.num_output_tokens[i]:
                 batch.truncate_outputs(row, cached.num_output_tokens[i])
         batch.condense()
+        # Every step, scheduled tokens or not: processors must see each row change in order
+        # (a row freed now may be reused by the next step's first new request).
+        self.logitsprocs.update_state(batch.batch_update_builder.get_and_reset(batch.num_reqs))
 
     def validate_params(self, params: SamplingParams) -> None:
         """Refuse, at admission, what a logits processor could only fail on mid-step."""
@@ -169,7 +178,6 @@ class ModelRunner:
             full[torch.from_numpy(inputs.rows).to(self.device)] = logits
             logits = full
         states = [s for s in batch.states[:num_reqs] if s is not None]
-        self.logitsprocs.update_state(batch.batch_update_builder.get_and_reset(num_reqs))
         metadata = SamplingMetadata.build(
             [s.sampling_params for s in states],
             [s.prompt_token_ids for s in states],

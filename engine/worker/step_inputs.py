@@ -38,7 +38,8 @@ def prepare_step_inputs(
     rows = np.array(
         sorted(batch.req_id_to_index[req_id] for req_id in num_scheduled_tokens), dtype=np.int64
     )
-    num_scheduled = np.array([num_scheduled_tokens[batch.req_ids[r]] for r in rows], np.int64)  # type: ignore[index]
+    req_ids = batch.req_ids
+    num_scheduled = np.array([num_scheduled_tokens[req_ids[r] or ""] for r in rows], np.int64)
     ends = np.cumsum(num_scheduled)
     starts = ends - num_scheduled
     req_of_token = np.repeat(np.arange(len(rows)), num_scheduled)

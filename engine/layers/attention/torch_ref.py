@@ -26,9 +26,7 @@ def gather_context(
     return blocks[..., 0, :, :, :].reshape(shape), blocks[..., 1, :, :, :].reshape(shape)
 
 
-def _visible(
-    query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None
-) -> torch.Tensor:
+def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """Causal (and sliding-window) visibility, [..., q, k]: key j is seen by the query at
     absolute position p when j <= p and, with a window W, p - j < W."""
     mask = key_pos <= query_pos

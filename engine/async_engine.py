@@ -1,0 +1,190 @@
+"""AsyncEngine: the step loop in a background thread, requests streamed to asyncio callers.
+
+The engine thread owns EngineCore (torch and the scheduler are not thread-safe); callers talk
+to it through a command queue, and results come back to each request's asyncio.Queue through
+`loop.call_soon_threadsafe`. A Serve replica embeds one of these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.arg_utils import EngineArgs
+from engine.engine_core import EngineCore
+from engine.llm import (
+    PromptInput,
+    encode_prompt,
+    load_tokenizer,
+    make_request,
+    reasoning_tokens,
+)
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.request import RequestStatus, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; the request cannot finish."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    request_kwargs: dict[str, Any]
+    sink: _Sink
+
+
+@dataclass
+class _Sink:
+    """Where one request's outputs go: an asyncio.Queue living in the caller's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, model: str = "default", **engine_args: Any) -> None:
+        config, arch = EngineArgs.from_kwargs(model, **engine_args).create_engine_config()
+        self.tokenizer = load_tokenizer(config.model.model)
+        self.core = EngineCore(config, arch, reasoning_tokens(self.tokenizer))
+        self.max_model_len = config.scheduler.max_model_len
+        self._processor = OutputProcessor(self.tokenizer)
+        self._sinks: dict[str, _Sink] = {}
+        self._commands: queue.Queue[_Add | str | None] = queue.Queue()
+        self._ids = itertools.count()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side
+
+    async def generate(
+        self,
+        prompt: PromptInput,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        **request_kwargs: Any,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput per step that produced tokens; the last has finished=True.
+
+        Bad input raises ValueError before anything is queued. A caller that stops iterating
+        (a client gone) aborts the request, so its KV blocks come back.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop has stopped: {self._dead}")
+        params = sampling_params or SamplingParams()
+        text, token_ids = encode_prompt(self.tokenizer, prompt, self.max_model_len)
+        request_id = request_id or f"req-{next(self._ids)}"
+        sink = _Sink(asyncio.get_running_loop())
+        self._commands.put(_Add(request_id, text, token_ids, params, request_kwargs, sink))
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(request_id)
+
+    def shutdown(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.core.has_requests()
+                if not self._drain_commands(block):
+                    return
+                if self.core.has_requests():
+                    self._step()
+        except BaseException as exc:
+            logger.exception("engine loop failed")
+            self._dead = exc
+            for sink in self._sinks.values():
+                sink.put(EngineDeadError(f"engine loop failed: {exc}"))
+            self._sinks.clear()
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; with `block`, wait for the first. False means shut down."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if command is None:
+                return False
+            if isinstance(command, str):
+                self._abort(command)
+            else:
+                self._add(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, add: _Add) -> None:
+        try:
+            request = make_request(
+                add.request_id,
+                add.token_ids,
+                add.params,
+                self.core.arch.eos_token_ids,
+                **add.request_kwargs,
+            )
+            if add.request_id in self._sinks:
+                raise ValueError(f"duplicate request id {add.request_id!r}")
+            self._processor.add_request(add.request_id, add.prompt, add.token_ids, add.params)
+            try:
+                self.core.add_request(request)
+            except ValueError:
+                self._processor.abort(add.request_id)
+                raise
+        except ValueError as exc:
+            add.sink.put(exc)
+            return
+        self._sinks[add.request_id] = add.sink
+
+    def _abort(self, request_id: str) -> None:
+        self.core.abort_requests([request_id])
+        final = self._processor.abort(request_id)
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None and final is not None:
+            sink.put(final)
+
+    def _step(self) -> None:
+        results, stopped = self._processor.process(self.core.step())
+        if stopped:
+            self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for result in results:
+            sink = self._sinks.get(result.request_id)
+            if sink is None:
+                continue
+            sink.put(result)
+            if result.finished:
+                del self._sinks[result.request_id]

@@ -1,0 +1,110 @@
+"""AsyncEngine: streaming from the background engine thread, aborts, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.llm import LLM
+from engine.request import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(hf_refs):
+    eng = AsyncEngine(
+        hf_refs["llama_gqa"].path, max_model_len=96, block_size=4, num_gpu_blocks_override=200
+    )
+    yield eng
+    eng.shutdown()
+
+
+async def collect(engine, prompt, params=GREEDY, **kw):
+    return [out async for out in engine.generate(prompt, params, **kw)]
+
+
+def free_blocks(engine) -> int:
+    return engine.core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def test_streams_token_by_token_and_matches_hf(engine, hf_refs):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    outs = asyncio.run(collect(engine, prompt))
+    assert [len(o.outputs[0].new_token_ids) for o in outs] == [1] * 12
+    assert [o.finished for o in outs] == [False] * 11 + [True]
+    assert outs[-1].outputs[0].token_ids == hf_refs["llama_gqa"].greedy(prompt, 12)
+    assert outs[-1].outputs[0].finish_reason == "length"
+
+
+def test_concurrent_requests_each_get_their_own_stream(engine, hf_refs):
+    prompts = [[i, i + 1, i + 2, i + 3] for i in range(10, 16)]
+
+    async def run_all():
+        return await asyncio.gather(*(collect(engine, p) for p in prompts))
+
+    results = asyncio.run(run_all())
+    for prompt, outs in zip(prompts, results, strict=True):
+        assert outs[-1].outputs[0].token_ids == hf_refs["llama_gqa"].greedy(prompt, 12)
+
+
+def test_consumer_that_stops_early_aborts_and_frees_blocks(engine):
+    before = free_blocks(engine)
+    long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+
+    async def take_three():
+        seen = 0
+        async for _ in engine.generate([7, 7, 7, 7, 7], long, request_id="quitter"):
+            seen += 1
+            if seen == 3:
+                break
+        await asyncio.sleep(0.3)  # the engine thread applies the abort
+        return seen
+
+    assert asyncio.run(take_three()) == 3
+    assert engine.core.scheduler.get_num_unfinished_requests() == 0
+    assert free_blocks(engine) == before
+
+
+def test_bad_input_is_a_value_error_not_a_dead_engine(engine, hf_refs):
+    async def bad():
+        with pytest.raises(ValueError, match="max_model_len=96"):
+            await collect(engine, list(range(1, 100)))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await collect(engine, [1, 2, 99999])
+        # The engine keeps serving.
+        return await collect(engine, [5, 6, 7])
+
+    outs = asyncio.run(bad())
+    assert outs[-1].outputs[0].token_ids == hf_refs["llama_gqa"].greedy([5, 6, 7], 12)
+
+
+def test_duplicate_live_request_id_is_refused(engine):
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+
+    async def dup():
+        first = engine.generate([1, 2, 3], long, request_id="same")
+        await first.__anext__()
+        with pytest.raises(ValueError, match="duplicate request id 'same'"):
+            await collect(engine, [4, 5, 6], request_id="same")
+        await first.aclose()
+
+    asyncio.run(dup())
+
+
+def test_stop_string_ends_the_request_with_the_default_model():
+    llm = LLM("default", max_model_len=128, num_gpu_blocks_override=64)
+    free = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    text = llm.generate(["Once upon"], free)[0].outputs[0].text
+    stop = text[3:6]
+    assert stop and stop in text
+    out = llm.generate(
+        ["Once upon"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop])
+    )[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    pool = llm.engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == 63

@@ -1,0 +1,92 @@
+"""`pdserve generate` and `make-model` through the real console script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def pdserve(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deployments.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_generate_with_the_default_model_prints_a_completion():
+    result = pdserve("generate", "--model", "default", "--prompt", "Hello", "--max-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() != ""
+
+
+def test_generate_json_has_one_object_per_prompt():
+    result = pdserve(
+        "generate",
+        "--prompt",
+        "Hello",
+        "--prompt-token-ids",
+        "5,6,7",
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(records) == 2
+    assert records[1]["prompt_token_ids"] == [5, 6, 7]
+    for record in records:
+        assert set(record) == {"prompt_token_ids", "token_ids", "text", "finish_reason"}
+        assert len(record["token_ids"]) == 5
+        assert record["finish_reason"] == "length"
+    # greedy by default: the same prompt twice gives the same tokens
+    again = pdserve(
+        "generate", "--prompt-token-ids", "5,6,7", "--max-tokens", "5", "--ignore-eos", "--json"
+    )
+    assert json.loads(again.stdout)["token_ids"] == records[1]["token_ids"]
+
+
+@pytest.fixture
+def gpt2_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/no/such/model"], "is not a directory"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+        (["--prompt-token-ids", "1,x"], "comma-separated integers"),
+        (["--max-model-len", "4", "--prompt-token-ids", "1,2,3,4,5"], "max_model_len=4"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = pdserve("generate", "--prompt", "Hi", *args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pdserve: error:")
+    assert message in lines[0]
+
+
+def test_unsupported_architecture_lists_the_supported_ones(gpt2_dir):
+    result = pdserve("generate", "--model", gpt2_dir, "--prompt", "Hi")
+    assert result.returncode == 2
+    assert "unsupported model architecture" in result.stderr
+    assert "Qwen3ForCausalLM" in result.stderr
+
+
+def test_make_model_writes_a_loadable_model(tmp_path):
+    result = pdserve("make-model", "--path", str(tmp_path / "m"), "--seed", "3")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(tmp_path / "m")
+    out = pdserve("generate", "--model", str(tmp_path / "m"), "--prompt", "Hi", "--json")
+    assert out.returncode == 0, out.stderr

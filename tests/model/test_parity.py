@@ -1,0 +1,87 @@
+"""Greedy output equals Hugging Face transformers token for token (float32, CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.layers.attention.cuda import CudaBackend
+from engine.llm import LLM
+from engine.request import SamplingParams
+from tests.model.hf_models import ARCHITECTURES
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    """Different lengths, and two pairs sharing a prefix longer than several blocks."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, 300) for _ in range(21)]
+    out = [[rng.randrange(1, 300) for _ in range(n)] for n in (1, 3, 9, 17, 40)]
+    out += [[*shared, 5, 6], [*shared, 7], [*shared[:13], 9, 9, 9]]
+    return out
+
+
+def check_against_hf(ref, llm: LLM, prompt_list, params=GREEDY) -> None:
+    outputs = llm.generate(prompt_list, params)
+    for prompt, output in zip(prompt_list, outputs, strict=True):
+        expected = ref.greedy(prompt, params.max_tokens)
+        assert output.outputs[0].token_ids == expected, f"prompt {prompt}"
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_batch_of_prompts_matches_hf(hf_refs, arch, prefix_caching):
+    ref = hf_refs[arch]
+    llm = LLM(
+        ref.path,
+        max_model_len=96,
+        block_size=4,
+        num_gpu_blocks_override=400,
+        enable_prefix_caching=prefix_caching,
+    )
+    check_against_hf(ref, llm, prompts())
+    # A second round reuses the cached prefixes of the first (when caching is on).
+    check_against_hf(ref, llm, prompts())
+    hits = llm.engine.scheduler.kv_cache_manager.prefix_cache_stats.hits
+    assert (hits > 0) == prefix_caching
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_qk_norm"])
+def test_chunked_prefill_in_several_chunks_matches_hf(hf_refs, arch):
+    ref = hf_refs[arch]
+    llm = LLM(
+        ref.path,
+        max_model_len=96,
+        block_size=4,
+        num_gpu_blocks_override=400,
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=5,
+    )
+    check_against_hf(ref, llm, prompts(1))
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2_bias"])
+def test_preemption_with_a_tiny_pool_matches_hf(hf_refs, arch):
+    ref = hf_refs[arch]
+    # 26 usable blocks of 4 tokens: one 96-token sequence fits, the batch does not.
+    llm = LLM(ref.path, max_model_len=96, block_size=4, num_gpu_blocks_override=27)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    check_against_hf(ref, llm, prompts(2), params)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_batched_prefill_backend_matches_hf(hf_refs):
+    """The GPU fast path's algorithm, run on CPU (no CUDA here): same tokens."""
+    ref = hf_refs["llama_gqa"]
+    llm = LLM(ref.path, max_model_len=96, block_size=4, num_gpu_blocks_override=400)
+    llm.engine.runner.attn_backend = CudaBackend()
+    check_against_hf(ref, llm, prompts(3))
+
+
+def test_prompt_of_exactly_one_block_and_block_boundaries(hf_refs):
+    ref = hf_refs["llama_gqa"]
+    llm = LLM(ref.path, max_model_len=64, block_size=8, num_gpu_blocks_override=64)
+    boundary = [[(i * 7) % 300 + 1 for i in range(n)] for n in (7, 8, 9, 16)]
+    check_against_hf(ref, llm, boundary)
