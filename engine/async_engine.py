@@ -53,8 +53,13 @@ class _Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """False when the caller's event loop is gone: nobody is listening any more."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # "Event loop is closed"
+            return False
+        return True
 
 
 class AsyncEngine:
@@ -185,6 +190,7 @@ class AsyncEngine:
             sink = self._sinks.get(result.request_id)
             if sink is None:
                 continue
-            sink.put(result)
-            if result.finished:
+            if not sink.put(result):
+                self._abort(result.request_id)  # one caller gone; the engine serves on
+            elif result.finished:
                 del self._sinks[result.request_id]

@@ -92,7 +92,10 @@ class OutputProcessor:
         stopped_by_string = False
         if state.detokenizer is not None:
             was_stopped = state.detokenizer.stop_reason is not None
-            completion.delta_text = state.detokenizer.update(output.new_token_ids)
+            # `finished` releases text held back as a possible stop-string start.
+            completion.delta_text = state.detokenizer.update(
+                output.new_token_ids, finished=output.finish_reason is not None
+            )
             completion.text = state.detokenizer.output_text
             if state.detokenizer.stop_reason is not None and not was_stopped:
                 stopped_by_string = output.finish_reason is None

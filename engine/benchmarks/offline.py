@@ -1,7 +1,12 @@
 """`pdserve bench offline`: engine throughput against transformers.generate, same run.
 
-Same model, same prompts (random token ids of one length, so the HF batch needs no padding),
-greedy, every request generating exactly `output_len` tokens. Both sides get one warm-up.
+Two workloads on the same model, greedy:
+- fixed: every prompt `input_len` tokens, every request `output_len` tokens. HF's static
+  batch wastes nothing here, so this measures the raw forward pass (both are compute-bound).
+- mixed: prompt lengths U[input_len/4, input_len], output lengths U[output_len/8, output_len].
+  HF left-pads the batch and runs every row to the longest output; the engine (continuous
+  batching, paged KV) computes only what each request needs.
+Throughput counts only the tokens each request asked for. Each side gets one warm-up.
 """
 
 from __future__ import annotations
@@ -24,26 +29,95 @@ class OfflineBenchConfig:
     seed: int = 0
     device: str = "auto"
     skip_hf: bool = False
+    workloads: tuple[str, ...] = ("fixed", "mixed")
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "input_len", "output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for workload in self.workloads:
+            if workload not in ("fixed", "mixed"):
+                raise ValueError(f"unknown workload {workload!r}; choose fixed or mixed")
 
 
-def _prompts(config: OfflineBenchConfig, vocab_size: int) -> list[list[int]]:
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def make_workload(config: OfflineBenchConfig, kind: str, vocab_size: int) -> Workload:
     rng = random.Random(config.seed)
-    # Skip the lowest ids, where the special tokens of small vocabularies live.
-    low = min(16, vocab_size - 1)
-    return [
-        [rng.randrange(low, vocab_size) for _ in range(config.input_len)]
-        for _ in range(config.num_prompts)
-    ]
+    low = min(16, vocab_size - 1)  # the lowest ids are special tokens in small vocabularies
+    prompts, outputs = [], []
+    for _ in range(config.num_prompts):
+        if kind == "fixed":
+            length, out = config.input_len, config.output_len
+        else:
+            length = rng.randint(max(1, config.input_len // 4), config.input_len)
+            out = rng.randint(max(1, config.output_len // 8), config.output_len)
+        prompts.append([rng.randrange(low, vocab_size) for _ in range(length)])
+        outputs.append(out)
+    return Workload(prompts, outputs)
 
 
-def _run_engine(config: OfflineBenchConfig, prompts: list[list[int]]) -> dict[str, Any]:
-    from engine.llm import LLM
+def _run_engine(llm: Any, workload: Workload) -> tuple[float, list[list[int]]]:
     from engine.request import SamplingParams
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params)
+    elapsed = time.perf_counter() - start
+    return elapsed, [o.outputs[0].token_ids for o in outputs]
+
+
+def _run_hf(model: Any, device: str, workload: Workload) -> tuple[float, list[list[int]]]:
+    longest = max(len(p) for p in workload.prompts)
+    # Left padding, as HF generation requires for decoder-only batches.
+    ids = torch.zeros((len(workload.prompts), longest), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(workload.prompts):
+        ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+        mask[row, longest - len(prompt) :] = 1
+    max_new = max(workload.output_lens)
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = model.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        elapsed = time.perf_counter() - start
+    generated = out[:, longest:].tolist()
+    return elapsed, [row[:n] for row, n in zip(generated, workload.output_lens, strict=True)]
+
+
+def _load_hf(path: str, device: str) -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ValueError("bench offline needs transformers (pip install transformers)") from exc
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def run(config: OfflineBenchConfig) -> dict[str, Any]:
+    from engine.llm import LLM
+    from engine.models import ModelArchConfig
 
     llm = LLM(
         config.model,
@@ -52,77 +126,39 @@ def _run_engine(config: OfflineBenchConfig, prompts: list[list[int]]) -> dict[st
         max_num_seqs=config.num_prompts,
         seed=config.seed,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=config.output_len, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    tokens = [o.outputs[0].token_ids for o in outputs]
-    return {"seconds": elapsed, "tokens": tokens, "path": llm.engine.config.model.model}
-
-
-def _run_hf(path: str, device: str, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
-    try:
-        import transformers
-    except ImportError as exc:
-        raise ValueError("bench offline needs transformers (pip install transformers)") from exc
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model = model.to(device).eval()
-    input_ids = torch.tensor(prompts, device=device)
-
-    def generate(ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        return model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=num_tokens,
-            min_new_tokens=num_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-
-    with torch.no_grad():
-        generate(input_ids[:2], 4)
-        start = time.perf_counter()
-        out = generate(input_ids, output_len)
-        elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "tokens": out[:, input_ids.shape[1] :].tolist()}
-
-
-def run(config: OfflineBenchConfig) -> dict[str, Any]:
-    from engine.arg_utils import EngineArgs
-    from engine.models import ModelArchConfig
-
-    path = EngineArgs(model=config.model).model_path()
+    path = llm.engine.config.model.model
+    device = llm.engine.config.model.device
     vocab_size = ModelArchConfig.from_pretrained(path).vocab_size
-    prompts = _prompts(config, vocab_size)
-    engine = _run_engine(config, prompts)
-    num_output = config.num_prompts * config.output_len
+    hf = None if config.skip_hf else _load_hf(path, device)
+    warm = Workload([[20, 21, 22]] * 2, [4, 4])
+    _run_engine(llm, warm)
+    if hf is not None:
+        _run_hf(hf, device, warm)
     report: dict[str, Any] = {
         "benchmark": "offline",
         "config": asdict(config),
+        "device": device,
         "torch_threads": torch.get_num_threads(),
-        "engine": _throughput(engine["seconds"], num_output, config),
     }
-    if not config.skip_hf:
-        device = (
-            "cuda"
-            if "cuda" in config.device or (config.device == "auto" and torch.cuda.is_available())
-            else "cpu"
-        )
-        hf = _run_hf(str(path), device, prompts, config.output_len)
-        report["transformers"] = _throughput(hf["seconds"], num_output, config)
-        report["speedup_output_tokens_per_s"] = round(hf["seconds"] / engine["seconds"], 2)
-        same = sum(a == b for a, b in zip(engine["tokens"], hf["tokens"], strict=True))
-        report["greedy_outputs_identical"] = f"{same}/{config.num_prompts}"
+    for kind in config.workloads:
+        workload = make_workload(config, kind, vocab_size)
+        seconds, tokens = _run_engine(llm, workload)
+        entry: dict[str, Any] = {"engine": _throughput(seconds, workload)}
+        if hf is not None:
+            hf_seconds, hf_tokens = _run_hf(hf, device, workload)
+            entry["transformers"] = _throughput(hf_seconds, workload)
+            entry["speedup"] = round(hf_seconds / seconds, 2)
+            same = sum(a == b for a, b in zip(tokens, hf_tokens, strict=True))
+            entry["greedy_outputs_identical"] = f"{same}/{config.num_prompts}"
+        report[kind] = entry
     return report
 
 
-def _throughput(seconds: float, num_output: int, config: OfflineBenchConfig) -> dict[str, float]:
-    total = num_output + config.num_prompts * config.input_len
+def _throughput(seconds: float, workload: Workload) -> dict[str, float]:
+    total = workload.num_output_tokens + workload.num_prompt_tokens
     return {
         "seconds": round(seconds, 3),
-        "output_tokens_per_s": round(num_output / seconds, 1),
+        "output_tokens_per_s": round(workload.num_output_tokens / seconds, 1),
         "total_tokens_per_s": round(total / seconds, 1),
     }
 
@@ -136,6 +172,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--skip-hf", action="store_true", help="engine figures only")
+    parser.add_argument(
+        "--workload",
+        action="append",
+        choices=["fixed", "mixed"],
+        default=None,
+        help="repeatable; default: both",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> OfflineBenchConfig:
@@ -147,4 +190,5 @@ def config_from_args(args: argparse.Namespace) -> OfflineBenchConfig:
         seed=args.seed,
         device=args.device,
         skip_hf=args.skip_hf,
+        workloads=tuple(args.workload or ("fixed", "mixed")),
     )

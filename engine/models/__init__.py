@@ -1,7 +1,9 @@
-"""Llama-family models, their config and the safetensors loader."""
+"""Llama-family models, their config and the safetensors loader.
+
+Import the torch-heavy parts from their modules (`engine.models.llama`, `.loader`): this
+package stays light so that `engine.models.default_model` lookups do not pay for torch.
+"""
 
 from engine.models.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
-from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import load_model
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaForCausalLM", "ModelArchConfig", "load_model"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelArchConfig"]

@@ -274,7 +274,7 @@ def _discard(path: Path) -> None:
 def _write_model_files(directory: Path, seed: int) -> None:
     tokenizer = build_tokenizer()
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    bos_id, eos_id = vocab_id(tokenizer, BOS_TOKEN), vocab_id(tokenizer, EOS_TOKEN)
+    bos_id, eos_id = _vocab_id(tokenizer, BOS_TOKEN), _vocab_id(tokenizer, EOS_TOKEN)
     (directory / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     _write_json(directory / "tokenizer_config.json", _tokenizer_config())
     _write_json(directory / "config.json", _model_config(vocab_size, bos_id, eos_id))
@@ -293,7 +293,7 @@ def _write_model_files(directory: Path, seed: int) -> None:
     directory.chmod(0o755)
 
 
-def vocab_id(tokenizer: HFTokenizer, token: str) -> int:
+def _vocab_id(tokenizer: HFTokenizer, token: str) -> int:
     token_id = tokenizer.token_to_id(token)
     if token_id is None:
         raise RuntimeError(f"the default tokenizer lacks {token!r}")  # a bug here, not user input

@@ -16,6 +16,32 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelArchConfig
 
 
+class StackedLinear(nn.Linear):
+    """Several projections of the same input as one matrix (one GEMM instead of several).
+
+    `shard_sizes` are the output widths of the stacked projections, in order; the loader
+    writes each checkpoint matrix into its rows.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = list(shard_sizes)
+
+    def shard_rows(self, index: int) -> slice:
+        start = sum(self.shard_sizes[:index])
+        return slice(start, start + self.shard_sizes[index])
+
+
+# Checkpoint projection name -> (stacked module name, shard index).
+STACKED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -24,9 +50,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        # q, k and v in one GEMM; the loader stacks the checkpoint's three matrices.
+        self.qkv_proj = StackedLinear(hidden, (q_size, kv_size, kv_size), config.qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -44,9 +69,10 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
@@ -58,12 +84,13 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.gate_up_proj = StackedLinear(hidden, (inner, inner), bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.inner = inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.inner, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.models.config import ModelArchConfig
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import STACKED_PROJECTIONS, LlamaForCausalLM, StackedLinear
 
 # Buffers some checkpoints carry that the engine recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -63,6 +63,7 @@ def load_model(
 
 def _load_weights(model: nn.Module, files: list[Path], config: ModelArchConfig) -> None:
     params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+    modules = dict(model.named_modules())
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
@@ -72,21 +73,57 @@ def _load_weights(model: nn.Module, files: list[Path], config: ModelArchConfig) 
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
-                param = params.get(name)
-                if param is None:
+                target = _target(name, params, modules)
+                if target is None:
                     unexpected.append(name)
                     continue
-                tensor = shard.get_tensor(name)
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"weight {name} has shape {tuple(tensor.shape)}, "
-                        f"the config implies {tuple(param.shape)}"
-                    )
-                with torch.no_grad():
-                    param.copy_(tensor)
-                loaded.add(name)
+                param_name, rows = target
+                _copy(name, shard.get_tensor(name), params[param_name], rows)
+                loaded.add(name if rows is None else f"{param_name}[{rows.start}]")
     if unexpected:
         raise ValueError(f"checkpoint has weights the model does not: {sorted(unexpected)[:8]}")
-    missing = sorted(set(params) - loaded)
+    missing = sorted(_expected_names(params, modules) - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks weights: {missing[:8]}")
+
+
+def _target(
+    name: str, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]
+) -> tuple[str, slice | None] | None:
+    """The parameter (and rows of it, for a stacked projection) a checkpoint tensor fills."""
+    if name in params:
+        return name, None
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in STACKED_PROJECTIONS:
+        stacked, index = STACKED_PROJECTIONS[parts[-2]]
+        module_name = ".".join([*parts[:-2], stacked])
+        module = modules.get(module_name)
+        param_name = f"{module_name}.{parts[-1]}"
+        if isinstance(module, StackedLinear) and param_name in params:
+            return param_name, module.shard_rows(index)
+    return None
+
+
+def _copy(name: str, tensor: torch.Tensor, param: nn.Parameter, rows: slice | None) -> None:
+    destination = param if rows is None else param[rows]
+    if tuple(tensor.shape) != tuple(destination.shape):
+        raise ValueError(
+            f"weight {name} has shape {tuple(tensor.shape)}, "
+            f"the config implies {tuple(destination.shape)}"
+        )
+    with torch.no_grad():
+        destination.copy_(tensor)
+
+
+def _expected_names(params: dict[str, nn.Parameter], modules: dict[str, nn.Module]) -> set[str]:
+    """What a complete checkpoint fills: plain parameters, and every shard of stacked ones."""
+    expected: set[str] = set()
+    for name in params:
+        module = modules.get(name.rsplit(".", 1)[0])
+        if isinstance(module, StackedLinear):
+            expected.update(
+                f"{name}[{module.shard_rows(i).start}]" for i in range(len(module.shard_sizes))
+            )
+        else:
+            expected.add(name)
+    return expected

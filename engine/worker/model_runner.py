@@ -14,7 +14,9 @@ from engine.core.sched_output import (
     TokenLogprobs,
 )
 from engine.layers.attention import get_attention_backend
-from engine.models import LlamaForCausalLM, ModelArchConfig, load_model
+from engine.models.config import ModelArchConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import load_model
 from engine.request import SamplingParams
 from engine.sample import LogprobsOutput, Sampler, SamplingMetadata
 from engine.sample.logits_processor import LogitsProcessorConfig, build_logits_processors

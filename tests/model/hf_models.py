@@ -40,7 +40,7 @@ ARCHITECTURES = {
         **COMMON, head_dim=16, tie_word_embeddings=True
     ),
     "mistral": lambda: transformers.MistralConfig(
-        **COMMON, sliding_window=None, tie_word_embeddings=False
+        **COMMON, sliding_window=8, tie_word_embeddings=False
     ),
 }
 

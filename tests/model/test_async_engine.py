@@ -108,3 +108,17 @@ def test_stop_string_ends_the_request_with_the_default_model():
     assert out.text == text[: text.index(stop)]
     pool = llm.engine.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == 63
+
+
+def test_a_caller_whose_event_loop_closed_does_not_kill_the_engine(engine, hf_refs):
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def start_and_leave():
+        stream = engine.generate([8, 8, 8], long, request_id="orphan")
+        await stream.__anext__()
+        # Leave without closing the stream: asyncio.run closes this loop under it.
+
+    asyncio.run(start_and_leave())
+    outs = asyncio.run(collect(engine, [5, 6, 7]))
+    assert outs[-1].outputs[0].token_ids == hf_refs["llama_gqa"].greedy([5, 6, 7], 12)
+    assert "orphan" not in engine.core.scheduler.requests

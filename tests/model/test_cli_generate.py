@@ -90,3 +90,26 @@ def test_make_model_writes_a_loadable_model(tmp_path):
     assert result.stdout.strip() == str(tmp_path / "m")
     out = pdserve("generate", "--model", str(tmp_path / "m"), "--prompt", "Hi", "--json")
     assert out.returncode == 0, out.stderr
+
+
+def test_bench_offline_reports_both_sides_and_their_ratio():
+    result = pdserve(
+        "bench",
+        "offline",
+        "--num-prompts",
+        "3",
+        "--input-len",
+        "8",
+        "--output-len",
+        "6",
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout[result.stdout.index("{") :])
+    for kind in ("fixed", "mixed"):
+        entry = report[kind]
+        assert entry["engine"]["output_tokens_per_s"] > 0
+        assert entry["transformers"]["output_tokens_per_s"] > 0
+        ratio = entry["transformers"]["seconds"] / entry["engine"]["seconds"]
+        assert entry["speedup"] == pytest.approx(ratio, rel=0.1)  # seconds are rounded
+        # greedy on the same weights: the engine and transformers agree token for token
+        assert entry["greedy_outputs_identical"] == "3/3"

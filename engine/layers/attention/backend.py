@@ -30,17 +30,17 @@ class AttentionMetadata:
     slot_block: torch.Tensor  # [T] int64: physical block of each new token
     slot_offset: torch.Tensor  # [T] int64: offset inside that block
     block_table: torch.Tensor  # [R, max_blocks] int64 (rows of the scheduled requests)
-    # Batched decode rows.
-    decode_rows: torch.Tensor  # [Bd] int64 rows of block_table
+    # Batched decodes: each reads the slots of its context, padded to the longest one.
     decode_token_indices: torch.Tensor  # [Bd] int64 positions in the flattened input
-    decode_seq_lens: torch.Tensor  # [Bd] int64
-    decode_num_blocks: int  # blocks to read for the longest decode
+    decode_slot_block: torch.Tensor  # [Bd, S] int64 block of each context position
+    decode_slot_offset: torch.Tensor  # [Bd, S] int64 offset inside it
+    decode_mask: torch.Tensor  # [Bd, S] bool: visible (inside the context and the window)
     prefills: list[PrefillSlice]
     sliding_window: int | None = None
 
     @property
     def num_decodes(self) -> int:
-        return int(self.decode_rows.shape[0])
+        return int(self.decode_token_indices.shape[0])
 
 
 class AttentionBackend(ABC):
