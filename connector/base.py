@@ -1,9 +1,9 @@
-"""The KV connector contract, scheduler side.
+"""The KV connector contract: a scheduler side and a worker side.
 
-The scheduler calls these hooks at fixed points of a step; a connector decides where KV comes
+The scheduler calls its hooks at fixed points of a step; a connector decides where KV comes
 from (a remote prefill engine) and how long finished requests keep their blocks (until a remote
-decode engine has read them). The worker side (the transfers themselves) reports back through
-`KVConnectorOutput` in the model runner's output.
+decode engine has read them). The worker side moves the bytes and reports back, once per step,
+through `KVConnectorOutput` in the model runner's output.
 """
 
 from __future__ import annotations
@@ -11,15 +11,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Literal
 
+import torch
+
 from engine.core.kv_cache_utils import KVCacheBlock
-from engine.core.sched_output import SchedulerOutput
+from engine.core.sched_output import KVConnectorOutput, SchedulerOutput
 from engine.request import Request
 
 KVLoadFailurePolicy = Literal["recompute", "fail"]
 
 
 class KVConnectorBase(ABC):
-    """Scheduler-side hooks. Every method runs in the scheduler's thread, once per call site."""
+    """Scheduler-side hooks run in the scheduler's thread; worker-side ones in the worker's
+    (one engine thread here). The default worker side does nothing: a scheduler-only
+    connector (tests) needs no transport."""
 
     def __init__(self, load_failure_policy: KVLoadFailurePolicy = "recompute") -> None:
         if load_failure_policy not in ("recompute", "fail"):
@@ -27,6 +31,8 @@ class KVConnectorBase(ABC):
                 f"load_failure_policy must be 'recompute' or 'fail', got {load_failure_policy!r}"
             )
         self.load_failure_policy: KVLoadFailurePolicy = load_failure_policy
+
+    # ------------------------------------------------------------------ scheduler side
 
     @abstractmethod
     def get_num_new_matched_tokens(
@@ -42,12 +48,12 @@ class KVConnectorBase(ABC):
     def update_state_after_alloc(
         self, request: Request, blocks: list[KVCacheBlock], num_external_tokens: int
     ) -> None:
-        """Blocks were allocated for an admitted request; `blocks` is its whole block list,
-        the last `cdiv(num_external_tokens, block_size)`-ish of which the load must fill."""
+        """Blocks were allocated for an admitted request (`blocks`: all of them, local hits
+        first); the ones after the local hits receive the `num_external_tokens` loaded."""
 
     @abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
-        """What the worker side needs this step (loads to start, saves to expose)."""
+        """What the worker side needs this step (loads to start, leases to release)."""
 
     @abstractmethod
     def request_finished(
@@ -56,3 +62,38 @@ class KVConnectorBase(ABC):
         """A request finished. Returns (delay_free, kv_transfer_params): with delay_free the
         scheduler keeps the blocks until the worker reports the request in finished_sending
         (or finished_recving, for an abort while a load is in flight)."""
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The worker's report of this step, seen by the scheduler side (default: nothing)."""
+        return None
+
+    def has_pending_transfers(self) -> bool:
+        """Reads in flight or blocks held for a reader: the engine must keep stepping."""
+        return False
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        """The engine's KV cache, once, before the first step."""
+        return None
+
+    def start_load_kv(self, metadata: Any) -> None:
+        """Start the loads `build_connector_meta` asked for; returns at once."""
+        return None
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(done_sending, done_recving) since the last call: requests whose blocks a reader
+        no longer needs, and requests whose load ended (successfully or not)."""
+        return set(), set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Local blocks whose load failed since the last call (reported no later than the
+        request's done_recving)."""
+        return set()
+
+    def cancel_request(self, request_id: str) -> None:
+        """An abort reached a request whose blocks the connector holds (read or lease)."""
+        return None
+
+    def close(self) -> None:
+        return None

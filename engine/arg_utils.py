@@ -33,6 +33,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
     logits_processors: tuple[str, ...] = ()
+    kv_transfer_config: dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -86,8 +87,18 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,  # type: ignore[arg-type]
         )
+        kv_transfer = None
+        if self.kv_transfer_config is not None:
+            from connector.config import KVTransferConfig
+
+            kv_transfer = KVTransferConfig.from_any(self.kv_transfer_config)
         config = EngineConfig(
-            model, cache, scheduler, self.kv_cache_memory_bytes, self.gpu_memory_utilization
+            model,
+            cache,
+            scheduler,
+            self.kv_cache_memory_bytes,
+            self.gpu_memory_utilization,
+            kv_transfer,
         )
         return config, arch
 

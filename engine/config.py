@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 _POLICIES = ("fcfs", "priority")
@@ -103,3 +103,4 @@ class EngineConfig:
     scheduler: SchedulerConfig
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    kv_transfer: Any = None  # connector.config.KVTransferConfig (engine/ does not import it)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from engine.tokenizer import Tokenizer
 from engine.worker.model_runner import ReasoningTokens
 
 PromptInput = str | Sequence[int] | dict[str, Any]
+KVParams = dict[str, Any]
 
 
 def load_tokenizer(model_path: str) -> Tokenizer | None:
@@ -44,26 +46,65 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        kv_transfer_params: KVParams | Sequence[KVParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        `kv_transfer_params` (one dict for all prompts, or one per prompt):
+        {"do_remote_decode": True} makes this engine the prefill side (the output's
+        kv_transfer_params say where the KV waits); a prefill output's kv_transfer_params
+        make it the decode side. Needs `kv_transfer_config`.
+        """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        kv_list = _as_kv_params_list(kv_transfer_params, len(prompt_list))
+        if any(kv_list) and self.engine.connector is None:
+            raise ValueError("kv_transfer_params need LLM(..., kv_transfer_config={...})")
         processor = OutputProcessor(self.tokenizer)
-        order: list[str] = []
-        for prompt, params in zip(prompt_list, params_list, strict=True):
-            order.append(self._add(processor, prompt, params))
+        order = [
+            self._add(processor, prompt, params, kv)
+            for prompt, params, kv in zip(prompt_list, params_list, kv_list, strict=True)
+        ]
         finals: dict[str, RequestOutput] = {}
-        while self.engine.has_requests():
+        # Until our requests end; blocks held for remote readers are released by later steps.
+        while len(finals) < len(order):
             results, stopped = processor.process(self.engine.step())
             if stopped:
                 self.engine.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
             finals.update((r.request_id, r) for r in results if r.finished)
+        if not self.engine.scheduler.has_unfinished_requests():
+            self.engine.step()  # let the worker drop the finished requests' state now
         return [finals[request_id] for request_id in order]
 
-    def _add(self, processor: OutputProcessor, prompt: PromptInput, params: SamplingParams) -> str:
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Step until nothing is pending (held blocks released, reads ended). True if idle."""
+        deadline = time.monotonic() + timeout_s
+        while self.engine.has_requests():
+            if time.monotonic() > deadline:
+                return False
+            self.engine.step()
+        return True
+
+    def close(self) -> None:
+        """Stop serving the side channel (a prefill-side engine serves it until then)."""
+        self.engine.close()
+
+    def _add(
+        self,
+        processor: OutputProcessor,
+        prompt: PromptInput,
+        params: SamplingParams,
+        kv_transfer_params: KVParams | None,
+    ) -> str:
         text, token_ids = encode_prompt(self.tokenizer, prompt, self.max_model_len)
         request_id = str(next(self._counter))
-        request = make_request(request_id, token_ids, params, self.engine.arch.eos_token_ids)
+        request = make_request(
+            request_id,
+            token_ids,
+            params,
+            self.engine.arch.eos_token_ids,
+            kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
+        )
         processor.add_request(request_id, text, request.prompt_token_ids, params)
         self.engine.add_request(request)
         return request_id
@@ -131,4 +172,17 @@ def _as_params_list(
     params_list = list(params)
     if len(params_list) != n:
         raise ValueError(f"{len(params_list)} sampling params for {n} prompts")
+    return params_list
+
+
+def _as_kv_params_list(
+    params: KVParams | Sequence[KVParams] | None, n: int
+) -> list[KVParams | None]:
+    if params is None:
+        return [None] * n
+    if isinstance(params, dict):
+        return [params] * n
+    params_list: list[KVParams | None] = list(params)
+    if len(params_list) != n:
+        raise ValueError(f"{len(params_list)} kv_transfer_params for {n} prompts")
     return params_list

@@ -412,6 +412,8 @@ class Scheduler:
         self._pending_outputs = []
         if kv_output is not None:
             self.kv_transfers.update_from_xfer_finished(kv_output)
+            if self.connector is not None:
+                self.connector.update_connector_output(kv_output)
         return outputs
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> EngineCoreOutput:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# Named in the transfer compatibility hash: engines with different layouts must not exchange.
+KV_CACHE_LAYOUT = "blocks-layers-kv-tokens-heads-dim/v1"
 
 
 @dataclass(frozen=True)

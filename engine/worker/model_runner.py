@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from connector.base import KVConnectorBase
 from engine.config import EngineConfig
 from engine.core.sched_output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
+    KVConnectorOutput,
     ModelRunnerOutput,
     SchedulerOutput,
     TokenLogprobs,
@@ -73,6 +75,7 @@ class ModelRunner:
             config.model.logits_processors,
         )
         self.model: LlamaForCausalLM | None = None
+        self.connector: KVConnectorBase | None = None
         self.kv_cache: torch.Tensor | None = None
         self.kv_layers: list[torch.Tensor] = []
 
@@ -107,14 +110,28 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = allocate_kv_cache(self.kv_cache_spec(), num_blocks, self.device)
         self.kv_layers = layer_views(self.kv_cache)
+        if self.connector is not None:
+            self.connector.register_kv_caches(self.kv_cache)
 
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
-        if so.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+        if self.connector is not None:
+            self.connector.start_load_kv(so.kv_connector_metadata)
+        output = self._run(so) if so.total_num_scheduled_tokens else EMPTY_MODEL_RUNNER_OUTPUT
+        if self.connector is None:
+            return output
+        done_sending, done_recving = self.connector.get_finished()
+        kv_output = KVConnectorOutput(
+            finished_sending=done_sending,
+            finished_recving=done_recving,
+            invalid_block_ids=self.connector.get_block_ids_with_load_errors(),
+        )
+        return replace(output, kv_connector_output=kv_output)
+
+    def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model is not None, "load_model() first"
         inputs = prepare_step_inputs(
             self.input_batch, so.num_scheduled_tokens, self.device, self.arch.sliding_window

@@ -1,0 +1,69 @@
+"""What travels between the connector's scheduler side and worker side each step, and the
+kv_transfer_params a prefill engine hands out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RemoteKV:
+    """Where a request's prompt KV lives: the prefill side's kv_transfer_params, parsed."""
+
+    engine_id: str
+    request_id: str
+    block_ids: list[int]
+    host: str
+    port: int
+    lease_id: str
+    num_tokens: int  # prompt positions whose KV the remote computed
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> RemoteKV:
+        try:
+            block_ids = [int(b) for b in params["remote_block_ids"]]
+            return cls(
+                engine_id=str(params["remote_engine_id"]),
+                request_id=str(params["remote_request_id"]),
+                block_ids=block_ids,
+                host=str(params["remote_host"]),
+                port=int(params["remote_port"]),
+                lease_id=str(params["lease_id"]),
+                num_tokens=int(params["remote_num_tokens"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"kv_transfer_params with do_remote_prefill lack a field: {exc}"
+            ) from exc
+
+    def to_params(self) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": self.request_id,
+            "remote_block_ids": list(self.block_ids),
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "lease_id": self.lease_id,
+            "remote_num_tokens": self.num_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Read `remote_block_ids` of `remote` into our `local_block_ids` for `request_id`."""
+
+    request_id: str
+    remote: RemoteKV
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+
+
+@dataclass
+class ConnectorMetadata:
+    loads: list[LoadSpec] = field(default_factory=list)
+    # Leases to give back without reading (the local prefix cache had everything).
+    releases: list[RemoteKV] = field(default_factory=list)
+    # Requests whose in-flight read must stop (aborted).
+    cancels: list[str] = field(default_factory=list)

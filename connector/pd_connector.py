@@ -1,0 +1,130 @@
+"""PDConnector: prefill -> decode KV transfer (ARCHITECTURE.md §4), scheduler side.
+
+Prefill side: a request sent with {"do_remote_decode": true} finishes holding its blocks under
+a lease; its kv_transfer_params say where and which. Decode side: a request sent with those
+params loads the blocks its local prefix cache lacks, asynchronously, then runs. The worker
+side (PDWorker) owns the side channel, the transport and the reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from connector.base import KVConnectorBase
+from connector.config import KVTransferConfig
+from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV
+from connector.pd_worker import PDWorker
+from engine.core.kv_cache_utils import KVCacheBlock, cdiv
+from engine.core.sched_output import SchedulerOutput
+from engine.request import Request, RequestStatus
+
+_HANDED_OFF = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+class PDConnector(KVConnectorBase):
+    def __init__(
+        self, config: KVTransferConfig, engine_id: str, compat_hash: str, block_size: int
+    ) -> None:
+        super().__init__(config.kv_load_failure_policy)
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.worker = PDWorker(config, engine_id, compat_hash)
+        # Decode side: request id -> (remote, local hit tokens, tokens to load).
+        self._matched: dict[str, tuple[RemoteKV, int, int]] = {}
+        self._meta = ConnectorMetadata()
+        self._reading: set[str] = set()  # loads started and not yet reported finished
+        # Decode-side counters (tests and metrics): what was asked, what the cache spared.
+        self._stats = {"loads_requested": 0, "blocks_requested": 0, "releases_without_read": 0}
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        remote = RemoteKV.from_params(params)
+        # The last prompt token is computed here, for the logits of the first sample.
+        num_external = min(remote.num_tokens, request.num_tokens - 1) - num_computed_tokens
+        self._matched[request.request_id] = (remote, num_computed_tokens, max(num_external, 0))
+        return max(num_external, 0), num_external > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: list[KVCacheBlock], num_external_tokens: int
+    ) -> None:
+        matched = self._matched.pop(request.request_id, None)
+        if matched is None:
+            return
+        remote, num_local, _ = matched
+        if num_external_tokens == 0:
+            self._meta.releases.append(remote)  # a full local hit: nothing to read
+            self._stats["releases_without_read"] += 1
+            return
+        first = num_local // self.block_size
+        last = cdiv(num_local + num_external_tokens, self.block_size)
+        local_ids = [b.block_id for b in blocks[first:last]]
+        self._meta.loads.append(
+            LoadSpec(request.request_id, remote, local_ids, remote.block_ids[first:last])
+        )
+        self._reading.add(request.request_id)
+        self._stats["loads_requested"] += 1
+        self._stats["blocks_requested"] += len(local_ids)
+        # The params were consumed: a preempted and resumed request recomputes locally.
+        request.kv_transfer_params = None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
+        meta, self._meta = self._meta, ConnectorMetadata()
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        request_id = request.request_id
+        if request_id in self._reading:
+            # Aborted while its read is in flight: the blocks may still be written into.
+            self._meta.cancels.append(request_id)
+            return True, None
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_decode") or request.status not in _HANDED_OFF:
+            return False, None
+        remote = self.worker.lease_blocks(request_id, block_ids, request.num_computed_tokens)
+        return True, remote.to_params()
+
+    def has_pending_transfers(self) -> bool:
+        return bool(self._reading) or self.worker.has_pending()
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        self.worker.register(kv_cache)
+
+    def start_load_kv(self, metadata: Any) -> None:
+        if isinstance(metadata, ConnectorMetadata):
+            self.worker.start(metadata)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        done_sending, done_recving = self.worker.get_finished()
+        self._reading -= done_recving
+        return done_sending, done_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_invalid_block_ids()
+
+    def cancel_request(self, request_id: str) -> None:
+        self.worker.cancel_lease(request_id)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters: loads and blocks requested, blocks read, reads failed, releases."""
+        return {**self._stats, **self.worker.stats}
+
+    @property
+    def side_channel_port(self) -> int:
+        return self.worker.port
+
+    def close(self) -> None:
+        self.worker.close()

@@ -1,0 +1,217 @@
+"""PDWorker: the connector's worker side — side channel, transport, reads, leases.
+
+Every engine serves a KVTransfer side channel (it may be asked for its blocks) and can read
+from others. A read's life: handshake with the remote engine once (compatibility hash,
+transport metadata), start the transport read, renew the lease while it runs, release the
+lease when it ends. Any failure marks every local block of that read invalid; the scheduler
+applies the load-failure policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from connector.config import KVTransferConfig
+from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV
+from connector.side_channel import SideChannelClient, SideChannelError, SideChannelServer
+from connector.transport import BlockRead, KVTransport
+
+logger = logging.getLogger(__name__)
+
+_CLIENT_TIMEOUT_S = 10.0
+# A read still running after this long is cancelled (and fails): no request waits forever.
+READ_TIMEOUT_S = 60.0
+
+
+def make_transport(name: str, engine_id: str) -> KVTransport:
+    if name == "nixl":
+        from connector.nixl_transport import NixlTransport
+
+        return NixlTransport(engine_id)
+    from connector.grpc_transport import GrpcTransport
+
+    return GrpcTransport()
+
+
+@dataclass
+class _ActiveRead:
+    load: LoadSpec
+    client: SideChannelClient
+    renewed_at: float
+    started_at: float
+    cancelled: bool = False
+
+
+class PDWorker:
+    def __init__(self, config: KVTransferConfig, engine_id: str, compat_hash: str) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.compat_hash = compat_hash
+        self.transport = make_transport(config.connector, engine_id)
+        self.server: SideChannelServer | None = None
+        self.port = 0
+        self._clients: dict[tuple[str, int], SideChannelClient] = {}
+        self._peers: set[str] = set()
+        self._active: dict[str, _ActiveRead] = {}
+        self._finished_recving: set[str] = set()
+        self._invalid_block_ids: set[int] = set()
+        self.stats = {"blocks_read": 0, "reads_failed": 0}
+
+    # ------------------------------------------------------------------ set-up
+
+    def register(self, kv_cache: torch.Tensor) -> None:
+        self.transport.register(kv_cache)
+        self.server = SideChannelServer(
+            self.config,
+            self.engine_id,
+            self.compat_hash,
+            kv_cache,
+            self.transport.local_metadata(),
+            self.transport.name,
+        )
+        self.port = self.server.start()
+
+    # ------------------------------------------------------------------ producing side
+
+    def lease_blocks(self, request_id: str, block_ids: list[int], num_tokens: int) -> RemoteKV:
+        assert self.server is not None, "register() first"
+        lease = self.server.leases.add(request_id, block_ids, self.config.lease_seconds)
+        return RemoteKV(
+            engine_id=self.engine_id,
+            request_id=request_id,
+            block_ids=list(block_ids),
+            host=self.config.side_channel_host,
+            port=self.port,
+            lease_id=lease.lease_id,
+            num_tokens=num_tokens,
+        )
+
+    def cancel_lease(self, request_id: str) -> None:
+        if self.server is not None:
+            self.server.leases.cancel_request(request_id)
+
+    # ------------------------------------------------------------------ consuming side
+
+    def start(self, meta: ConnectorMetadata) -> None:
+        for remote in meta.releases:
+            self._release(remote)
+        for request_id in meta.cancels:
+            if request_id in self._active:
+                self.transport.cancel(request_id)
+        for load in meta.loads:
+            self._start_load(load)
+
+    def _start_load(self, load: LoadSpec) -> None:
+        try:
+            client = self._client(load.remote)
+            self._handshake(client, load.remote)
+            self.transport.start_read(
+                BlockRead(
+                    transfer_id=load.request_id,
+                    remote_engine_id=load.remote.engine_id,
+                    local_block_ids=load.local_block_ids,
+                    remote_block_ids=load.remote_block_ids,
+                    lease_id=load.remote.lease_id,
+                )
+            )
+        except (SideChannelError, ValueError, RuntimeError) as exc:
+            logger.warning("KV load for %s failed to start: %s", load.request_id, exc)
+            self._failed(load, str(exc))
+            return
+        now = time.monotonic()
+        self._active[load.request_id] = _ActiveRead(load, client, now, now)
+
+    def _client(self, remote: RemoteKV) -> SideChannelClient:
+        key = (remote.host, remote.port)
+        if key not in self._clients:
+            self._clients[key] = SideChannelClient(
+                remote.host, remote.port, self.config.secret, _CLIENT_TIMEOUT_S
+            )
+        return self._clients[key]
+
+    def _handshake(self, client: SideChannelClient, remote: RemoteKV) -> None:
+        """Once per remote engine: check compatibility, learn how to read from it."""
+        if remote.engine_id in self._peers:
+            return
+        reply = client.handshake(self.engine_id, self.compat_hash, self.transport.name)
+        if reply.engine_id != remote.engine_id:
+            raise ValueError(
+                f"side channel {remote.host}:{remote.port} is engine {reply.engine_id!r}, "
+                f"not {remote.engine_id!r}"
+            )
+        set_client = getattr(self.transport, "set_remote_client", None)
+        if set_client is not None:
+            set_client(reply.engine_id, client)
+        self.transport.add_remote(reply.engine_id, reply.transport_metadata)
+        self._peers.add(reply.engine_id)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        self._renew_leases()
+        self._cancel_overdue()
+        results = self.transport.poll()
+        for request_id in results.done:
+            active = self._active.pop(request_id, None)
+            if active is not None:
+                self._release(active.load.remote)
+                self._finished_recving.add(request_id)
+                self.stats["blocks_read"] += len(active.load.local_block_ids)
+        for request_id, reason in results.failed.items():
+            active = self._active.pop(request_id, None)
+            if active is not None:
+                logger.warning("KV load for %s failed: %s", request_id, reason)
+                self._release(active.load.remote)
+                self._failed(active.load, reason)
+        done_recving, self._finished_recving = self._finished_recving, set()
+        done_sending = self.server.leases.take_finished() if self.server else set()
+        return done_sending, done_recving
+
+    def take_invalid_block_ids(self) -> set[int]:
+        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
+        return invalid
+
+    def has_pending(self) -> bool:
+        leases = self.server.leases.num_active if self.server is not None else 0
+        return bool(self._active) or leases > 0
+
+    def _failed(self, load: LoadSpec, reason: str) -> None:
+        self.stats["reads_failed"] += 1
+        self._invalid_block_ids.update(load.local_block_ids)
+        self._finished_recving.add(load.request_id)
+
+    def _cancel_overdue(self) -> None:
+        now = time.monotonic()
+        for request_id, active in self._active.items():
+            if not active.cancelled and now - active.started_at > READ_TIMEOUT_S:
+                logger.warning("KV load for %s timed out; cancelling", request_id)
+                active.cancelled = True
+                self.transport.cancel(request_id)
+
+    def _renew_leases(self) -> None:
+        """Keep the remote holding our blocks while the read runs (every lease/3 seconds)."""
+        now = time.monotonic()
+        period = self.config.lease_seconds / 3
+        for active in self._active.values():
+            if now - active.renewed_at < period:
+                continue
+            try:
+                active.client.renew_lease(active.load.remote.lease_id)
+                active.renewed_at = now
+            except SideChannelError as exc:
+                logger.warning("renewing lease %s: %s", active.load.remote.lease_id, exc)
+
+    def _release(self, remote: RemoteKV) -> None:
+        try:
+            self._client(remote).release(remote.lease_id)
+        except SideChannelError as exc:  # gone or expired: the remote frees them anyway
+            logger.info("releasing lease %s: %s", remote.lease_id, exc)
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        if self.server is not None:
+            self.server.stop()
+        self.transport.close()

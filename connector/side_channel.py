@@ -1,0 +1,592 @@
+"""The KVTransfer side channel (ARCHITECTURE.md §4, §6): handshake, leases, block reads.
+
+Every engine serves one. A finished prefill request's blocks stay held under a lease in the
+`LeaseTable` until the reader releases it, the lease expires, or the request is cancelled; the
+engine learns which requests' blocks it may free from `LeaseTable.take_finished()`.
+`ReadBlocks` is the block pull of the gRPC transport (connector/grpc_transport.py).
+
+Every call carries the shared secret as metadata `x-pdserve-secret`. Refusals:
+  wrong or missing secret                           UNAUTHENTICATED
+  compatibility hash or transport mismatch          FAILED_PRECONDITION (both values shown)
+  expected_engine_id is not this engine             NOT_FOUND
+  unknown or released lease (renew, read)           NOT_FOUND
+  expired lease (renew, read; also mid-stream)      FAILED_PRECONDITION "lease ... expired"
+  block id outside [0, num_blocks)                  OUT_OF_RANGE
+  block id not under the lease                      PERMISSION_DENIED
+  duplicate block ids                               INVALID_ARGUMENT
+`Release` is idempotent: a released, expired or unknown lease is answered OK (released=False).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
+
+import grpc
+import torch
+
+from connector.config import KVTransferConfig
+from protos.pdserve.v1 import kv_transfer_pb2 as pb
+from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+SECRET_METADATA_KEY = "x-pdserve-secret"
+KV_LAYOUT = "block_contiguous_v1"  # engine/worker/kv_cache.py
+# Blocks larger than this travel as several BlockData messages; message limits leave headroom.
+CHUNK_BYTES = 4 << 20
+MAX_MESSAGE_BYTES = CHUNK_BYTES + (1 << 20)
+# Device caches are staged to host memory a run of consecutive blocks at a time, up to this.
+_STAGE_BYTES = 32 << 20
+# Ended leases remembered so that a late renew/read hears "expired" rather than "unknown".
+_MAX_TOMBSTONES = 4096
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+# A peer that vanishes without closing its socket (host down) is noticed by keepalive pings
+# within ~15 s, even inside a long deadline; the server must accept pings that often.
+_CLIENT_OPTIONS = [*_CHANNEL_OPTIONS, ("grpc.keepalive_time_ms", 10_000)]
+_CLIENT_OPTIONS += [("grpc.keepalive_timeout_ms", 5_000)]
+_SERVER_OPTIONS = [
+    *_CHANNEL_OPTIONS,
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    # gRPC sets SO_REUSEPORT by default: a second server would silently share a fixed port.
+    ("grpc.so_reuseport", 0),
+]
+
+
+def compatibility_hash(
+    *,
+    model: str,
+    dtype: str | torch.dtype,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    layout: str = KV_LAYOUT,
+    **extra: str | int | float | bool,
+) -> str:
+    """sha256 hex of the canonical JSON of everything that must match for blocks to be
+    interchangeable. `extra` adds fields (e.g. a quantization scheme) on both sides."""
+    fields: dict[str, Any] = {
+        "model": model,
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_layers": num_layers,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "block_size": block_size,
+        "layout": layout,
+        **extra,
+    }
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def block_bytes_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_bytes] uint8 view of a block-contiguous cache (same storage)."""
+    if kv_cache.dim() < 1 or kv_cache.shape[0] == 0 or not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be a contiguous [num_blocks, ...] tensor")
+    flat = kv_cache.view(kv_cache.shape[0], -1)
+    if flat.shape[1] == 0:
+        raise ValueError("kv_cache blocks are empty")
+    return flat.view(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------- leases
+
+
+class LeaseError(Exception):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class LeaseNotFound(LeaseError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class LeaseExpired(LeaseError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class BlocksNotLeased(LeaseError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str
+    request_id: str
+    block_ids: frozenset[int]
+    expires_at: float  # on the table's clock (time.monotonic)
+    lease_seconds: float
+
+
+@dataclass
+class _Entry:
+    lease: Lease
+    ended: str | None = None  # "released" | "expired" | "cancelled"
+    readers: int = 0  # ReadBlocks streams copying from these blocks right now
+
+
+class LeaseTable:
+    """Leases on finished requests' blocks. Thread-safe (side-channel threads + engine thread).
+
+    A lease ends by release, expiry (checked against the clock on every access) or
+    `cancel_request`. Its request id is then reported once by `take_finished` — but only after
+    every ReadBlocks stream copying from its blocks has stopped, so the engine never frees a
+    block while it is being read.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._by_request: dict[str, str] = {}  # request id -> lease id
+        self._tombstones: OrderedDict[str, str] = OrderedDict()  # lease id -> how it ended
+
+    def add(self, request_id: str, block_ids: Iterable[int], lease_seconds: float) -> Lease:
+        if lease_seconds <= 0:
+            raise ValueError(f"lease_seconds must be > 0, got {lease_seconds!r}")
+        with self._lock:
+            if request_id in self._by_request:
+                raise ValueError(f"request {request_id!r} already holds a lease")
+            lease = Lease(
+                secrets.token_hex(16),
+                request_id,
+                frozenset(block_ids),
+                self._clock() + lease_seconds,
+                lease_seconds,
+            )
+            self._entries[lease.lease_id] = _Entry(lease)
+            self._by_request[request_id] = lease.lease_id
+            return lease
+
+    def renew(self, lease_id: str) -> Lease:
+        """Extend a live lease by its lease period; raises LeaseNotFound / LeaseExpired."""
+        with self._lock:
+            entry = self._live(lease_id)
+            entry.lease = replace(entry.lease, expires_at=self._clock() + entry.lease.lease_seconds)
+            return entry.lease
+
+    def release(self, lease_id: str) -> bool:
+        """End a lease; True when it was live. Idempotent."""
+        with self._lock:
+            entry = self._entries.get(lease_id)
+            if entry is None or self._ended(entry) is not None:
+                return False
+            entry.ended = "released"
+            return True
+
+    def cancel_request(self, request_id: str) -> bool:
+        """End the request's lease (the request was aborted); it is reported by take_finished."""
+        with self._lock:
+            entry = self._entries.get(self._by_request.get(request_id, ""))
+            if entry is None or entry.ended is not None:
+                return False
+            entry.ended = "cancelled"
+            return True
+
+    def expire(self) -> list[Lease]:
+        """End every lease past its expiry; returns them."""
+        with self._lock:
+            return self._expire_locked()
+
+    def take_finished(self) -> set[str]:
+        """Request ids whose lease ended since the last call and whose blocks nobody reads."""
+        with self._lock:
+            self._expire_locked()
+            done = [e for e in self._entries.values() if e.ended and e.readers == 0]
+            for entry in done:
+                self._forget(entry)
+            return {entry.lease.request_id for entry in done}
+
+    @property
+    def num_active(self) -> int:
+        """Leases whose blocks are still held: live, or ended but not yet taken."""
+        with self._lock:
+            return len(self._entries)
+
+    def open_read(self, lease_id: str, block_ids: Iterable[int]) -> Lease:
+        """Check that `block_ids` are under a live lease and hold its blocks until close_read."""
+        with self._lock:
+            entry = self._live(lease_id)
+            missing = sorted(set(block_ids) - entry.lease.block_ids)
+            if missing:
+                raise BlocksNotLeased(f"blocks {missing[:8]} are not under lease {lease_id}")
+            entry.readers += 1
+            return entry.lease
+
+    def check_live(self, lease_id: str) -> None:
+        with self._lock:
+            self._live(lease_id)
+
+    def close_read(self, lease_id: str) -> None:
+        with self._lock:
+            entry = self._entries.get(lease_id)
+            if entry is not None and entry.readers > 0:
+                entry.readers -= 1
+
+    def _live(self, lease_id: str) -> _Entry:
+        entry = self._entries.get(lease_id)
+        ended = self._ended(entry) if entry is not None else self._tombstones.get(lease_id)
+        if ended == "expired":
+            raise LeaseExpired(f"lease {lease_id} expired")
+        if entry is None or ended is not None:
+            raise LeaseNotFound(f"lease {lease_id!r} is {ended or 'unknown'}")
+        return entry
+
+    def _ended(self, entry: _Entry) -> str | None:
+        """How the lease ended, None while live; expiry is checked here, on every access."""
+        if entry.ended is None and entry.lease.expires_at <= self._clock():
+            entry.ended = "expired"
+        return entry.ended
+
+    def _expire_locked(self) -> list[Lease]:
+        now = self._clock()
+        expired = [
+            e for e in self._entries.values() if e.ended is None and e.lease.expires_at <= now
+        ]
+        for entry in expired:
+            entry.ended = "expired"
+        return [entry.lease for entry in expired]
+
+    def _forget(self, entry: _Entry) -> None:
+        del self._entries[entry.lease.lease_id]
+        del self._by_request[entry.lease.request_id]
+        self._tombstones[entry.lease.lease_id] = entry.ended or "released"
+        while len(self._tombstones) > _MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+
+# ---------------------------------------------------------------------------------- server
+
+
+class SideChannelServer:
+    """The KVTransfer service of one engine, on a grpc.server thread pool."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        engine_id: str,
+        compat_hash: str,
+        kv_cache: torch.Tensor,
+        transport_metadata: bytes,
+        transport_name: str,
+        *,
+        max_workers: int = 8,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        if not 0 < chunk_bytes <= CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes}")
+        if not config.secret:
+            logger.warning("side channel of engine %s has no secret: anyone may call", engine_id)
+        self.config = config
+        self.engine_id = engine_id
+        self.compat_hash = compat_hash
+        self.cache = block_bytes_view(kv_cache)
+        self.num_blocks, self.block_bytes = self.cache.shape
+        self.transport_metadata = transport_metadata
+        self.transport_name = transport_name
+        self.chunk_bytes = chunk_bytes
+        self.leases = LeaseTable()
+        self._max_workers = max_workers
+        self._server: Any = None
+
+    def start(self) -> int:
+        """Bind to side_channel_host:side_channel_port (0 = a free port); returns the port."""
+        if self._server is not None:
+            raise RuntimeError("side channel already started")
+        server = grpc.server(
+            futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="side-channel"),
+            options=_SERVER_OPTIONS,
+        )
+        pb_grpc.add_KVTransferServicer_to_server(_KVTransferServicer(self), server)
+        address = f"{_host(self.config.side_channel_host)}:{self.config.side_channel_port}"
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"side channel cannot bind {address}: {exc}") from exc
+        if port == 0:
+            raise OSError(f"side channel cannot bind {address}")
+        server.start()
+        self._server = server
+        logger.info("side channel of engine %s listening on %s", self.engine_id, port)
+        return int(port)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        if self._server is not None:
+            self._server.stop(grace_s).wait()
+            self._server = None
+
+    def block_chunks(self, block_ids: list[int]) -> Iterator[tuple[int, int, bytes]]:
+        """(block_id, offset, bytes) in request order; device caches staged per run of blocks."""
+        per_stage = max(1, _STAGE_BYTES // self.block_bytes)
+        i = 0
+        while i < len(block_ids):
+            n = 1
+            while i + n < len(block_ids) and n < per_stage and block_ids[i + n] == block_ids[i] + n:
+                n += 1
+            staged = self.cache[block_ids[i] : block_ids[i] + n]
+            rows = (staged if staged.device.type == "cpu" else staged.cpu()).numpy()
+            for k in range(n):
+                for offset in range(0, self.block_bytes, self.chunk_bytes):
+                    chunk = rows[k, offset : offset + self.chunk_bytes]
+                    yield block_ids[i + k], offset, chunk.tobytes()
+            i += n
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class _KVTransferServicer(pb_grpc.KVTransferServicer):
+    def __init__(self, server: SideChannelServer) -> None:
+        self.s = server
+        self._secret = server.config.secret.encode()
+
+    def _authorize(self, context: grpc.ServicerContext) -> None:
+        given = dict(context.invocation_metadata()).get(SECRET_METADATA_KEY, "")
+        if not hmac.compare_digest(str(given).encode(), self._secret):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"bad or missing {SECRET_METADATA_KEY}")
+
+    def Handshake(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._authorize(context)
+        s = self.s
+        if request.expected_engine_id and request.expected_engine_id != s.engine_id:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"unknown engine {request.expected_engine_id!r}: this is engine {s.engine_id!r}",
+            )
+        if request.compatibility_hash != s.compat_hash:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"compatibility hash mismatch: engine {request.engine_id!r} has "
+                f"{request.compatibility_hash!r}, engine {s.engine_id!r} has {s.compat_hash!r}",
+            )
+        # ReadBlocks is always served, so a "grpc" reader works against any engine.
+        if request.transport not in ("", "grpc", s.transport_name):
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"transport mismatch: engine {request.engine_id!r} uses {request.transport!r}, "
+                f"engine {s.engine_id!r} uses {s.transport_name!r}",
+            )
+        return pb.HandshakeResponse(
+            engine_id=s.engine_id,
+            compatibility_hash=s.compat_hash,
+            transport_metadata=s.transport_metadata,
+            num_blocks=s.num_blocks,
+            block_bytes=s.block_bytes,
+            transport=s.transport_name,
+        )
+
+    def RenewLease(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._authorize(context)
+        try:
+            lease = self.s.leases.renew(request.lease_id)
+        except LeaseError as exc:
+            context.abort(exc.code, str(exc))
+        return pb.LeaseResponse(lease_id=lease.lease_id, expires_in_seconds=lease.lease_seconds)
+
+    def Release(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._authorize(context)
+        return pb.ReleaseResponse(released=self.s.leases.release(request.lease_id))
+
+    def ReadBlocks(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        self._authorize(context)
+        block_ids = [int(b) for b in request.block_ids]
+        outside = [b for b in block_ids if b >= self.s.num_blocks]
+        if outside:
+            context.abort(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"block ids {outside[:8]} outside [0, {self.s.num_blocks})",
+            )
+        if len(set(block_ids)) != len(block_ids):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "duplicate block ids")
+        return self._stream(request.lease_id, block_ids, context)
+
+    def _stream(
+        self, lease_id: str, block_ids: list[int], context: grpc.ServicerContext
+    ) -> Iterator[Any]:
+        # The lease is held from the first message on: the engine cannot free these blocks
+        # (take_finished skips them) until this generator has stopped.
+        leases = self.s.leases
+        try:
+            leases.open_read(lease_id, block_ids)
+        except LeaseError as exc:
+            context.abort(exc.code, str(exc))
+        try:
+            for block_id, offset, data in self.s.block_chunks(block_ids):
+                if offset == 0:
+                    leases.check_live(lease_id)
+                yield pb.BlockData(
+                    block_id=block_id, offset=offset, data=data, block_bytes=self.s.block_bytes
+                )
+        except LeaseError as exc:
+            context.abort(exc.code, str(exc))
+        finally:
+            leases.close_read(lease_id)
+
+
+# ---------------------------------------------------------------------------------- client
+
+
+class SideChannelError(Exception):
+    """A refused or failed side-channel call."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, target: str = "") -> None:
+        self.code = code
+        self.message = message
+        where = f"side channel {target}" if target else "side channel"
+        super().__init__(f"{where}: {code.name}: {message}")
+
+
+@dataclass(frozen=True)
+class HandshakeReply:
+    engine_id: str
+    compatibility_hash: str
+    transport: str
+    transport_metadata: bytes
+    num_blocks: int
+    block_bytes: int
+
+
+class BlockChunk(NamedTuple):
+    block_id: int
+    offset: int
+    data: bytes
+    block_bytes: int
+
+    @property
+    def last(self) -> bool:
+        return self.offset + len(self.data) == self.block_bytes
+
+
+class BlockStream:
+    """A ReadBlocks call: iterate validated chunks; `cancel()` may be called from any thread."""
+
+    def __init__(self, call: Any, block_ids: list[int], target: str) -> None:
+        self._call = call
+        self._block_ids = block_ids
+        self._target = target
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def __iter__(self) -> Iterator[BlockChunk]:
+        ids, i, expected_offset = self._block_ids, 0, 0
+        try:
+            for msg in self._call:
+                chunk = BlockChunk(msg.block_id, msg.offset, msg.data, msg.block_bytes)
+                end = chunk.offset + len(chunk.data)
+                if (
+                    i >= len(ids)
+                    or (chunk.block_id, chunk.offset) != (ids[i], expected_offset)
+                    or not chunk.data
+                    or end > chunk.block_bytes
+                ):
+                    want = f"block {ids[i]} at offset {expected_offset}" if i < len(ids) else "end"
+                    raise self._error(
+                        grpc.StatusCode.DATA_LOSS,
+                        f"expected {want}, got {len(chunk.data)} bytes of block "
+                        f"{chunk.block_id} at offset {chunk.offset}",
+                    )
+                yield chunk
+                i, expected_offset = (i + 1, 0) if chunk.last else (i, end)
+        except grpc.RpcError as exc:
+            raise self._error(exc.code(), exc.details() or "") from None
+        finally:
+            self._call.cancel()  # no-op once the call has ended
+        if i < len(ids):
+            raise self._error(
+                grpc.StatusCode.DATA_LOSS, f"stream ended after {i} of {len(ids)} blocks"
+            )
+
+    def _error(self, code: grpc.StatusCode, message: str) -> SideChannelError:
+        return SideChannelError(code, message, self._target)
+
+
+class SideChannelClient:
+    """Calls one engine's side channel. Thread-safe; every call has a deadline."""
+
+    def __init__(self, host: str, port: int, secret: str, timeout_s: float = 10.0) -> None:
+        self.target = f"{_host(host)}:{port}"
+        self.timeout_s = timeout_s
+        self.remote: HandshakeReply | None = None  # set by handshake()
+        self._metadata = ((SECRET_METADATA_KEY, secret),)
+        self._channel = grpc.insecure_channel(self.target, options=_CLIENT_OPTIONS)
+        self._stub = pb_grpc.KVTransferStub(self._channel)
+
+    def handshake(
+        self,
+        engine_id: str,
+        compat_hash: str,
+        transport: str,
+        expected_engine_id: str = "",
+    ) -> HandshakeReply:
+        request = pb.HandshakeRequest(
+            engine_id=engine_id,
+            compatibility_hash=compat_hash,
+            transport=transport,
+            expected_engine_id=expected_engine_id,
+        )
+        r = self._unary(self._stub.Handshake, request)
+        self.remote = HandshakeReply(
+            r.engine_id,
+            r.compatibility_hash,
+            r.transport,
+            r.transport_metadata,
+            r.num_blocks,
+            r.block_bytes,
+        )
+        return self.remote
+
+    def renew_lease(self, lease_id: str) -> float:
+        """Seconds until the renewed lease expires."""
+        reply = self._unary(self._stub.RenewLease, pb.LeaseRequest(lease_id=lease_id))
+        return float(reply.expires_in_seconds)
+
+    def release(self, lease_id: str) -> bool:
+        """True when this call ended a live lease (False: already ended or unknown)."""
+        return bool(self._unary(self._stub.Release, pb.LeaseRequest(lease_id=lease_id)).released)
+
+    def open_read(
+        self, lease_id: str, block_ids: list[int], timeout_s: float | None = None
+    ) -> BlockStream:
+        """Start ReadBlocks; the deadline (default timeout_s) covers the whole stream."""
+        request = pb.ReadBlocksRequest(lease_id=lease_id, block_ids=block_ids)
+        call = self._stub.ReadBlocks(
+            request, metadata=self._metadata, timeout=timeout_s or self.timeout_s
+        )
+        return BlockStream(call, list(block_ids), self.target)
+
+    def read_blocks(
+        self, lease_id: str, block_ids: list[int], timeout_s: float | None = None
+    ) -> Iterator[tuple[int, bytes]]:
+        """(block_id, whole block bytes) in request order."""
+        parts: list[bytes] = []
+        for chunk in self.open_read(lease_id, block_ids, timeout_s):
+            parts.append(chunk.data)
+            if chunk.last:
+                yield chunk.block_id, parts[0] if len(parts) == 1 else b"".join(parts)
+                parts = []
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _unary(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, metadata=self._metadata, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise SideChannelError(exc.code(), exc.details() or "", self.target) from None

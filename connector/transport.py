@@ -1,0 +1,83 @@
+"""The KV transport contract: move whole KV blocks from a remote engine's cache into ours.
+
+Both engines use the block-contiguous layout (engine/worker/kv_cache.py): block b of a cache is
+the `block_bytes` bytes at offset b * block_bytes, all layers, K and V. A transport therefore
+moves blocks as opaque byte ranges; consecutive block ids on both sides form one range.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockRead:
+    """Copy remote blocks into local blocks, pairwise: local_block_ids[i] <- remote_block_ids[i]."""
+
+    transfer_id: str  # unique per read; a request id on the decode side
+    remote_engine_id: str
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    lease_id: str
+
+
+@dataclass
+class TransferResults:
+    """What `poll` found finished since the last call."""
+
+    done: set[str] = field(default_factory=set)
+    # transfer id -> reason; every local block of a failed read is to be treated as invalid.
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+def contiguous_runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
+    """(local_start, remote_start, length) runs where both sides' ids are consecutive.
+
+    # local [4, 5, 6, 9], remote [10, 11, 12, 13] -> [(4, 10, 3), (9, 13, 1)]
+    """
+    runs: list[tuple[int, int, int]] = []
+    for loc, rem in zip(local, remote, strict=True):
+        if runs:
+            start_l, start_r, length = runs[-1]
+            if loc == start_l + length and rem == start_r + length:
+                runs[-1] = (start_l, start_r, length + 1)
+                continue
+        runs.append((loc, rem, 1))
+    return runs
+
+
+class KVTransport(ABC):
+    """One per engine. Thread-compatible: the engine thread calls register/start_read/poll;
+    `local_metadata` may be read by the side-channel thread (it is immutable once built)."""
+
+    name: str
+
+    @abstractmethod
+    def register(self, kv_cache: torch.Tensor) -> None:
+        """Register the whole cache once at start-up ([num_blocks, ...], block-contiguous)."""
+
+    @abstractmethod
+    def local_metadata(self) -> bytes:
+        """What a peer needs to read from us (sent in the Handshake response)."""
+
+    @abstractmethod
+    def add_remote(self, engine_id: str, metadata: bytes) -> None:
+        """Make a peer readable, from its Handshake metadata. Idempotent per engine id."""
+
+    @abstractmethod
+    def start_read(self, read: BlockRead) -> None:
+        """Start copying; returns at once. Completion and failures come from `poll`."""
+
+    @abstractmethod
+    def poll(self) -> TransferResults:
+        """Reads that ended since the last poll (each reported exactly once)."""
+
+    @abstractmethod
+    def cancel(self, transfer_id: str) -> None:
+        """Stop a read if possible; it is still reported by `poll` once it has stopped."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release transport resources."""

@@ -1,0 +1,184 @@
+"""Prefill process -> decode process over real KV transfer (NIXL or gRPC), against colocated.
+
+Every engine here is a real process with a real side channel; the test process only drives
+them over pipes. After each scenario both engines must be idle with every block free.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from engine.core.kv_cache_utils import cdiv
+from engine.llm import LLM
+from engine.request import SamplingParams
+from tests.integration.engine_proc import EngineProcess
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 8
+ENGINE = dict(max_model_len=128, block_size=BLOCK, num_gpu_blocks_override=96)
+SECRET = "s3cret"
+TRANSPORTS = ["grpc"]  # "nixl" joins when its transport lands
+
+rng = random.Random(7)
+SHARED = [rng.randrange(10, 2000) for _ in range(24)]  # 3 whole blocks
+PROMPTS = [
+    SHARED + [rng.randrange(10, 2000) for _ in range(9)],  # 33 tokens
+    [rng.randrange(10, 2000) for _ in range(20)],
+    [rng.randrange(10, 2000) for _ in range(5)],
+    [rng.randrange(10, 2000) for _ in range(47)],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
+
+
+def kv_config(transport: str, **overrides) -> dict:
+    return {"connector": transport, "secret": SECRET, "lease_seconds": 10.0, **overrides}
+
+
+def engine(transport: str, **overrides) -> EngineProcess:
+    kv = kv_config(transport, **overrides.pop("kv", {}))
+    return EngineProcess("default", **{**ENGINE, **overrides}, kv_transfer_config=kv)
+
+
+@pytest.fixture(scope="module")
+def colocated() -> LLM:
+    return LLM("default", **ENGINE)
+
+
+def reference(colocated: LLM, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in colocated.generate(prompts, params)]
+
+
+def prefill_then_decode(prefill, decode, prompts, params, tamper=None):
+    one = [replace(p, max_tokens=1) for p in params]
+    firsts = prefill.generate(prompts, one, {"do_remote_decode": True})
+    kv = [f["kv_transfer_params"] for f in firsts]
+    if tamper is not None:
+        kv = [tamper(dict(k)) for k in kv]
+    return firsts, decode.generate(prompts, params, kv)
+
+
+def assert_idle_and_clean(*engines: EngineProcess) -> None:
+    for proc in engines:
+        state = proc.drain()
+        assert state["idle"], state
+        assert state["integrity"] == "ok", state
+        assert state["free_blocks"] == state["usable_blocks"], state
+        assert state["held_requests"] == 0, state
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def pair(request):
+    transport = request.param
+    prefill, decode = engine(transport), engine(transport)
+    yield transport, prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def test_disaggregated_is_token_identical_to_colocated(pair, colocated):
+    _, prefill, decode = pair
+    params = [GREEDY, SEEDED, GREEDY, replace(SEEDED, seed=12)]
+    expected = reference(colocated, PROMPTS, params)
+    firsts, outs = prefill_then_decode(prefill, decode, PROMPTS, params)
+    for first, out, want in zip(firsts, outs, expected, strict=True):
+        assert first["token_ids"] == want[:1]  # the prefill's token, streamed first
+        assert first["kv_transfer_params"]["do_remote_prefill"] is True
+        assert out["token_ids"] == want
+        assert out["finish_reason"] == "length"
+    assert_idle_and_clean(prefill, decode)
+
+
+def test_partial_local_hit_reads_only_the_missing_tail(pair, colocated):
+    transport, prefill, decode = pair
+    # A prefix of 3 whole blocks this decode engine has never seen.
+    shared = [1000 + i + (7 if transport == "nixl" else 0) for i in range(24)]
+    a = [*shared, 5, 6, 7, 8, 9, 10, 11, 12, 13]  # 33 tokens
+    b = [*shared, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]  # 35 tokens
+    before = decode.drain()["stats"]
+    _, out_a = prefill_then_decode(prefill, decode, [a], [GREEDY])
+    mid = decode.drain()["stats"]
+    _, out_b = prefill_then_decode(prefill, decode, [b], [GREEDY])
+    after = decode.drain()["stats"]
+    # KV of all prompt tokens but the last comes from the prefill engine...
+    assert mid["blocks_read"] - before["blocks_read"] == cdiv(len(a) - 1, BLOCK)
+    # ...except the 3 shared blocks b finds in the decode engine's own prefix cache.
+    assert after["blocks_read"] - mid["blocks_read"] == cdiv(len(b) - 1, BLOCK) - 3
+    assert out_a[0]["token_ids"] == reference(colocated, [a], [GREEDY])[0]
+    assert out_b[0]["token_ids"] == reference(colocated, [b], [GREEDY])[0]
+    # The same prompt again: everything is cached locally, nothing is read, the lease is
+    # released all the same.
+    _, again = prefill_then_decode(prefill, decode, [a], [GREEDY])
+    last = decode.drain()["stats"]
+    assert last["blocks_read"] == after["blocks_read"]
+    assert last["releases_without_read"] == after["releases_without_read"] + 1
+    assert again[0]["token_ids"] == out_a[0]["token_ids"]
+    assert_idle_and_clean(prefill, decode)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_faults_recover_or_fail_cleanly(transport, colocated):
+    prompts, params = PROMPTS[:2], [GREEDY, SEEDED]
+    expected = reference(colocated, prompts, params)
+    decode = engine(transport)
+    decode_fail = engine(transport, kv={"kv_load_failure_policy": "fail"})
+    prefill = engine(transport)
+    try:
+        # A transfer failing mid-way: recomputed locally, same tokens.
+        decode.call("inject_failure", 1)
+        _, outs = prefill_then_decode(prefill, decode, prompts, params)
+        assert [o["token_ids"] for o in outs] == expected
+        # Bogus block ids: refused by the remote or the transport; recomputed.
+        bogus = lambda kv: {**kv, "remote_block_ids": [10**6] * len(kv["remote_block_ids"])}  # noqa: E731
+        _, outs = prefill_then_decode(prefill, decode, prompts, params, tamper=bogus)
+        assert [o["token_ids"] for o in outs] == expected
+        # Under policy "fail" the same fault ends the request with a clear error.
+        _, outs = prefill_then_decode(prefill, decode_fail, prompts, params, tamper=bogus)
+        assert all(o["finish_reason"] == "error" for o in outs)
+        assert all("loading remote KV failed" in o["error"] for o in outs)
+        # An aborted prefill-side request ends its lease: a later read is refused.
+        firsts = prefill.generate(
+            prompts, [replace(p, max_tokens=1) for p in params], {"do_remote_decode": True}
+        )
+        prefill.call("abort", [f["kv_transfer_params"]["remote_request_id"] for f in firsts])
+        assert_idle_and_clean(prefill)
+        outs = decode.generate(prompts, params, [f["kv_transfer_params"] for f in firsts])
+        assert [o["token_ids"] for o in outs] == expected
+        # The prefill process dies after handing out its params, before the read.
+        firsts = prefill.generate(
+            prompts, [replace(p, max_tokens=1) for p in params], {"do_remote_decode": True}
+        )
+        prefill.kill()
+        kv = [f["kv_transfer_params"] for f in firsts]
+        outs = decode.generate(prompts, params, kv)
+        assert [o["token_ids"] for o in outs] == expected
+        outs = decode_fail.generate(prompts, params, kv)
+        assert all(o["finish_reason"] == "error" and o["error"] for o in outs)
+        assert_idle_and_clean(decode, decode_fail)
+    finally:
+        for proc in (decode, decode_fail, prefill):
+            proc.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_refused_peers_and_lease_expiry(transport, colocated):
+    prompts, params = PROMPTS[2:], [GREEDY, SEEDED]
+    expected = reference(colocated, prompts, params)
+    decode = engine(transport)
+    wrong_secret = engine(transport, kv={"secret": "not-the-secret", "lease_seconds": 0.5})
+    other_layout = engine(transport, block_size=16)
+    try:
+        for prefill in (wrong_secret, other_layout):
+            _, outs = prefill_then_decode(prefill, decode, prompts, params)
+            assert [o["token_ids"] for o in outs] == expected
+        stats = decode.drain()["stats"]
+        assert stats["blocks_read"] == 0 and stats["reads_failed"] == 4  # all refused
+        # Nobody read the wrong-secret engine's blocks: its 0.5 s leases expired.
+        assert_idle_and_clean(wrong_secret, other_layout, decode)
+    finally:
+        for proc in (decode, wrong_secret, other_layout):
+            proc.close()
