@@ -23,19 +23,19 @@ import hashlib
 import hmac
 import json
 import logging
-import secrets
-import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import grpc
 import torch
 
 from connector.config import KVTransferConfig
+from connector.leases import (
+    LeaseError,
+    LeaseTable,
+)
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -106,171 +106,6 @@ def block_bytes_view(kv_cache: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- leases
-
-
-class LeaseError(Exception):
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class LeaseNotFound(LeaseError):
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class LeaseExpired(LeaseError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class BlocksNotLeased(LeaseError):
-    code = grpc.StatusCode.PERMISSION_DENIED
-
-
-@dataclass(frozen=True)
-class Lease:
-    lease_id: str
-    request_id: str
-    block_ids: frozenset[int]
-    expires_at: float  # on the table's clock (time.monotonic)
-    lease_seconds: float
-
-
-@dataclass
-class _Entry:
-    lease: Lease
-    ended: str | None = None  # "released" | "expired" | "cancelled"
-    readers: int = 0  # ReadBlocks streams copying from these blocks right now
-
-
-class LeaseTable:
-    """Leases on finished requests' blocks. Thread-safe (side-channel threads + engine thread).
-
-    A lease ends by release, expiry (checked against the clock on every access) or
-    `cancel_request`. Its request id is then reported once by `take_finished` — but only after
-    every ReadBlocks stream copying from its blocks has stopped, so the engine never frees a
-    block while it is being read.
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._entries: dict[str, _Entry] = {}
-        self._by_request: dict[str, str] = {}  # request id -> lease id
-        self._tombstones: OrderedDict[str, str] = OrderedDict()  # lease id -> how it ended
-
-    def add(self, request_id: str, block_ids: Iterable[int], lease_seconds: float) -> Lease:
-        if lease_seconds <= 0:
-            raise ValueError(f"lease_seconds must be > 0, got {lease_seconds!r}")
-        with self._lock:
-            if request_id in self._by_request:
-                raise ValueError(f"request {request_id!r} already holds a lease")
-            lease = Lease(
-                secrets.token_hex(16),
-                request_id,
-                frozenset(block_ids),
-                self._clock() + lease_seconds,
-                lease_seconds,
-            )
-            self._entries[lease.lease_id] = _Entry(lease)
-            self._by_request[request_id] = lease.lease_id
-            return lease
-
-    def renew(self, lease_id: str) -> Lease:
-        """Extend a live lease by its lease period; raises LeaseNotFound / LeaseExpired."""
-        with self._lock:
-            entry = self._live(lease_id)
-            entry.lease = replace(entry.lease, expires_at=self._clock() + entry.lease.lease_seconds)
-            return entry.lease
-
-    def release(self, lease_id: str) -> bool:
-        """End a lease; True when it was live. Idempotent."""
-        with self._lock:
-            entry = self._entries.get(lease_id)
-            if entry is None or self._ended(entry) is not None:
-                return False
-            entry.ended = "released"
-            return True
-
-    def cancel_request(self, request_id: str) -> bool:
-        """End the request's lease (the request was aborted); it is reported by take_finished."""
-        with self._lock:
-            entry = self._entries.get(self._by_request.get(request_id, ""))
-            if entry is None or entry.ended is not None:
-                return False
-            entry.ended = "cancelled"
-            return True
-
-    def expire(self) -> list[Lease]:
-        """End every lease past its expiry; returns them."""
-        with self._lock:
-            return self._expire_locked()
-
-    def take_finished(self) -> set[str]:
-        """Request ids whose lease ended since the last call and whose blocks nobody reads."""
-        with self._lock:
-            self._expire_locked()
-            done = [e for e in self._entries.values() if e.ended and e.readers == 0]
-            for entry in done:
-                self._forget(entry)
-            return {entry.lease.request_id for entry in done}
-
-    @property
-    def num_active(self) -> int:
-        """Leases whose blocks are still held: live, or ended but not yet taken."""
-        with self._lock:
-            return len(self._entries)
-
-    def open_read(self, lease_id: str, block_ids: Iterable[int]) -> Lease:
-        """Check that `block_ids` are under a live lease and hold its blocks until close_read."""
-        with self._lock:
-            entry = self._live(lease_id)
-            missing = sorted(set(block_ids) - entry.lease.block_ids)
-            if missing:
-                raise BlocksNotLeased(f"blocks {missing[:8]} are not under lease {lease_id}")
-            entry.readers += 1
-            return entry.lease
-
-    def check_live(self, lease_id: str) -> None:
-        with self._lock:
-            self._live(lease_id)
-
-    def close_read(self, lease_id: str) -> None:
-        with self._lock:
-            entry = self._entries.get(lease_id)
-            if entry is not None and entry.readers > 0:
-                entry.readers -= 1
-
-    def _live(self, lease_id: str) -> _Entry:
-        entry = self._entries.get(lease_id)
-        ended = self._ended(entry) if entry is not None else self._tombstones.get(lease_id)
-        if ended == "expired":
-            raise LeaseExpired(f"lease {lease_id} expired")
-        if entry is None or ended is not None:
-            raise LeaseNotFound(f"lease {lease_id!r} is {ended or 'unknown'}")
-        return entry
-
-    def _ended(self, entry: _Entry) -> str | None:
-        """How the lease ended, None while live; expiry is checked here, on every access."""
-        if entry.ended is None and entry.lease.expires_at <= self._clock():
-            entry.ended = "expired"
-        return entry.ended
-
-    def _expire_locked(self) -> list[Lease]:
-        now = self._clock()
-        expired = [
-            e for e in self._entries.values() if e.ended is None and e.lease.expires_at <= now
-        ]
-        for entry in expired:
-            entry.ended = "expired"
-        return [entry.lease for entry in expired]
-
-    def _forget(self, entry: _Entry) -> None:
-        del self._entries[entry.lease.lease_id]
-        del self._by_request[entry.lease.request_id]
-        self._tombstones[entry.lease.lease_id] = entry.ended or "released"
-        while len(self._tombstones) > _MAX_TOMBSTONES:
-            self._tombstones.popitem(last=False)
-
-
-# ---------------------------------------------------------------------------------- server
 
 
 class SideChannelServer:

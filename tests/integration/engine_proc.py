@@ -67,6 +67,11 @@ def _serve(conn: Any, model: str, engine_kwargs: dict[str, Any]) -> None:
                 else:
                     transport.inject_failure()
                 reply = None
+            elif command == "slow_reads":
+                _slow_down_side_channel(connector, args[0])
+                reply = None
+            elif command == "abort_during_read":
+                reply = _abort_during_read(llm, *args)
             elif command == "close":
                 llm.close()
                 conn.send(("ok", None))
@@ -76,6 +81,39 @@ def _serve(conn: Any, model: str, engine_kwargs: dict[str, Any]) -> None:
             conn.send(("ok", reply))
         except Exception:  # report to the test, keep serving
             conn.send(("error", traceback.format_exc()))
+
+
+def _slow_down_side_channel(connector: Any, seconds_per_block: float) -> None:
+    """Make this engine's ReadBlocks stream slow (to land an abort mid-read elsewhere)."""
+    import time
+
+    server = connector.worker.server
+    original = server.block_chunks
+
+    def slow(block_ids: list[int]) -> Any:
+        for chunk in original(block_ids):
+            time.sleep(seconds_per_block)
+            yield chunk
+
+    server.block_chunks = slow
+
+
+def _abort_during_read(llm: Any, prompts: Any, params: Any, kv: Any) -> dict[str, Any]:
+    """Start decode requests, abort them once their reads are in flight."""
+    import time
+
+    from engine.output_processor import OutputProcessor
+
+    processor = OutputProcessor(llm.tokenizer)
+    ids = [llm._add(processor, p, sp, k) for p, sp, k in zip(prompts, params, kv, strict=True)]
+    deadline = time.monotonic() + 30
+    reading: set[str] = set()
+    while time.monotonic() < deadline and len(reading) < len(ids):
+        llm.engine.step()
+        reading = set(llm.engine.connector.worker._active) & set(ids)
+    llm.engine.abort_requests(ids)
+    held = len(llm.engine.scheduler.requests)  # blocks still written into: not yet freed
+    return {"aborted_while_reading": len(reading), "held_after_abort": held}
 
 
 class EngineProcess:

@@ -182,3 +182,22 @@ def test_refused_peers_and_lease_expiry(transport, colocated):
     finally:
         for proc in (decode, wrong_secret, other_layout):
             proc.close()
+
+
+def test_decode_abort_during_a_read_frees_blocks_only_after_the_read_stopped(colocated):
+    # gRPC only: the stream can be slowed so that the abort lands mid-read.
+    prefill, decode = engine("grpc"), engine("grpc")
+    try:
+        prefill.call("slow_reads", 0.2)
+        prompts, params = PROMPTS[:2], [GREEDY, GREEDY]
+        firsts = prefill.generate(
+            prompts, [replace(p, max_tokens=1) for p in params], {"do_remote_decode": True}
+        )
+        kv = [f["kv_transfer_params"] for f in firsts]
+        state = decode.call("abort_during_read", prompts, params, kv)
+        assert state["aborted_while_reading"] == 2
+        assert state["held_after_abort"] == 2  # the blocks wait for the reads to stop
+        assert_idle_and_clean(decode, prefill)
+    finally:
+        prefill.close()
+        decode.close()

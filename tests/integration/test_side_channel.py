@@ -21,11 +21,9 @@ import torch
 
 from connector.config import KVTransferConfig
 from connector.grpc_transport import GrpcTransport
+from connector.leases import LeaseExpired, LeaseNotFound, LeaseTable
 from connector.side_channel import (
     CHUNK_BYTES,
-    LeaseExpired,
-    LeaseNotFound,
-    LeaseTable,
     SideChannelClient,
     SideChannelError,
     SideChannelServer,

@@ -1,0 +1,404 @@
+"""NIXL KV transport: one-sided READs of block runs from a peer's registered cache.
+
+The whole cache is registered once. A read becomes one NIXL descriptor per run of consecutive
+block ids on both sides (`contiguous_runs`), so the blocks of one prompt usually move as a single
+descriptor. On one host UCX serves the READ with CMA (`process_vm_readv`): zero-copy, performed
+by the reader's thread inside `transfer`; the peer's CPU does nothing once connected.
+
+Fault injection (tests): `inject_failure(after_descriptors=n)`, or the environment variable
+PDSERVE_NIXL_FAIL_AFTER_DESCRIPTORS=n read when the transport is built, arms a one-shot failure:
+the next read with at least one block posts only its first n descriptors (runs) and is then
+reported failed by `poll`, like a read broken mid-way (some blocks written, the rest not).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from connector.transport import BlockRead, KVTransport, TransferResults, contiguous_runs
+
+if TYPE_CHECKING:
+    from nixl._api import nixl_agent, nixl_xfer_handle
+
+logger = logging.getLogger(__name__)
+
+FAIL_AFTER_DESCRIPTORS_ENV = "PDSERVE_NIXL_FAIL_AFTER_DESCRIPTORS"
+METADATA_VERSION = 1
+DEFAULT_READ_TIMEOUT_S = 60.0
+# Idle wait of NIXL's UCX progress thread, in microseconds. The thread wakes on UCX events, so
+# this only bounds how late it notices one it missed. NIXL's Python wrapper pins it to 0, which
+# makes the thread busy-poll: a whole core per engine, measured at 100% CPU with no transfer.
+PROGRESS_THREAD_DELAY_US = 10_000
+
+
+@dataclass(frozen=True)
+class CacheRegion:
+    """A registered cache: block b is [base_addr + b * block_bytes, base_addr + (b+1) * block_bytes)."""
+
+    base_addr: int
+    block_bytes: int
+    num_blocks: int
+    mem_type: str  # "DRAM" or "VRAM"
+    device_id: int
+
+    def run_desc(self, first_block: int, num_blocks: int) -> tuple[int, int, int]:
+        """The NIXL (address, length, device id) of `num_blocks` blocks from `first_block` on."""
+        address = self.base_addr + first_block * self.block_bytes
+        return (address, num_blocks * self.block_bytes, self.device_id)
+
+    def check_block_ids(self, block_ids: list[int], side: str) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"{side} block ids out of range [0, {self.num_blocks}): {bad[:8]}")
+
+
+def region_of(kv_cache: torch.Tensor) -> CacheRegion:
+    """The region of a block-contiguous [num_blocks, ...] cache tensor."""
+    if kv_cache.dim() < 1 or kv_cache.shape[0] < 1:
+        raise ValueError(f"kv_cache must be [num_blocks, ...] with num_blocks >= 1, got {tuple(kv_cache.shape)}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous: a block is one byte range")
+    if kv_cache.device.type == "cuda":
+        index = kv_cache.device.index
+        device_id = torch.cuda.current_device() if index is None else index
+        mem_type = "VRAM"
+    elif kv_cache.device.type == "cpu":
+        device_id, mem_type = 0, "DRAM"  # NIXL's device id for host memory
+    else:
+        raise ValueError(f"NIXL transport supports cpu and cuda caches, got {kv_cache.device}")
+    return CacheRegion(
+        base_addr=kv_cache.data_ptr(),
+        block_bytes=kv_cache[0].numel() * kv_cache.element_size(),
+        num_blocks=kv_cache.shape[0],
+        mem_type=mem_type,
+        device_id=device_id,
+    )
+
+
+@dataclass(frozen=True)
+class PeerMetadata:
+    """What `local_metadata` publishes: JSON, the NIXL agent metadata base64-encoded."""
+
+    agent_name: str
+    agent_metadata: bytes
+    region: CacheRegion
+
+    def to_bytes(self) -> bytes:
+        record = {
+            "version": METADATA_VERSION,
+            "agent_name": self.agent_name,
+            "agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii"),
+            "base_addr": self.region.base_addr,
+            "block_bytes": self.region.block_bytes,
+            "num_blocks": self.region.num_blocks,
+            "mem_type": self.region.mem_type,
+            "device_id": self.region.device_id,
+        }
+        return json.dumps(record, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PeerMetadata:
+        try:
+            record = json.loads(data)
+            if record.get("version") != METADATA_VERSION:
+                raise ValueError(f"version {record.get('version')!r} != {METADATA_VERSION}")
+            region = CacheRegion(
+                base_addr=int(record["base_addr"]),
+                block_bytes=int(record["block_bytes"]),
+                num_blocks=int(record["num_blocks"]),
+                mem_type=str(record["mem_type"]),
+                device_id=int(record["device_id"]),
+            )
+            agent_metadata = base64.b64decode(record["agent_metadata"], validate=True)
+            return cls(str(record["agent_name"]), agent_metadata, region)
+        except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
+            raise ValueError(f"malformed NIXL transport metadata: {exc}") from exc
+
+
+@dataclass
+class NixlTransferStats:
+    """Totals since start-up; the bench reads descriptors per block from them."""
+
+    reads: int = 0
+    blocks: int = 0
+    descriptors: int = 0
+    bytes: int = 0
+    failed: int = 0
+
+
+@dataclass
+class _Read:
+    handle: nixl_xfer_handle | None  # None once nothing more can be written locally
+    deadline: float  # time.monotonic() after which the read is aborted
+    failure: str | None = None  # set before the end: post error, injected failure, cancel
+
+
+def _fail_after_from_env() -> int | None:
+    raw = os.environ.get(FAIL_AFTER_DESCRIPTORS_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"{FAIL_AFTER_DESCRIPTORS_ENV} must be an integer >= 0, got {raw!r}")
+    return int(raw)
+
+
+def _create_agent(name: str) -> nixl_agent:
+    from nixl import _bindings
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    # The wrapper is built without backends and then given a core agent configured here, as its
+    # own configuration cannot set the progress thread's idle wait (PROGRESS_THREAD_DELAY_US).
+    # The thread is needed: a peer must answer UCX wireup before the first READ completes, and
+    # an idle prefill engine calls nothing that would make its agent progress.
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    config = _bindings.nixlAgentConfig()
+    config.useProgThread = True
+    config.useListenThread = False
+    config.syncMode = _bindings.NIXL_THREAD_SYNC_NONE  # calls are serialized by our lock
+    config.pthrDelay = PROGRESS_THREAD_DELAY_US
+    agent.agent = _bindings.nixlAgent(name, config)
+    agent.plugin_list = agent.agent.getAvailPlugins()
+    if "UCX" not in agent.plugin_list:
+        raise RuntimeError(f"NIXL has no UCX plugin (available: {agent.plugin_list})")
+    agent.create_backend("UCX", {})
+    return agent
+
+
+def _check_pairing(read: BlockRead) -> None:
+    if len(read.local_block_ids) != len(read.remote_block_ids):
+        raise ValueError(
+            f"read {read.transfer_id}: {len(read.local_block_ids)} local block ids for "
+            f"{len(read.remote_block_ids)} remote ones"
+        )
+    if len(set(read.local_block_ids)) != len(read.local_block_ids):
+        raise ValueError(f"read {read.transfer_id}: a local block id appears twice")
+
+
+class NixlTransport(KVTransport):
+    """KV transport over NIXL (UCX backend); the decode side READs from the prefill side."""
+
+    name = "nixl"
+
+    def __init__(self, agent_name: str, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
+        if not agent_name:
+            raise ValueError("agent_name must be non-empty")
+        if read_timeout_s <= 0:
+            raise ValueError(f"read_timeout_s must be > 0, got {read_timeout_s}")
+        self.agent_name = agent_name
+        self.read_timeout_s = read_timeout_s
+        self.last_num_descriptors = 0  # descriptors of the latest start_read
+        self.stats = NixlTransferStats()
+        self._fail_after: int | None = _fail_after_from_env()
+        self._lock = threading.Lock()  # NIXL runs unsynchronized (NIXL_THREAD_SYNC_NONE)
+        self._agent: nixl_agent | None = _create_agent(agent_name)
+        self._kv_cache: torch.Tensor | None = None  # keeps the registered storage alive
+        self._registration: Any = None
+        self._region: CacheRegion | None = None
+        self._metadata: bytes | None = None
+        self._peers: dict[str, PeerMetadata] = {}
+        self._reads: dict[str, _Read] = {}
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def register(self, kv_cache: torch.Tensor) -> None:
+        with self._lock:
+            agent = self._require_agent()
+            if self._region is not None:
+                raise RuntimeError("the KV cache is already registered")
+            region = region_of(kv_cache)
+            self._registration = agent.register_memory(kv_cache)
+            self._kv_cache = kv_cache
+            self._region = region
+            # Taken after registering: the agent metadata carries the remote keys of our memory.
+            local = PeerMetadata(self.agent_name, agent.get_agent_metadata(), region)
+            self._metadata = local.to_bytes()
+
+    def local_metadata(self) -> bytes:
+        metadata = self._metadata
+        if metadata is None:
+            raise RuntimeError("register the KV cache before asking for its metadata")
+        return metadata
+
+    def add_remote(self, engine_id: str, metadata: bytes) -> None:
+        peer = PeerMetadata.from_bytes(metadata)
+        with self._lock:
+            agent = self._require_agent()
+            region = self._require_region()
+            if peer.region.block_bytes != region.block_bytes:
+                raise ValueError(
+                    f"engine {engine_id!r} has {peer.region.block_bytes}-byte blocks, we have "
+                    f"{region.block_bytes}: incompatible KV cache layouts"
+                )
+            known = self._peers.get(engine_id)
+            if known == peer:
+                return
+            if peer.agent_name == self.agent_name:
+                raise ValueError(f"engine {engine_id!r} uses our own agent name {self.agent_name!r}")
+            if known is not None:
+                # A restarted peer: its old memory is gone, forget it before loading the new one.
+                del self._peers[engine_id]
+                agent.remove_remote_agent(known.agent_name)
+            agent.add_remote_agent(peer.agent_metadata)
+            self._peers[engine_id] = peer
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def inject_failure(self, after_descriptors: int = 0) -> None:
+        """Make the next non-empty read post only `after_descriptors` descriptors, then fail."""
+        if after_descriptors < 0:
+            raise ValueError(f"after_descriptors must be >= 0, got {after_descriptors}")
+        with self._lock:
+            self._fail_after = after_descriptors
+
+    def start_read(self, read: BlockRead) -> None:
+        with self._lock:
+            region = self._require_region()
+            peer = self._peers.get(read.remote_engine_id)
+            if peer is None:
+                raise ValueError(f"unknown remote engine {read.remote_engine_id!r}: add_remote first")
+            if read.transfer_id in self._reads:
+                raise ValueError(f"read {read.transfer_id!r} is already in flight")
+            _check_pairing(read)
+            region.check_block_ids(read.local_block_ids, "local")
+            peer.region.check_block_ids(read.remote_block_ids, f"remote ({read.remote_engine_id})")
+            runs = contiguous_runs(read.local_block_ids, read.remote_block_ids)
+            self._count(runs, region)
+            deadline = time.monotonic() + self.read_timeout_s
+            failure = None
+            if runs and self._fail_after is not None:
+                runs = runs[: self._fail_after]
+                failure = f"injected failure after {len(runs)} descriptor(s)"
+                self._fail_after = None
+            self._reads[read.transfer_id] = self._post(runs, peer, deadline, failure)
+
+    def poll(self) -> TransferResults:
+        results = TransferResults()
+        with self._lock:
+            for transfer_id, read in list(self._reads.items()):
+                if not self._has_stopped(read):
+                    continue
+                del self._reads[transfer_id]
+                if read.failure is None:
+                    results.done.add(transfer_id)
+                else:
+                    results.failed[transfer_id] = read.failure
+                    self.stats.failed += 1
+        return results
+
+    def cancel(self, transfer_id: str) -> None:
+        with self._lock:
+            read = self._reads.get(transfer_id)
+            if read is None:
+                return  # unknown, or already reported
+            read.failure = "cancelled"
+            if read.handle is not None:
+                # Releasing an active request aborts it; if NIXL cannot, poll waits for its end.
+                self._release(read)
+
+    def close(self) -> None:
+        with self._lock:
+            agent, self._agent = self._agent, None
+            if agent is None:
+                return
+            for read in self._reads.values():
+                self._release(read)
+            self._reads.clear()
+            for peer in self._peers.values():
+                self._best_effort(agent.remove_remote_agent, peer.agent_name)
+            self._peers.clear()
+            if self._registration is not None:
+                self._best_effort(agent.deregister_memory, self._registration)
+            self._registration = self._kv_cache = None
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _post(
+        self, runs: list[tuple[int, int, int]], peer: PeerMetadata, deadline: float, failure: str | None
+    ) -> _Read:
+        """Create and post one READ, one descriptor per run; errors end up in `failure`."""
+        if not runs:
+            return _Read(None, deadline, failure)  # nothing to move: reported at the next poll
+        agent, region = self._require_agent(), self._require_region()
+        local = agent.get_xfer_descs([region.run_desc(l, n) for l, _, n in runs], region.mem_type)
+        remote_runs = [peer.region.run_desc(r, n) for _, r, n in runs]
+        remote = agent.get_xfer_descs(remote_runs, peer.region.mem_type)
+        read = _Read(None, deadline, failure)
+        try:
+            # No notification: nobody on the prefill side drains them, they would pile up there.
+            read.handle = agent.initialize_xfer("READ", local, remote, peer.agent_name, b"")
+            state = agent.transfer(read.handle)
+        except Exception as exc:  # NIXL's errors share no base class below Exception
+            state = "ERR"
+            read.failure = read.failure or f"NIXL could not post the read: {type(exc).__name__}: {exc}"
+        if state == "ERR":
+            read.failure = read.failure or "NIXL rejected the read (ERR at post)"
+        if state != "PROC" and read.handle is not None:
+            self._release(read)  # CMA reads usually finish inside transfer()
+        return read
+
+    def _has_stopped(self, read: _Read) -> bool:
+        """Advance one read; True once nothing more will be written into its local blocks."""
+        if read.handle is None:
+            return True
+        try:
+            state = self._require_agent().check_xfer_state(read.handle)
+        except Exception as exc:  # NIXL's errors share no base class below Exception
+            state = "ERR"
+            read.failure = read.failure or f"NIXL read failed: {type(exc).__name__}: {exc}"
+        if state == "PROC":
+            if time.monotonic() < read.deadline:
+                return False
+            read.failure = read.failure or f"timed out after {self.read_timeout_s:g} s"
+            return self._release(read)  # stopped only if NIXL could abort it
+        if state == "ERR":
+            read.failure = read.failure or "NIXL reported the read failed (ERR)"
+        self._release(read)
+        read.handle = None  # finished either way; a failed release is only a leak
+        return True
+
+    def _release(self, read: _Read) -> bool:
+        """Release (and so abort, if still active) a read's request; False if NIXL refused."""
+        if read.handle is None:
+            return True
+        try:
+            read.handle.release()
+        except Exception as exc:  # NIXL's errors share no base class below Exception
+            logger.warning("NIXL could not release a transfer request: %s", exc)
+            return False
+        read.handle = None
+        return True
+
+    def _count(self, runs: list[tuple[int, int, int]], region: CacheRegion) -> None:
+        num_blocks = sum(length for _, _, length in runs)
+        self.last_num_descriptors = len(runs)
+        self.stats.reads += 1
+        self.stats.blocks += num_blocks
+        self.stats.descriptors += len(runs)
+        self.stats.bytes += num_blocks * region.block_bytes
+
+    @staticmethod
+    def _best_effort(call: Any, *args: Any) -> None:
+        try:
+            call(*args)
+        except Exception as exc:  # close() must get through every step
+            logger.warning("NIXL clean-up step %s failed: %s", getattr(call, "__name__", call), exc)
+
+    def _require_agent(self) -> nixl_agent:
+        if self._agent is None:
+            raise RuntimeError("the NIXL transport is closed")
+        return self._agent
+
+    def _require_region(self) -> CacheRegion:
+        if self._region is None:
+            raise RuntimeError("register the KV cache first")
+        return self._region
