@@ -43,7 +43,7 @@ PROGRESS_THREAD_DELAY_US = 10_000
 
 @dataclass(frozen=True)
 class CacheRegion:
-    """A registered cache: block b is [base_addr + b * block_bytes, base_addr + (b+1) * block_bytes)."""
+    """A registered cache; block b is the block_bytes bytes at base_addr + b * block_bytes."""
 
     base_addr: int
     block_bytes: int
@@ -65,7 +65,9 @@ class CacheRegion:
 def region_of(kv_cache: torch.Tensor) -> CacheRegion:
     """The region of a block-contiguous [num_blocks, ...] cache tensor."""
     if kv_cache.dim() < 1 or kv_cache.shape[0] < 1:
-        raise ValueError(f"kv_cache must be [num_blocks, ...] with num_blocks >= 1, got {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"kv_cache must be [num_blocks, ...] with num_blocks >= 1, got {tuple(kv_cache.shape)}"
+        )
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous: a block is one byte range")
     if kv_cache.device.type == "cuda":
@@ -243,7 +245,9 @@ class NixlTransport(KVTransport):
             if known == peer:
                 return
             if peer.agent_name == self.agent_name:
-                raise ValueError(f"engine {engine_id!r} uses our own agent name {self.agent_name!r}")
+                raise ValueError(
+                    f"engine {engine_id!r} uses our own agent name {self.agent_name!r}"
+                )
             if known is not None:
                 # A restarted peer: its old memory is gone, forget it before loading the new one.
                 del self._peers[engine_id]
@@ -262,10 +266,13 @@ class NixlTransport(KVTransport):
 
     def start_read(self, read: BlockRead) -> None:
         with self._lock:
+            self._require_agent()
             region = self._require_region()
             peer = self._peers.get(read.remote_engine_id)
             if peer is None:
-                raise ValueError(f"unknown remote engine {read.remote_engine_id!r}: add_remote first")
+                raise ValueError(
+                    f"unknown remote engine {read.remote_engine_id!r}: add_remote first"
+                )
             if read.transfer_id in self._reads:
                 raise ValueError(f"read {read.transfer_id!r} is already in flight")
             _check_pairing(read)
@@ -323,14 +330,19 @@ class NixlTransport(KVTransport):
     # -- internals ----------------------------------------------------------------------------
 
     def _post(
-        self, runs: list[tuple[int, int, int]], peer: PeerMetadata, deadline: float, failure: str | None
+        self,
+        runs: list[tuple[int, int, int]],
+        peer: PeerMetadata,
+        deadline: float,
+        failure: str | None,
     ) -> _Read:
         """Create and post one READ, one descriptor per run; errors end up in `failure`."""
         if not runs:
             return _Read(None, deadline, failure)  # nothing to move: reported at the next poll
         agent, region = self._require_agent(), self._require_region()
-        local = agent.get_xfer_descs([region.run_desc(l, n) for l, _, n in runs], region.mem_type)
-        remote_runs = [peer.region.run_desc(r, n) for _, r, n in runs]
+        local_runs = [region.run_desc(first, n) for first, _, n in runs]
+        remote_runs = [peer.region.run_desc(first, n) for _, first, n in runs]
+        local = agent.get_xfer_descs(local_runs, region.mem_type)
         remote = agent.get_xfer_descs(remote_runs, peer.region.mem_type)
         read = _Read(None, deadline, failure)
         try:
@@ -339,7 +351,9 @@ class NixlTransport(KVTransport):
             state = agent.transfer(read.handle)
         except Exception as exc:  # NIXL's errors share no base class below Exception
             state = "ERR"
-            read.failure = read.failure or f"NIXL could not post the read: {type(exc).__name__}: {exc}"
+            read.failure = (
+                read.failure or f"NIXL could not post the read: {type(exc).__name__}: {exc}"
+            )
         if state == "ERR":
             read.failure = read.failure or "NIXL rejected the read (ERR at post)"
         if state != "PROC" and read.handle is not None:

@@ -109,6 +109,9 @@ class PDWorker:
         try:
             client = self._client(load.remote)
             self._handshake(client, load.remote)
+            # One-sided transports (NIXL) read without asking the remote: make sure the lease
+            # is live before reading (a refused renewal fails the load, nothing is read).
+            client.renew_lease(load.remote.lease_id)
             self.transport.start_read(
                 BlockRead(
                     transfer_id=load.request_id,
@@ -155,10 +158,15 @@ class PDWorker:
         results = self.transport.poll()
         for request_id in results.done:
             active = self._active.pop(request_id, None)
-            if active is not None:
-                self._release(active.load.remote)
+            if active is None:
+                continue
+            # The bytes are trustworthy only if the lease was still live when the read ended:
+            # otherwise the remote may have reused the blocks while we were reading them.
+            if self._release(active.load.remote):
                 self._finished_recving.add(request_id)
                 self.stats["blocks_read"] += len(active.load.local_block_ids)
+            else:
+                self._failed(active.load, "the lease ended before the read completed")
         for request_id, reason in results.failed.items():
             active = self._active.pop(request_id, None)
             if active is not None:
@@ -203,11 +211,13 @@ class PDWorker:
             except SideChannelError as exc:
                 logger.warning("renewing lease %s: %s", active.load.remote.lease_id, exc)
 
-    def _release(self, remote: RemoteKV) -> None:
+    def _release(self, remote: RemoteKV) -> bool:
+        """Give the lease back; True when it was still live (False also when unreachable)."""
         try:
-            self._client(remote).release(remote.lease_id)
+            return self._client(remote).release(remote.lease_id)
         except SideChannelError as exc:  # gone or expired: the remote frees them anyway
             logger.info("releasing lease %s: %s", remote.lease_id, exc)
+            return False
 
     def close(self) -> None:
         for client in self._clients.values():

@@ -58,10 +58,11 @@ def _build_parser() -> argparse.ArgumentParser:
     make_model.add_argument("--seed", type=int, default=None)
     bench = commands.add_parser("bench", help="benchmarks; each prints one JSON object")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    from engine.benchmarks import offline, sched
+    from engine.benchmarks import kv, offline, sched
 
     sched.add_arguments(benches.add_parser("sched", help="scheduler cost per step (no model)"))
     offline.add_arguments(benches.add_parser("offline", help="engine vs transformers.generate"))
+    kv.add_arguments(benches.add_parser("kv", help="KV block transfer between two processes"))
     return parser
 
 
@@ -118,10 +119,12 @@ def _run_make_model(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from engine.benchmarks import offline, sched
+    from engine.benchmarks import kv, offline, sched
 
     if args.bench == "sched":
         report = sched.run(sched.workload_from_args(args))
+    elif args.bench == "kv":
+        report = kv.run(kv.config_from_args(args))
     else:
         report = offline.run(offline.config_from_args(args))
     print(json.dumps(report, indent=2))

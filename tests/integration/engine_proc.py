@@ -65,7 +65,7 @@ def _serve(conn: Any, model: str, engine_kwargs: dict[str, Any]) -> None:
                 if hasattr(transport, "inject_failure_after_blocks"):
                     transport.inject_failure_after_blocks(args[0])
                 else:
-                    transport.inject_failure()
+                    transport.inject_failure(args[0])
                 reply = None
             elif command == "slow_reads":
                 _slow_down_side_channel(connector, args[0])

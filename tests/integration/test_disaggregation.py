@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 BLOCK = 8
 ENGINE = dict(max_model_len=128, block_size=BLOCK, num_gpu_blocks_override=96)
 SECRET = "s3cret"
-TRANSPORTS = ["grpc"]  # "nixl" joins when its transport lands
+TRANSPORTS = ["grpc", "nixl"]
 
 rng = random.Random(7)
 SHARED = [rng.randrange(10, 2000) for _ in range(24)]  # 3 whole blocks
