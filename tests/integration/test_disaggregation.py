@@ -136,10 +136,16 @@ def test_faults_recover_or_fail_cleanly(transport, colocated):
         bogus = lambda kv: {**kv, "remote_block_ids": [10**6] * len(kv["remote_block_ids"])}  # noqa: E731
         _, outs = prefill_then_decode(prefill, decode, prompts, params, tamper=bogus)
         assert [o["token_ids"] for o in outs] == expected
-        # Under policy "fail" the same fault ends the request with a clear error.
+        # Under policy "fail" the same faults end the request with a clear error.
         _, outs = prefill_then_decode(prefill, decode_fail, prompts, params, tamper=bogus)
         assert all(o["finish_reason"] == "error" for o in outs)
         assert all("loading remote KV failed" in o["error"] for o in outs)
+        decode_fail.call("inject_failure", 1)
+        _, outs = prefill_then_decode(prefill, decode_fail, prompts, params)
+        assert [o["finish_reason"] for o in outs].count("error") == 1  # the injected read
+        assert [o["token_ids"] for o in outs if o["finish_reason"] != "error"] in (
+            [expected[0]], [expected[1]]
+        )
         # An aborted prefill-side request ends its lease: a later read is refused.
         firsts = prefill.generate(
             prompts, [replace(p, max_tokens=1) for p in params], {"do_remote_decode": True}
