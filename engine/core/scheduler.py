@@ -15,13 +15,8 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_cache_utils import KVCacheBlock, cdiv
 from engine.core.kv_transfer_state import KVTransferState
 from engine.core.request_queue import RequestQueue, create_request_queue
-from engine.core.sched_output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from engine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from engine.core.sched_step import Step, build_scheduler_output
 from engine.core.stop import check_stop
 from engine.request import FinishReason, Request, RequestStatus, finish_reason_of
 
@@ -29,31 +24,6 @@ _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
-
-
-class _Step:
-    """Everything one `schedule()` call decides, before it becomes a SchedulerOutput."""
-
-    __slots__ = (
-        "budget",
-        "new_blocks",
-        "num_scheduled",
-        "preempted",
-        "scheduled_new",
-        "scheduled_resumed",
-        "scheduled_running",
-        "skipped",
-    )
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.num_scheduled: dict[str, int] = {}
-        self.new_blocks: dict[str, list[KVCacheBlock]] = {}  # only requests that got some
-        self.scheduled_running: list[Request] = []
-        self.scheduled_new: list[Request] = []
-        self.scheduled_resumed: list[Request] = []
-        self.preempted: list[Request] = []
-        self.skipped: list[Request] = []  # back to skipped_waiting once the step is decided
 
 
 class Scheduler:
@@ -139,17 +109,18 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.kv_cache_manager.new_step_starts()
-        step = _Step(self.scheduler_config.max_num_batched_tokens)
+        step = Step(self.scheduler_config.max_num_batched_tokens)
         self._schedule_running(step)
         # A step that had to preempt is short of blocks: admitting now would only thrash.
         if not step.preempted:
             self._schedule_waiting(step)
-        output = self._build_output(step)
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        output = build_scheduler_output(step, self.kv_cache_manager, finished)
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: Step) -> None:
         threshold = self.scheduler_config.long_prefill_token_threshold
         running = self.running
         allocate_slots = self.kv_cache_manager.allocate_slots
@@ -182,7 +153,7 @@ class Scheduler:
             i += 1
 
     def _preempt_until_fits(
-        self, request: Request, num_new_tokens: int, index: int, step: _Step
+        self, request: Request, num_new_tokens: int, index: int, step: Step
     ) -> tuple[list[KVCacheBlock] | None, int]:
         """Preempt victims until `request` fits. Returns its new blocks (None if the victim
         was `request` itself) and its index in `running`, which shifts left when a victim
@@ -206,7 +177,7 @@ class Scheduler:
             if new_blocks is not None:
                 return new_blocks, index
 
-    def _unschedule(self, victim: Request, step: _Step) -> None:
+    def _unschedule(self, victim: Request, step: Step) -> None:
         """Roll back what this step already granted a request that is now preempted."""
         req_id = victim.request_id
         step.scheduled_running.remove(victim)
@@ -222,7 +193,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: Step) -> None:
         max_num_seqs = self.scheduler_config.max_num_seqs
         while (self.waiting or self.skipped_waiting) and step.budget > 0:
             if len(self.running) >= max_num_seqs:
@@ -249,7 +220,7 @@ class Scheduler:
             )
         return self.waiting or self.skipped_waiting
 
-    def _try_admit(self, request: Request, queue: RequestQueue, step: _Step) -> bool | None:
+    def _try_admit(self, request: Request, queue: RequestQueue, step: Step) -> bool | None:
         """Admit the head of `queue`. None: stop admitting this step (no room)."""
         kv = self.kv_cache_manager
         new_computed_blocks: list[KVCacheBlock] = []
@@ -298,7 +269,7 @@ class Scheduler:
         self._start_running(request, num_computed, num_new_tokens, step)
         return True
 
-    def _num_new_tokens(self, request: Request, num_computed: int, step: _Step) -> int | None:
+    def _num_new_tokens(self, request: Request, num_computed: int, step: Step) -> int | None:
         num_new_tokens = request.num_tokens - num_computed
         threshold = self.scheduler_config.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
@@ -312,7 +283,7 @@ class Scheduler:
         request: Request,
         num_computed: int,
         num_new_tokens: int,
-        step: _Step,
+        step: Step,
     ) -> None:
         if request.status == _PREEMPTED:
             step.scheduled_resumed.append(request)
@@ -323,51 +294,6 @@ class Scheduler:
         self.running.append(request)
         step.num_scheduled[request.request_id] = num_new_tokens
         step.budget -= num_new_tokens
-
-    def _build_output(self, step: _Step) -> SchedulerOutput:
-        """Describe the step for the worker, then advance every scheduled request's
-        `num_computed_tokens`: the worker computes those tokens now, and the next schedule()
-        builds on that. (The output keeps the values from before the step.)"""
-        get_block_ids = self.kv_cache_manager.get_block_ids
-        num_scheduled = step.num_scheduled
-        new_reqs = []
-        for request in step.scheduled_new:
-            new_reqs.append(NewRequestData.from_request(request, get_block_ids(request.request_id)))
-            request.num_computed_tokens += num_scheduled[request.request_id]
-        cached = CachedRequestData()
-        req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
-        num_computed_tokens, num_output_tokens = (
-            cached.num_computed_tokens,
-            cached.num_output_tokens,
-        )
-        new_blocks_by_req = step.new_blocks
-        for request in step.scheduled_running:
-            req_id = request.request_id
-            blocks = new_blocks_by_req.get(req_id)
-            req_ids.append(req_id)
-            new_block_ids.append([b.block_id for b in blocks] if blocks else None)
-            num_computed_tokens.append(request.num_computed_tokens)
-            num_output_tokens.append(len(request.output_token_ids))
-            request.num_computed_tokens += num_scheduled[req_id]
-        for request in step.scheduled_resumed:
-            req_id = request.request_id
-            req_ids.append(req_id)
-            cached.resumed_req_ids.add(req_id)
-            new_block_ids.append(get_block_ids(req_id))
-            num_computed_tokens.append(request.num_computed_tokens)
-            num_output_tokens.append(len(request.output_token_ids))
-            cached.resumed_token_ids[req_id] = list(request.all_token_ids)
-            request.num_computed_tokens += num_scheduled[req_id]
-        finished, self.finished_req_ids = self.finished_req_ids, set()
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            preempted_req_ids={r.request_id for r in step.preempted},
-            finished_req_ids=finished,
-            new_block_ids_to_zero=self.kv_cache_manager.take_new_block_ids(),
-        )
 
     # ---------------------------------------------------------------- results
 

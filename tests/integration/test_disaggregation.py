@@ -144,7 +144,8 @@ def test_faults_recover_or_fail_cleanly(transport, colocated):
         _, outs = prefill_then_decode(prefill, decode_fail, prompts, params)
         assert [o["finish_reason"] for o in outs].count("error") == 1  # the injected read
         assert [o["token_ids"] for o in outs if o["finish_reason"] != "error"] in (
-            [expected[0]], [expected[1]]
+            [expected[0]],
+            [expected[1]],
         )
         # An aborted prefill-side request ends its lease: a later read is refused.
         firsts = prefill.generate(

@@ -11,35 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.attention.backend import AttentionMetadata
-from engine.layers.attention.torch_ref import (
-    TorchReferenceBackend,
-    _visible,
-    gather_context,
-    write_kv,
-)
+from engine.layers.attention.torch_ref import TorchReferenceBackend, _visible, gather_context
 
 
 class CudaBackend(TorchReferenceBackend):
-    def forward(
+    def _prefills(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, metadata)
-        out = torch.empty_like(q)
-        if metadata.num_decodes:
-            self._decodes(q, kv_cache, metadata, scale, out)
-        if metadata.prefills:
-            self._batched_prefills(q, kv_cache, metadata, scale, out)
-        return out
-
-    def _batched_prefills(
-        self,
-        q: torch.Tensor,
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
         scale: float,

@@ -71,9 +71,23 @@ class TorchReferenceBackend(AttentionBackend):
         out = torch.empty_like(q)
         if metadata.num_decodes:
             self._decodes(q, kv_cache, metadata, scale, out)
-        for prefill in metadata.prefills:
-            self._prefill(q, k, v, kv_cache, metadata, prefill, scale, out)
+        if metadata.prefills:
+            self._prefills(q, k, v, kv_cache, metadata, scale, out)
         return out
+
+    def _prefills(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """One request at a time: on a CPU the loop costs less than padding."""
+        for prefill in md.prefills:
+            self._prefill(q, k, v, kv_cache, md, prefill, scale, out)
 
     def _decodes(
         self,

@@ -1,0 +1,80 @@
+"""One scheduling step: what it decided (Step), and the SchedulerOutput describing it."""
+
+from __future__ import annotations
+
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_utils import KVCacheBlock
+from engine.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.request import Request
+
+
+class Step:
+    """Everything one `schedule()` call decides, before it becomes a SchedulerOutput."""
+
+    __slots__ = (
+        "budget",
+        "new_blocks",
+        "num_scheduled",
+        "preempted",
+        "scheduled_new",
+        "scheduled_resumed",
+        "scheduled_running",
+        "skipped",
+    )
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.num_scheduled: dict[str, int] = {}
+        self.new_blocks: dict[str, list[KVCacheBlock]] = {}  # only requests that got some
+        self.scheduled_running: list[Request] = []
+        self.scheduled_new: list[Request] = []
+        self.scheduled_resumed: list[Request] = []
+        self.preempted: list[Request] = []
+        self.skipped: list[Request] = []  # back to skipped_waiting once the step is decided
+
+
+def build_scheduler_output(
+    step: Step, kv_cache_manager: KVCacheManager, finished_req_ids: set[str]
+) -> SchedulerOutput:
+    """Describe the step for the worker, then advance every scheduled request's
+    `num_computed_tokens`: the worker computes those tokens now, and the next schedule()
+    builds on that. (The output keeps the values from before the step.)"""
+    get_block_ids = kv_cache_manager.get_block_ids
+    num_scheduled = step.num_scheduled
+    new_reqs = []
+    for request in step.scheduled_new:
+        new_reqs.append(NewRequestData.from_request(request, get_block_ids(request.request_id)))
+        request.num_computed_tokens += num_scheduled[request.request_id]
+    cached = CachedRequestData()
+    req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+    num_computed_tokens, num_output_tokens = (
+        cached.num_computed_tokens,
+        cached.num_output_tokens,
+    )
+    new_blocks_by_req = step.new_blocks
+    for request in step.scheduled_running:
+        req_id = request.request_id
+        blocks = new_blocks_by_req.get(req_id)
+        req_ids.append(req_id)
+        new_block_ids.append([b.block_id for b in blocks] if blocks else None)
+        num_computed_tokens.append(request.num_computed_tokens)
+        num_output_tokens.append(len(request.output_token_ids))
+        request.num_computed_tokens += num_scheduled[req_id]
+    for request in step.scheduled_resumed:
+        req_id = request.request_id
+        req_ids.append(req_id)
+        cached.resumed_req_ids.add(req_id)
+        new_block_ids.append(get_block_ids(req_id))
+        num_computed_tokens.append(request.num_computed_tokens)
+        num_output_tokens.append(len(request.output_token_ids))
+        cached.resumed_token_ids[req_id] = list(request.all_token_ids)
+        request.num_computed_tokens += num_scheduled[req_id]
+    return SchedulerOutput(
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=num_scheduled,
+        total_num_scheduled_tokens=sum(num_scheduled.values()),
+        preempted_req_ids={r.request_id for r in step.preempted},
+        finished_req_ids=finished_req_ids,
+        new_block_ids_to_zero=kv_cache_manager.take_new_block_ids(),
+    )
