@@ -63,6 +63,10 @@ class KVConnectorBase(ABC):
         scheduler keeps the blocks until the worker reports the request in finished_sending
         (or finished_recving, for an abort while a load is in flight)."""
 
+    def validate_request(self, request: Request) -> None:
+        """Raise ValueError for kv_transfer_params this connector cannot serve."""
+        return None
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The worker's report of this step, seen by the scheduler side (default: nothing)."""
         return None

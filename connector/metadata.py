@@ -3,6 +3,8 @@ kv_transfer_params a prefill engine hands out."""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +20,7 @@ class RemoteKV:
     port: int
     lease_id: str
     num_tokens: int  # prompt positions whose KV the remote computed
+    tokens_hash: str  # of those tokens: the KV is only good for a prompt that starts with them
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> RemoteKV:
@@ -31,6 +34,7 @@ class RemoteKV:
                 port=int(params["remote_port"]),
                 lease_id=str(params["lease_id"]),
                 num_tokens=int(params["remote_num_tokens"]),
+                tokens_hash=str(params["remote_tokens_hash"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
@@ -47,7 +51,12 @@ class RemoteKV:
             "remote_port": self.port,
             "lease_id": self.lease_id,
             "remote_num_tokens": self.num_tokens,
+            "remote_tokens_hash": self.tokens_hash,
         }
+
+
+def tokens_hash(token_ids: list[int]) -> str:
+    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 
 from connector.base import KVConnectorBase
 from connector.config import KVTransferConfig
-from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV
+from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV, tokens_hash
 from connector.pd_worker import PDWorker
 from engine.core.kv_cache_utils import KVCacheBlock, cdiv
 from engine.core.sched_output import SchedulerOutput
@@ -91,8 +91,29 @@ class PDConnector(KVConnectorBase):
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_decode") or request.status not in _HANDED_OFF:
             return False, None
-        remote = self.worker.lease_blocks(request_id, block_ids, request.num_computed_tokens)
+        computed = request.all_token_ids[: request.num_computed_tokens]
+        remote = self.worker.lease_blocks(request_id, block_ids, computed)
         return True, remote.to_params()
+
+    def validate_request(self, request: Request) -> None:
+        """Refuse unusable kv_transfer_params at admission (ValueError), not mid-step."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        remote = RemoteKV.from_params(params)
+        if (
+            remote.num_tokens > request.num_prompt_tokens
+            or tokens_hash(request.prompt_token_ids[: remote.num_tokens]) != remote.tokens_hash
+        ):
+            raise ValueError(
+                f"request {request.request_id!r}: kv_transfer_params were made for another "
+                "prompt (the remote KV does not match this prompt's tokens)"
+            )
+        if len(remote.block_ids) < cdiv(remote.num_tokens, self.block_size):
+            raise ValueError(
+                f"request {request.request_id!r}: kv_transfer_params name "
+                f"{len(remote.block_ids)} blocks for {remote.num_tokens} tokens"
+            )
 
     def has_pending_transfers(self) -> bool:
         return bool(self._reading) or self.worker.has_pending()

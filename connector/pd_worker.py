@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from connector.config import KVTransferConfig
-from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV
+from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV, tokens_hash
 from connector.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 from connector.transport import BlockRead, KVTransport
 
@@ -77,7 +77,8 @@ class PDWorker:
 
     # ------------------------------------------------------------------ producing side
 
-    def lease_blocks(self, request_id: str, block_ids: list[int], num_tokens: int) -> RemoteKV:
+    def lease_blocks(self, request_id: str, block_ids: list[int], token_ids: list[int]) -> RemoteKV:
+        """Hold the blocks for a reader; `token_ids` are those whose KV the blocks hold."""
         assert self.server is not None, "register() first"
         lease = self.server.leases.add(request_id, block_ids, self.config.lease_seconds)
         return RemoteKV(
@@ -87,7 +88,8 @@ class PDWorker:
             host=self.config.side_channel_host,
             port=self.port,
             lease_id=lease.lease_id,
-            num_tokens=num_tokens,
+            num_tokens=len(token_ids),
+            tokens_hash=tokens_hash(token_ids),
         )
 
     def cancel_lease(self, request_id: str) -> None:

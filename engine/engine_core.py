@@ -52,6 +52,10 @@ class EngineCore:
                 f"vocabulary (size {vocab})"
             )
         self.runner.validate_params(request.sampling_params)
+        if request.kv_transfer_params:
+            if self.connector is None:
+                raise ValueError("kv_transfer_params need an engine with a kv_transfer_config")
+            self.connector.validate_request(request)
         self.scheduler.add_request(request)
 
     def abort_requests(

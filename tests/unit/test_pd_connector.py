@@ -1,0 +1,79 @@
+"""PDConnector's admission checks and block arithmetic (no transfer: gRPC transport, idle)."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.config import KVTransferConfig
+from connector.metadata import RemoteKV, tokens_hash
+from connector.pd_connector import PDConnector
+from engine.core.kv_cache_utils import KVCacheBlock
+from engine.request import Request, SamplingParams
+
+PROMPT = list(range(100, 121))  # 21 tokens
+
+
+@pytest.fixture
+def connector():
+    conn = PDConnector(KVTransferConfig(connector="grpc"), "decode-0", "hash", block_size=4)
+    yield conn
+    conn.close()
+
+
+def remote(num_tokens: int = 20, prompt=PROMPT, block_ids=None) -> dict:
+    ids = block_ids if block_ids is not None else [7, 8, 9, 10, 11]
+    return RemoteKV(
+        "prefill-0",
+        "p-1",
+        ids,
+        "127.0.0.1",
+        1,
+        "lease-1",
+        num_tokens,
+        tokens_hash(prompt[:num_tokens]),
+    ).to_params()
+
+
+def request(params: dict, prompt=PROMPT) -> Request:
+    return Request("r", prompt, SamplingParams(), kv_transfer_params=params)
+
+
+def test_params_made_for_this_prompt_are_accepted(connector):
+    connector.validate_request(request(remote()))
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (remote(prompt=[1] * 21), "made for another prompt"),
+        (remote(num_tokens=30), "made for another prompt"),
+        (remote(block_ids=[1, 2]), "name 2 blocks for 20 tokens"),
+        ({"do_remote_prefill": True, "remote_engine_id": "x"}, "lack a field"),
+    ],
+)
+def test_unusable_params_are_refused_at_admission(connector, params, message):
+    with pytest.raises(ValueError, match=message):
+        connector.validate_request(request(params))
+
+
+def test_reads_only_the_blocks_after_the_local_hits(connector):
+    req = request(remote(num_tokens=20))
+    # 8 tokens (2 blocks) hit locally; 20 - 8 = 12 more come from the remote... but the
+    # last prompt token (index 20) is computed here, so 20 - 8 = 12 tokens: blocks 2..4.
+    num, load_async = connector.get_num_new_matched_tokens(req, 8)
+    assert (num, load_async) == (12, True)
+    blocks = [KVCacheBlock(i) for i in (30, 31, 32, 33, 34, 35)]
+    connector.update_state_after_alloc(req, blocks, 12)
+    meta = connector.build_connector_meta(None)
+    (load,) = meta.loads
+    assert load.local_block_ids == [32, 33, 34]
+    assert load.remote_block_ids == [9, 10, 11]
+    assert connector.stats["blocks_requested"] == 3
+
+
+def test_a_full_local_hit_only_releases_the_lease(connector):
+    req = request(remote(num_tokens=20))
+    assert connector.get_num_new_matched_tokens(req, 20) == (0, False)
+    connector.update_state_after_alloc(req, [KVCacheBlock(i) for i in range(6)], 0)
+    meta = connector.build_connector_meta(None)
+    assert meta.loads == [] and [r.lease_id for r in meta.releases] == ["lease-1"]
