@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from connector.block_data import BlockChunk
 from connector.side_channel import (
-    BlockChunk,
     BlockStream,
     SideChannelClient,
     SideChannelError,

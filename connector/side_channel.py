@@ -26,11 +26,12 @@ import logging
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 import torch
 
+from connector.block_data import BlockChunk, decode_block_data, encode_block_data
 from connector.config import KVTransferConfig
 from connector.leases import (
     LeaseError,
@@ -42,6 +43,7 @@ from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 SECRET_METADATA_KEY = "x-pdserve-secret"
+_SERVICE = "pdserve.v1.KVTransfer"
 KV_LAYOUT = "block_contiguous_v1"  # engine/worker/kv_cache.py
 # Blocks larger than this travel as several BlockData messages; message limits leave headroom.
 CHUNK_BYTES = 4 << 20
@@ -54,6 +56,9 @@ _MAX_TOMBSTONES = 4096
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # The largest HTTP/2 frame we accept (default 16 KiB): a 4 MiB chunk then travels in one
+    # DATA frame instead of 256, which cut block reads' CPU per byte (bench kv: ~+15%).
+    ("grpc.http2.max_frame_size", (1 << 24) - 1),
 ]
 # A peer that vanishes without closing its socket (host down) is noticed by keepalive pings
 # within ~15 s, even inside a long deadline; the server must accept pings that often.
@@ -105,7 +110,11 @@ def block_bytes_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-# ---------------------------------------------------------------------------------- leases
+# ----------------------------------------------------------------- BlockData, by hand
+# ReadBlocks moves hundreds of MiB, and protobuf would copy each chunk once more on each side
+# (into the message, out of it). So BlockData is written and read here in its own wire format
+# (protobuf peers read and write the same bytes): the server copies the cache's bytes once,
+# the client gets `data` as a view of the received message.
 
 
 class SideChannelServer:
@@ -147,7 +156,7 @@ class SideChannelServer:
             futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="side-channel"),
             options=_SERVER_OPTIONS,
         )
-        pb_grpc.add_KVTransferServicer_to_server(_KVTransferServicer(self), server)
+        _add_servicer(_KVTransferServicer(self), server)
         address = f"{_host(self.config.side_channel_host)}:{self.config.side_channel_port}"
         try:
             port = server.add_insecure_port(address)
@@ -165,8 +174,9 @@ class SideChannelServer:
             self._server.stop(grace_s).wait()
             self._server = None
 
-    def block_chunks(self, block_ids: list[int]) -> Iterator[tuple[int, int, bytes]]:
-        """(block_id, offset, bytes) in request order; device caches staged per run of blocks."""
+    def block_chunks(self, block_ids: list[int]) -> Iterator[tuple[int, int, memoryview]]:
+        """(block_id, offset, bytes) in request order; device caches staged per run of blocks.
+        The bytes are views of the cache (or of its staged host copy), not copies."""
         per_stage = max(1, _STAGE_BYTES // self.block_bytes)
         i = 0
         while i < len(block_ids):
@@ -174,12 +184,40 @@ class SideChannelServer:
             while i + n < len(block_ids) and n < per_stage and block_ids[i + n] == block_ids[i] + n:
                 n += 1
             staged = self.cache[block_ids[i] : block_ids[i] + n]
-            rows = (staged if staged.device.type == "cpu" else staged.cpu()).numpy()
+            host = staged if staged.device.type == "cpu" else staged.cpu()
+            flat = host.numpy().data.cast("B")  # the run's bytes, no copy
             for k in range(n):
                 for offset in range(0, self.block_bytes, self.chunk_bytes):
-                    chunk = rows[k, offset : offset + self.chunk_bytes]
-                    yield block_ids[i + k], offset, chunk.tobytes()
+                    start = k * self.block_bytes + offset
+                    end = min(start + self.chunk_bytes, (k + 1) * self.block_bytes)
+                    yield block_ids[i + k], offset, flat[start:end]
             i += n
+
+
+def _add_servicer(servicer: _KVTransferServicer, server: grpc.Server) -> None:
+    """As pb_grpc.add_KVTransferServicer_to_server, but ReadBlocks yields serialized BlockData."""
+    handlers = {
+        "Handshake": grpc.unary_unary_rpc_method_handler(
+            servicer.Handshake,
+            request_deserializer=pb.HandshakeRequest.FromString,
+            response_serializer=pb.HandshakeResponse.SerializeToString,
+        ),
+        "RenewLease": grpc.unary_unary_rpc_method_handler(
+            servicer.RenewLease,
+            request_deserializer=pb.LeaseRequest.FromString,
+            response_serializer=pb.LeaseResponse.SerializeToString,
+        ),
+        "Release": grpc.unary_unary_rpc_method_handler(
+            servicer.Release,
+            request_deserializer=pb.LeaseRequest.FromString,
+            response_serializer=pb.ReleaseResponse.SerializeToString,
+        ),
+        "ReadBlocks": grpc.unary_stream_rpc_method_handler(
+            servicer.ReadBlocks, request_deserializer=pb.ReadBlocksRequest.FromString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
+    server.add_registered_method_handlers(_SERVICE, handlers)
 
 
 def _host(host: str) -> str:
@@ -265,9 +303,7 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
             for block_id, offset, data in self.s.block_chunks(block_ids):
                 if offset == 0:
                     leases.check_live(lease_id)
-                yield pb.BlockData(
-                    block_id=block_id, offset=offset, data=data, block_bytes=self.s.block_bytes
-                )
+                yield encode_block_data(block_id, offset, data, self.s.block_bytes)
         except LeaseError as exc:
             context.abort(exc.code, str(exc))
         finally:
@@ -297,17 +333,6 @@ class HandshakeReply:
     block_bytes: int
 
 
-class BlockChunk(NamedTuple):
-    block_id: int
-    offset: int
-    data: bytes
-    block_bytes: int
-
-    @property
-    def last(self) -> bool:
-        return self.offset + len(self.data) == self.block_bytes
-
-
 class BlockStream:
     """A ReadBlocks call: iterate validated chunks; `cancel()` may be called from any thread."""
 
@@ -323,7 +348,7 @@ class BlockStream:
         ids, i, expected_offset = self._block_ids, 0, 0
         try:
             for msg in self._call:
-                chunk = BlockChunk(msg.block_id, msg.offset, msg.data, msg.block_bytes)
+                chunk = self._decode(msg)
                 end = chunk.offset + len(chunk.data)
                 if (
                     i >= len(ids)
@@ -348,6 +373,12 @@ class BlockStream:
                 grpc.StatusCode.DATA_LOSS, f"stream ended after {i} of {len(ids)} blocks"
             )
 
+    def _decode(self, message: bytes) -> BlockChunk:
+        try:
+            return decode_block_data(message)
+        except ValueError as exc:
+            raise self._error(grpc.StatusCode.DATA_LOSS, str(exc)) from None
+
     def _error(self, code: grpc.StatusCode, message: str) -> SideChannelError:
         return SideChannelError(code, message, self._target)
 
@@ -362,6 +393,10 @@ class SideChannelClient:
         self._metadata = ((SECRET_METADATA_KEY, secret),)
         self._channel = grpc.insecure_channel(self.target, options=_CLIENT_OPTIONS)
         self._stub = pb_grpc.KVTransferStub(self._channel)
+        # Serialized BlockData, parsed by BlockStream without copying the data.
+        self._read_blocks = self._channel.unary_stream(
+            f"/{_SERVICE}/ReadBlocks", request_serializer=pb.ReadBlocksRequest.SerializeToString
+        )
 
     def handshake(
         self,
@@ -401,7 +436,7 @@ class SideChannelClient:
     ) -> BlockStream:
         """Start ReadBlocks; the deadline (default timeout_s) covers the whole stream."""
         request = pb.ReadBlocksRequest(lease_id=lease_id, block_ids=block_ids)
-        call = self._stub.ReadBlocks(
+        call = self._read_blocks(
             request, metadata=self._metadata, timeout=timeout_s or self.timeout_s
         )
         return BlockStream(call, list(block_ids), self.target)
@@ -410,11 +445,11 @@ class SideChannelClient:
         self, lease_id: str, block_ids: list[int], timeout_s: float | None = None
     ) -> Iterator[tuple[int, bytes]]:
         """(block_id, whole block bytes) in request order."""
-        parts: list[bytes] = []
+        parts: list[memoryview] = []
         for chunk in self.open_read(lease_id, block_ids, timeout_s):
             parts.append(chunk.data)
             if chunk.last:
-                yield chunk.block_id, parts[0] if len(parts) == 1 else b"".join(parts)
+                yield chunk.block_id, b"".join(parts)
                 parts = []
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ import grpc
 import pytest
 import torch
 
+from connector.block_data import decode_block_data, encode_block_data
 from connector.config import KVTransferConfig
 from connector.grpc_transport import GrpcTransport
 from connector.leases import LeaseExpired, LeaseNotFound, LeaseTable
@@ -31,6 +32,7 @@ from connector.side_channel import (
     compatibility_hash,
 )
 from connector.transport import BlockRead
+from protos.pdserve.v1 import kv_transfer_pb2 as pb
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -61,7 +63,7 @@ class SlowServer(SideChannelServer):
 
     delay_s = 0.0
 
-    def block_chunks(self, block_ids: list[int]) -> Iterator[tuple[int, int, bytes]]:
+    def block_chunks(self, block_ids: list[int]) -> Iterator[tuple[int, int, memoryview]]:
         for item in super().block_chunks(block_ids):
             time.sleep(self.delay_s)
             yield item
@@ -263,6 +265,21 @@ def test_read_refusals(server: ServerProcess, client: SideChannelClient) -> None
     refused(grpc.StatusCode.OUT_OF_RANGE, lambda: list(client.read_blocks(lease_id, [1, 32])))
     refused(grpc.StatusCode.NOT_FOUND, lambda: list(client.read_blocks("no-such-lease", [1])))
     refused(grpc.StatusCode.INVALID_ARGUMENT, lambda: list(client.read_blocks(lease_id, [1, 1])))
+
+
+def test_block_data_by_hand_is_protobuf_block_data() -> None:
+    data = bytes(range(256)) * 3
+    ours = encode_block_data(300, 1 << 33, memoryview(data), 1 << 40)
+    assert pb.BlockData.FromString(ours) == pb.BlockData(
+        block_id=300, offset=1 << 33, data=data, block_bytes=1 << 40
+    )
+    # proto3 leaves zeros out; an unknown field is skipped
+    theirs = pb.BlockData(block_id=0, offset=0, data=b"xy", block_bytes=2).SerializeToString()
+    chunk = decode_block_data(theirs + b"\x28\x05")
+    assert (chunk.block_id, chunk.offset, bytes(chunk.data), chunk.block_bytes) == (0, 0, b"xy", 2)
+    for malformed in (ours[:-1], ours[:4], b"\x08\xff", b"\x0f"):
+        with pytest.raises(ValueError):
+            decode_block_data(malformed)
 
 
 def test_large_blocks_travel_in_chunks() -> None:

@@ -47,7 +47,6 @@ def test_params_made_for_this_prompt_are_accepted(connector):
     [
         (remote(prompt=[1] * 21), "made for another prompt"),
         (remote(num_tokens=30), "made for another prompt"),
-        (remote(block_ids=[1, 2]), "name 2 blocks for 20 tokens"),
         ({"do_remote_prefill": True, "remote_engine_id": "x"}, "lack a field"),
     ],
 )
