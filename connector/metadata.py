@@ -4,9 +4,14 @@ kv_transfer_params a prefill engine hands out."""
 from __future__ import annotations
 
 import hashlib
+import json
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+from engine.worker.kv_cache import KV_CACHE_LAYOUT
 
 
 @dataclass(frozen=True)
@@ -76,3 +81,30 @@ class ConnectorMetadata:
     releases: list[RemoteKV] = field(default_factory=list)
     # Requests whose in-flight read must stop (aborted).
     cancels: list[str] = field(default_factory=list)
+
+
+def compatibility_hash(
+    *,
+    model: str,
+    dtype: str | torch.dtype,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    layout: str = KV_CACHE_LAYOUT,
+    **extra: str | int | float | bool,
+) -> str:
+    """sha256 hex of the canonical JSON of everything that must match for blocks to be
+    interchangeable. `extra` adds fields (e.g. a quantization scheme) on both sides."""
+    fields: dict[str, Any] = {
+        "model": model,
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_layers": num_layers,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "block_size": block_size,
+        "layout": layout,
+        **extra,
+    }
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()

@@ -19,9 +19,7 @@ Every call carries the shared secret as metadata `x-pdserve-secret`. Refusals:
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import json
 import logging
 from collections.abc import Iterator
 from concurrent import futures
@@ -44,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 SECRET_METADATA_KEY = "x-pdserve-secret"
 _SERVICE = "pdserve.v1.KVTransfer"
-KV_LAYOUT = "block_contiguous_v1"  # engine/worker/kv_cache.py
 # Blocks larger than this travel as several BlockData messages; message limits leave headroom.
 CHUNK_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = CHUNK_BYTES + (1 << 20)
@@ -71,33 +68,6 @@ _SERVER_OPTIONS = [
     # gRPC sets SO_REUSEPORT by default: a second server would silently share a fixed port.
     ("grpc.so_reuseport", 0),
 ]
-
-
-def compatibility_hash(
-    *,
-    model: str,
-    dtype: str | torch.dtype,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    layout: str = KV_LAYOUT,
-    **extra: str | int | float | bool,
-) -> str:
-    """sha256 hex of the canonical JSON of everything that must match for blocks to be
-    interchangeable. `extra` adds fields (e.g. a quantization scheme) on both sides."""
-    fields: dict[str, Any] = {
-        "model": model,
-        "dtype": str(dtype).removeprefix("torch."),
-        "num_layers": num_layers,
-        "num_kv_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "block_size": block_size,
-        "layout": layout,
-        **extra,
-    }
-    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def block_bytes_view(kv_cache: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,6 @@ from engine.core.sched_output import EngineCoreOutput
 from engine.core.scheduler import Scheduler
 from engine.models import ModelArchConfig
 from engine.request import Request, RequestStatus
-from engine.worker.kv_cache import KV_CACHE_LAYOUT
 from engine.worker.model_runner import ModelRunner, ReasoningTokens
 
 _IDLE_POLL_S = 0.002
@@ -89,8 +88,8 @@ class EngineCore:
 
 
 def make_connector(config: EngineConfig, arch: ModelArchConfig) -> KVConnectorBase:
+    from connector.metadata import compatibility_hash
     from connector.pd_connector import PDConnector
-    from connector.side_channel import compatibility_hash
 
     kv = config.kv_transfer
     compat = compatibility_hash(
@@ -102,7 +101,6 @@ def make_connector(config: EngineConfig, arch: ModelArchConfig) -> KVConnectorBa
         num_kv_heads=arch.num_key_value_heads,
         head_dim=arch.head_dim,
         block_size=config.cache.block_size,
-        layout=KV_CACHE_LAYOUT,
     )
     engine_id = kv.engine_id or f"engine-{uuid.uuid4().hex[:12]}"
     return PDConnector(kv, engine_id, compat, config.cache.block_size)

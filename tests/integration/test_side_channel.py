@@ -23,13 +23,13 @@ from connector.block_data import decode_block_data, encode_block_data
 from connector.config import KVTransferConfig
 from connector.grpc_transport import GrpcTransport
 from connector.leases import LeaseExpired, LeaseNotFound, LeaseTable
+from connector.metadata import compatibility_hash
 from connector.side_channel import (
     CHUNK_BYTES,
     SideChannelClient,
     SideChannelError,
     SideChannelServer,
     block_bytes_view,
-    compatibility_hash,
 )
 from connector.transport import BlockRead
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
