@@ -84,6 +84,7 @@ class PDConnector(KVConnectorBase):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
+        self._matched.pop(request_id, None)  # matched but never allocated (aborted waiting)
         if request_id in self._reading:
             # Aborted while its read is in flight: the blocks may still be written into.
             self._meta.cancels.append(request_id)

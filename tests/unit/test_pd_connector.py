@@ -8,7 +8,7 @@ from connector.config import KVTransferConfig
 from connector.metadata import RemoteKV, tokens_hash
 from connector.pd_connector import PDConnector
 from engine.core.kv_cache_utils import KVCacheBlock
-from engine.request import Request, SamplingParams
+from engine.request import Request, RequestStatus, SamplingParams
 
 PROMPT = list(range(100, 121))  # 21 tokens
 
@@ -76,3 +76,12 @@ def test_a_full_local_hit_only_releases_the_lease(connector):
     connector.update_state_after_alloc(req, [KVCacheBlock(i) for i in range(6)], 0)
     meta = connector.build_connector_meta(None)
     assert meta.loads == [] and [r.lease_id for r in meta.releases] == ["lease-1"]
+
+
+def test_a_request_aborted_before_allocation_leaves_nothing_behind(connector):
+    req = request(remote(num_tokens=20))
+    connector.get_num_new_matched_tokens(req, 0)  # matched, then the pool had no room
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert connector.request_finished(req, []) == (False, None)
+    assert connector._matched == {}
+    assert not connector.has_pending_transfers()
