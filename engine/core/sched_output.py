@@ -81,9 +81,6 @@ class KVConnectorOutput:
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
 
-    def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
-
 
 # Per sampled token: (token ids: the sampled one then the top-n, their logprobs, the rank of
 # the sampled token).

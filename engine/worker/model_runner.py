@@ -246,10 +246,4 @@ def _logprobs_rows(
     return rows
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose from {sorted(_DTYPES)}")
-    return _DTYPES[name]
-
-
-__all__ = ["ModelRunner", "ReasoningTokens", "torch_dtype"]
+__all__ = ["ModelRunner", "ReasoningTokens"]

@@ -23,6 +23,12 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return out
 
 
+def make_llm(ref, **overrides) -> LLM:
+    """The parity engine: small blocks, so every prompt spans several of them."""
+    args = dict(max_model_len=96, block_size=4, num_gpu_blocks_override=400)
+    return LLM(ref.path, **{**args, **overrides})
+
+
 def check_against_hf(ref, llm: LLM, prompt_list, params=GREEDY) -> None:
     outputs = llm.generate(prompt_list, params)
     for prompt, output in zip(prompt_list, outputs, strict=True):
@@ -34,13 +40,7 @@ def check_against_hf(ref, llm: LLM, prompt_list, params=GREEDY) -> None:
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_batch_of_prompts_matches_hf(hf_refs, arch, prefix_caching):
     ref = hf_refs[arch]
-    llm = LLM(
-        ref.path,
-        max_model_len=96,
-        block_size=4,
-        num_gpu_blocks_override=400,
-        enable_prefix_caching=prefix_caching,
-    )
+    llm = make_llm(ref, enable_prefix_caching=prefix_caching)
     check_against_hf(ref, llm, prompts())
     # A second round reuses the cached prefixes of the first (when caching is on).
     check_against_hf(ref, llm, prompts())
@@ -51,14 +51,7 @@ def test_batch_of_prompts_matches_hf(hf_refs, arch, prefix_caching):
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_qk_norm"])
 def test_chunked_prefill_in_several_chunks_matches_hf(hf_refs, arch):
     ref = hf_refs[arch]
-    llm = LLM(
-        ref.path,
-        max_model_len=96,
-        block_size=4,
-        num_gpu_blocks_override=400,
-        max_num_batched_tokens=16,
-        long_prefill_token_threshold=5,
-    )
+    llm = make_llm(ref, max_num_batched_tokens=16, long_prefill_token_threshold=5)
     check_against_hf(ref, llm, prompts(1))
 
 
@@ -66,7 +59,7 @@ def test_chunked_prefill_in_several_chunks_matches_hf(hf_refs, arch):
 def test_preemption_with_a_tiny_pool_matches_hf(hf_refs, arch):
     ref = hf_refs[arch]
     # 26 usable blocks of 4 tokens: one 96-token sequence fits, the batch does not.
-    llm = LLM(ref.path, max_model_len=96, block_size=4, num_gpu_blocks_override=27)
+    llm = make_llm(ref, num_gpu_blocks_override=27)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     check_against_hf(ref, llm, prompts(2), params)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -75,7 +68,7 @@ def test_preemption_with_a_tiny_pool_matches_hf(hf_refs, arch):
 def test_batched_prefill_backend_matches_hf(hf_refs):
     """The GPU fast path's algorithm, run on CPU (no CUDA here): same tokens."""
     ref = hf_refs["llama_gqa"]
-    llm = LLM(ref.path, max_model_len=96, block_size=4, num_gpu_blocks_override=400)
+    llm = make_llm(ref)
     llm.engine.runner.attn_backend = CudaBackend()
     check_against_hf(ref, llm, prompts(3))
 
