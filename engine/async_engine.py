@@ -114,6 +114,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(request_id)
 
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the engine loop stopped, if it has failed."""
+        return self._dead
+
     def shutdown(self) -> None:
         self._commands.put(None)
         self._thread.join(timeout=30)

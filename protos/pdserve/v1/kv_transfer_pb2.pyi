@@ -1,14 +1,13 @@
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("compatibility_hash", "engine_id", "expected_engine_id", "transport")
+    __slots__ = ("engine_id", "compatibility_hash", "transport", "expected_engine_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -17,23 +16,10 @@ class HandshakeRequest(_message.Message):
     compatibility_hash: str
     transport: str
     expected_engine_id: str
-    def __init__(
-        self,
-        engine_id: str | None = ...,
-        compatibility_hash: str | None = ...,
-        transport: str | None = ...,
-        expected_engine_id: str | None = ...,
-    ) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., compatibility_hash: _Optional[str] = ..., transport: _Optional[str] = ..., expected_engine_id: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = (
-        "block_bytes",
-        "compatibility_hash",
-        "engine_id",
-        "num_blocks",
-        "transport",
-        "transport_metadata",
-    )
+    __slots__ = ("engine_id", "compatibility_hash", "transport_metadata", "num_blocks", "block_bytes", "transport")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -46,50 +32,38 @@ class HandshakeResponse(_message.Message):
     num_blocks: int
     block_bytes: int
     transport: str
-    def __init__(
-        self,
-        engine_id: str | None = ...,
-        compatibility_hash: str | None = ...,
-        transport_metadata: bytes | None = ...,
-        num_blocks: int | None = ...,
-        block_bytes: int | None = ...,
-        transport: str | None = ...,
-    ) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., compatibility_hash: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("lease_id",)
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: str | None = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
-    __slots__ = ("expires_in_seconds", "lease_id")
+    __slots__ = ("lease_id", "expires_in_seconds")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     expires_in_seconds: float
-    def __init__(
-        self, lease_id: str | None = ..., expires_in_seconds: float | None = ...
-    ) -> None: ...
+    def __init__(self, lease_id: _Optional[str] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
-    def __init__(self, released: bool | None = ...) -> None: ...
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class ReadBlocksRequest(_message.Message):
-    __slots__ = ("block_ids", "lease_id")
+    __slots__ = ("lease_id", "block_ids")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(
-        self, lease_id: str | None = ..., block_ids: _Iterable[int] | None = ...
-    ) -> None: ...
+    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockData(_message.Message):
-    __slots__ = ("block_bytes", "block_id", "data", "offset")
+    __slots__ = ("block_id", "offset", "data", "block_bytes")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -98,10 +72,4 @@ class BlockData(_message.Message):
     offset: int
     data: bytes
     block_bytes: int
-    def __init__(
-        self,
-        block_id: int | None = ...,
-        offset: int | None = ...,
-        data: bytes | None = ...,
-        block_bytes: int | None = ...,
-    ) -> None: ...
+    def __init__(self, block_id: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., block_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,181 @@
+"""build_app(args): the pdserve Serve application, for `serve run`, `serve deploy` and `pdserve serve`.
+
+    serve run deployments.app:build_app model=default prefill_replicas=1 decode_replicas=2
+    serve deploy deployments/serve_config.yaml
+
+Disaggregated (default): Router -> PrefillServer + DecodeServer, KV moved between them over
+NIXL or gRPC. `colocated=true`: Router -> one EngineServer deployment doing both, for comparison.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from deployments.orchestrator import FlowConfig
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass
+class AppConfig:
+    model: str = "default"
+    served_model_name: str = ""
+    colocated: bool = False
+    transport: str = "nixl"  # "nixl" or "grpc"
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    # Serve autoscaling_config dicts; when set they replace the fixed replica counts.
+    prefill_autoscaling: dict[str, Any] | None = None
+    decode_autoscaling: dict[str, Any] | None = None
+    router_replicas: int = 1
+    # Resources per engine replica: one GPU each on a GPU cluster.
+    num_cpus_per_engine: float = 1.0
+    num_gpus_per_engine: float = 0.0
+    num_cpus_router: float = 0.5
+    max_ongoing_requests: int = 256  # per engine replica; the engine queues behind it
+    # Engine arguments (vLLM's names) for every engine replica.
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    kv_secret: str = ""  # shared by the engines' side channels; generated when empty
+    lease_seconds: float = 30.0
+    kv_load_failure_policy: str = "recompute"
+    min_remote_prefill_tokens: int = 0
+    request_timeout_s: float = 300.0
+    prefill_timeout_s: float = 60.0
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
+        """From `serve run` key=value strings or a serve config's typed `args` (ValueError)."""
+        args = dict(args or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(args) - set(known))
+        if unknown:
+            raise ValueError(f"unknown app argument(s) {unknown}; known: {sorted(known)}")
+        defaults = cls()
+        values = {name: _coerce(name, value, getattr(defaults, name)) for name, value in args.items()}
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.transport not in ("nixl", "grpc"):
+            raise ValueError(f"transport must be 'nixl' or 'grpc', got {self.transport!r}")
+        for name in ("prefill_replicas", "decode_replicas", "router_replicas"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_ongoing_requests < 1:
+            raise ValueError("max_ongoing_requests must be >= 1")
+        if self.request_timeout_s <= 0 or self.prefill_timeout_s <= 0:
+            raise ValueError("request_timeout_s and prefill_timeout_s must be > 0")
+        if "kv_transfer_config" in self.engine_args:
+            raise ValueError("engine_args may not set kv_transfer_config: the app builds it")
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        return {
+            "connector": self.transport,
+            "secret": self.kv_secret,
+            "lease_seconds": self.lease_seconds,
+            "kv_load_failure_policy": self.kv_load_failure_policy,
+        }
+
+    def flow(self) -> FlowConfig:
+        return FlowConfig(
+            min_remote_prefill_tokens=self.min_remote_prefill_tokens,
+            request_timeout_s=self.request_timeout_s,
+            prefill_timeout_s=self.prefill_timeout_s,
+        )
+
+
+def build_app(args: dict[str, Any] | None = None) -> Any:
+    """The Serve Application (Router ingress bound to its engine deployments)."""
+    from deployments.decode import ColocatedServer, DecodeServer
+    from deployments.prefill import PrefillServer
+    from deployments.router import Router, RouterSettings
+
+    config = AppConfig.from_args(args)
+    if not config.kv_secret:
+        # Built once here and bound into every replica's arguments: all engines share it.
+        config.kv_secret = secrets.token_hex(16)
+    engine_args = dict(config.engine_args)
+    settings = RouterSettings(
+        model=config.model,
+        engine_args=engine_args,
+        flow=config.flow(),
+        kv_secret=config.kv_secret,
+        transport="" if config.colocated else config.transport,
+        served_model_name=config.served_model_name,
+    )
+    router = Router.options(
+        num_replicas=config.router_replicas,
+        max_ongoing_requests=config.max_ongoing_requests * 4,
+        ray_actor_options={"num_cpus": config.num_cpus_router},
+    )
+    if config.colocated:
+        engine = ColocatedServer.options(**_engine_options(config, config.decode_autoscaling,
+                                                            config.decode_replicas))
+        return router.bind(settings, engine.bind(config.model, engine_args, None))
+    kv = config.kv_transfer_config()
+    prefill = PrefillServer.options(
+        **_engine_options(config, config.prefill_autoscaling, config.prefill_replicas)
+    )
+    decode = DecodeServer.options(
+        **_engine_options(config, config.decode_autoscaling, config.decode_replicas)
+    )
+    return router.bind(
+        settings,
+        decode.bind(config.model, engine_args, kv),
+        prefill.bind(config.model, engine_args, kv),
+    )
+
+
+def _engine_options(
+    config: AppConfig, autoscaling: dict[str, Any] | None, replicas: int
+) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "max_ongoing_requests": config.max_ongoing_requests,
+        "ray_actor_options": {
+            "num_cpus": config.num_cpus_per_engine,
+            "num_gpus": config.num_gpus_per_engine,
+        },
+        # Engine start-up loads weights and allocates the KV cache: give it time.
+        "health_check_timeout_s": 60,
+        "graceful_shutdown_timeout_s": 10,
+    }
+    if autoscaling:
+        options["autoscaling_config"] = autoscaling
+    else:
+        options["num_replicas"] = replicas
+    return options
+
+
+def _coerce(name: str, value: Any, default: Any) -> Any:
+    """`serve run` passes strings: turn them into the field's type."""
+    if not isinstance(value, str) or isinstance(default, str):
+        return value
+    if isinstance(default, bool):
+        lowered = value.lower()
+        if lowered in _TRUE | _FALSE:
+            return lowered in _TRUE
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    if isinstance(default, (int, float)):
+        try:
+            return type(default)(value)
+        except ValueError:
+            raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if isinstance(default, dict) or default is None:
+        import json
+
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} must be JSON, got {value!r}: {exc}") from None
+    return value
+
+
+def describe(config: AppConfig) -> dict[str, Any]:
+    """The config without its secret (for logs and `pdserve serve`'s banner)."""
+    shown = asdict(config)
+    shown["kv_secret"] = "***" if config.kv_secret else ""
+    return shown

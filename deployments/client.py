@@ -1,0 +1,117 @@
+"""gRPC client of the pdserve.v1.Generation API (`pdserve client`, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from protos.pdserve.v1 import generate_pb2 as pb
+from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
+
+APP_METADATA_KEY = "application"  # Serve's gRPC proxy routes on it when several apps run
+
+
+def sampling_message(**params: Any) -> pb.SamplingParams:
+    """pb.SamplingParams from keyword arguments named like SamplingParams; None = unset."""
+    message = pb.SamplingParams()
+    for name, value in params.items():
+        if value is None:
+            continue
+        if name in ("stop", "stop_token_ids"):
+            getattr(message, name).extend(value)
+        elif name == "logit_bias":
+            message.logit_bias.update(value)
+        else:
+            setattr(message, name, value)
+    return message
+
+
+def generate_request(
+    prompt: str | Sequence[int], request_id: str = "", timeout_s: float = 0.0, **params: Any
+) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(
+        request_id=request_id, sampling_params=sampling_message(**params), timeout_s=timeout_s
+    )
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
+
+
+@dataclass
+class Completion:
+    """A whole response, assembled from its chunks."""
+
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    route: str = ""
+    num_chunks: int = 0
+    usage: pb.Usage | None = None
+
+    def add(self, response: pb.GenerateResponse) -> None:
+        self.num_chunks += 1
+        if response.prompt_token_ids:
+            self.prompt_token_ids = list(response.prompt_token_ids)
+        self.token_ids.extend(response.token_ids)
+        self.text += response.text
+        self.route = response.route or self.route
+        if response.finish_reason:
+            self.finish_reason = response.finish_reason
+            self.usage = response.usage
+
+    def as_json(self) -> str:
+        """The object `pdserve generate --json` prints."""
+        return json.dumps(
+            {
+                "prompt_token_ids": self.prompt_token_ids,
+                "token_ids": self.token_ids,
+                "text": self.text,
+                "finish_reason": self.finish_reason,
+            }
+        )
+
+
+class GenerationClient:
+    def __init__(self, target: str, application: str = "") -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.metadata = ((APP_METADATA_KEY, application),) if application else ()
+
+    def stream(
+        self, request: pb.GenerateRequest, timeout: float | None = None
+    ) -> Iterator[pb.GenerateResponse]:
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]
+
+    def complete(self, request: pb.GenerateRequest, timeout: float | None = None) -> Completion:
+        completion = Completion()
+        for response in self.stream(request, timeout):
+            completion.add(response)
+        return completion
+
+    def health(self, timeout: float = 10.0) -> pb.HealthResponse:
+        return self.stub.Health(pb.HealthRequest(), timeout=timeout, metadata=self.metadata)
+
+    def model_info(self, timeout: float = 10.0) -> pb.ModelInfoResponse:
+        return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self.metadata)
+
+    def abort(self, request_id: str, timeout: float = 10.0) -> bool:
+        reply = self.stub.Abort(
+            pb.AbortRequest(request_id=request_id), timeout=timeout, metadata=self.metadata
+        )
+        return bool(reply.found)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> GenerationClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

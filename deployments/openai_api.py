@@ -1,0 +1,323 @@
+"""OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) over the router.
+
+Served through Ray Serve's HTTP proxy by the Router's FastAPI ingress. Bad input (malformed
+JSON, wrong types, out-of-range sampling values, an unknown model, a prompt too long) is an HTTP
+400 with an OpenAI-style error body; a request past its deadline is a 504.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from deployments.orchestrator import DeadlineExceeded, Orchestrator
+from deployments.protocol import GenerateInput, ResponseChunk
+from engine.request import SamplingParams
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class _StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by both endpoints (OpenAI's, plus vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    timeout_s: float | None = Field(default=None, gt=0)
+    return_token_ids: bool = False
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (one completion per request), got {self.n}")
+        kwargs: dict[str, Any] = {
+            name: value
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "seed",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+            )
+            if (value := getattr(self, name)) is not None
+        }
+        if max_tokens is not None:
+            kwargs["max_tokens"] = max_tokens
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        return SamplingParams(
+            **kwargs,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            logit_bias=_logit_bias(self.logit_bias),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def build_openai_app(
+    orchestrator: Callable[[], Orchestrator], model_name: str, max_model_len: int
+) -> FastAPI:
+    """The FastAPI app. `orchestrator` is looked up per request (the router owns it)."""
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, _validation_message(exc))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await _serve(body, request, _completion_input, _CompletionFormat(model_name))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        return await _serve(body, request, _chat_input, _ChatFormat(model_name))
+
+    async def _serve(
+        body: Any, request: Request, to_input: Callable[..., GenerateInput], fmt: _Format
+    ) -> Any:
+        flow = orchestrator()
+        try:
+            if body.model is not None and body.model != model_name:
+                raise ValueError(f"model {body.model!r} is not served here; use {model_name!r}")
+            gen_input = to_input(body, flow)
+            gen_input.request_id = request.headers.get("x-request-id", "")
+            chunks = flow.generate(gen_input)
+            first = await anext(chunks)  # bad input fails here, before any byte is sent
+        except ValueError as exc:
+            return _error(400, str(exc))
+        except DeadlineExceeded as exc:
+            return _error(504, str(exc), "timeout")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = _sse(first, chunks, fmt, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        async with aclosing(chunks):
+            collected = [first] + [chunk async for chunk in chunks]
+        return fmt.whole(collected, body.return_token_ids)
+
+    return app
+
+
+def _completion_input(body: CompletionRequest, flow: Orchestrator) -> GenerateInput:
+    if body.echo:
+        raise ValueError("echo is not supported")
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ValueError(f"one prompt per request, got {len(prompt)}")
+        prompt = prompt[0]
+    params = body.sampling_params(body.max_tokens, body.logprobs)
+    return GenerateInput(prompt, params, "", body.priority, body.cache_salt, body.timeout_s)
+
+
+def _chat_input(body: ChatCompletionRequest, flow: Orchestrator) -> GenerateInput:
+    if flow.tokenizer is None:
+        raise ValueError("this model has no tokenizer, so no chat template")
+    if not body.messages:
+        raise ValueError("messages is empty")
+    text = flow.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+    # The rendered template carries its own bos: tokenize without adding special tokens.
+    token_ids = flow.tokenizer.encode(text, add_special_tokens=False)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs)
+    return GenerateInput(token_ids, params, "", body.priority, body.cache_salt, body.timeout_s)
+
+
+class _Format:
+    object_name = ""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.created = int(time.time())
+
+    def envelope(self, chunk: ResponseChunk, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": chunk.request_id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def delta_choice(self, chunk: ResponseChunk, first: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def whole(self, chunks: list[ResponseChunk], with_token_ids: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _CompletionFormat(_Format):
+    object_name = "text_completion"
+
+    def delta_choice(self, chunk: ResponseChunk, first: bool) -> dict[str, Any]:
+        return {"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason}
+
+    def whole(self, chunks: list[ResponseChunk], with_token_ids: bool) -> dict[str, Any]:
+        last = chunks[-1]
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": "".join(c.text for c in chunks),
+            "logprobs": None,
+            "finish_reason": last.finish_reason,
+        }
+        if with_token_ids:
+            choice["prompt_token_ids"] = chunks[0].prompt_token_ids
+            choice["token_ids"] = [t for c in chunks for t in c.token_ids]
+        body = self.envelope(chunks[0], [choice])
+        body["usage"] = _usage(last)
+        return body
+
+
+class _ChatFormat(_Format):
+    object_name = "chat.completion.chunk"
+
+    def delta_choice(self, chunk: ResponseChunk, first: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": chunk.text}
+        if first:
+            delta["role"] = "assistant"
+        return {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason}
+
+    def whole(self, chunks: list[ResponseChunk], with_token_ids: bool) -> dict[str, Any]:
+        last = chunks[-1]
+        message = {"role": "assistant", "content": "".join(c.text for c in chunks)}
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": last.finish_reason}
+        if with_token_ids:
+            choice["token_ids"] = [t for c in chunks for t in c.token_ids]
+        body = self.envelope(chunks[0], [choice])
+        body["object"] = "chat.completion"
+        body["usage"] = _usage(last)
+        return body
+
+
+async def _sse(
+    first: ResponseChunk, rest: AsyncIterator[ResponseChunk], fmt: _Format, include_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events; a client that disconnects cancels this, which aborts the request."""
+    async with aclosing(rest):
+        chunk = first
+        try:
+            is_first = True
+            while True:
+                yield _event(fmt.envelope(chunk, [fmt.delta_choice(chunk, is_first)]))
+                is_first = False
+                if chunk.finish_reason is not None:
+                    break
+                chunk = await anext(rest)
+        except (DeadlineExceeded, RuntimeError) as exc:
+            kind = "timeout" if isinstance(exc, DeadlineExceeded) else "server_error"
+            yield _event({"error": {"message": str(exc), "type": kind}})
+        else:
+            if include_usage:
+                usage_event = fmt.envelope(chunk, [])
+                usage_event["usage"] = _usage(chunk)
+                yield _event(usage_event)
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _usage(chunk: ResponseChunk) -> dict[str, Any]:
+    usage = chunk.usage
+    if usage is None:
+        return {}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise ValueError("logit_bias keys must be token ids") from None
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    body = {"object": "error", "message": message, "type": kind, "code": status}
+    return JSONResponse({"error": body}, status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
+    return "invalid request: " + "; ".join(parts)

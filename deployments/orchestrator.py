@@ -1,0 +1,365 @@
+"""The router's request flow: tokenize once, prefill leg, stream the first token, decode leg.
+
+Engines speak tokens only; this module owns the text side (one detokenizer and the stop strings
+per request, over the tokens of both legs), so a disaggregated request reads exactly like a
+colocated one. Serve handles are wrapped into `StreamFn`s by the router, which keeps this
+module free of Ray and testable over in-process engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from deployments.engine_server import EngineChunk, EngineRequest
+from deployments.protocol import (
+    ROUTE_COLOCATED,
+    ROUTE_DECODE_ONLY,
+    ROUTE_DISAGGREGATED,
+    ROUTE_FALLBACK,
+    GenerateInput,
+    ResponseChunk,
+    Usage,
+)
+from engine.core.sched_output import EngineCoreOutput
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.request import FinishReason, SamplingParams
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+StreamFn = Callable[[EngineRequest], AsyncIterator[EngineChunk]]
+ReleaseFn = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class DeadlineExceeded(TimeoutError):
+    """The request ran past its deadline; it was aborted on the engines."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the router needs to know about the model to validate and tokenize."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FlowConfig:
+    # Prompts with fewer tokens skip the prefill leg (the decode replica computes them).
+    min_remote_prefill_tokens: int = 0
+    request_timeout_s: float = 300.0
+    # A prefill leg slower than this is given up for decode-only (e.g. no prefill replica).
+    prefill_timeout_s: float = 60.0
+
+
+@dataclass
+class _Prepared:
+    request_id: str
+    engine_request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams  # what the client asked, with a seed when sampling disaggregated
+    priority: int
+    cache_salt: str | None
+    started: float
+    deadline: float
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        model: ModelFacts,
+        config: FlowConfig,
+        decode: StreamFn,
+        prefill: StreamFn | None = None,
+        release: ReleaseFn | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.config = config
+        self.decode = decode
+        self.prefill = prefill
+        self.release = release
+
+    # ------------------------------------------------------------------ validation
+
+    def prepare(self, request: GenerateInput) -> _Prepared:
+        """Tokenize and validate; ValueError for anything the engines would refuse."""
+        text, token_ids = self._tokenize(request.prompt)
+        if len(token_ids) >= self.model.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len={self.model.max_model_len} "
+                "leaves no room for output"
+            )
+        params = request.params
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        if self.prefill is not None and params.seed is None and not params.is_greedy:
+            # Both legs must draw the first token alike: counter-based sampling needs a seed.
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
+        now = time.monotonic()
+        timeout = request.timeout_s or self.config.request_timeout_s
+        return _Prepared(
+            request_id=request.request_id or f"cmpl-{uuid.uuid4().hex}",
+            engine_request_id=uuid.uuid4().hex,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            started=now,
+            deadline=now + timeout,
+        )
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: send token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if not prompt:
+            raise ValueError("prompt is empty: token_ids has no ids")
+        vocab = self.model.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        return None, list(prompt)
+
+    # ------------------------------------------------------------------ the flow
+
+    async def generate(self, request: GenerateInput) -> AsyncIterator[ResponseChunk]:
+        """Validate, then stream the response; ValueError before the first chunk for bad input.
+        DeadlineExceeded when the request runs out of time (the engines abort it)."""
+        prepared = self.prepare(request)
+        stream = _ResponseStream(self.tokenizer, prepared)
+        if self.prefill is None:
+            source = self._decode_leg(prepared, stream, ROUTE_COLOCATED)
+        elif len(prepared.prompt_token_ids) < max(1, self.config.min_remote_prefill_tokens):
+            source = self._decode_leg(prepared, stream, ROUTE_DECODE_ONLY)
+        else:
+            source = self._disaggregated(prepared, stream)
+        async with aclosing(source) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _disaggregated(
+        self, prepared: _Prepared, stream: _ResponseStream
+    ) -> AsyncIterator[ResponseChunk]:
+        first = await self._prefill_leg(prepared)
+        if first is None:  # the prefill leg failed: the decode replica computes the prompt
+            async for chunk in self._decode_leg(prepared, stream, ROUTE_FALLBACK):
+                yield chunk
+            return
+        handed_off = first.kv_transfer_params
+        stream.route = ROUTE_DISAGGREGATED
+        stream.num_cached_tokens = first.num_cached_tokens
+        only_token = prepared.params.max_tokens == 1 or first.finish_reason != FinishReason.LENGTH
+        decode_chunks = 0
+        try:
+            for chunk in stream.feed(first, final=only_token):
+                yield chunk
+            if stream.finished or handed_off is None:
+                return
+            decode_request = self._engine_request(prepared, prepared.params, handed_off)
+            # The decode engine recomputes the last prompt token and samples the first token
+            # again (the same draw): it was already sent, so drop it from the decode stream.
+            skip = len(first.new_token_ids)
+            async with aclosing(self._bounded(self.decode(decode_request), prepared)) as chunks:
+                async for engine_chunk in chunks:
+                    decode_chunks += 1
+                    engine_chunk, skip = _drop_leading(engine_chunk, skip)
+                    for chunk in stream.feed(engine_chunk):
+                        yield chunk
+                    if stream.finished:
+                        return
+        finally:
+            # A decode engine that produced anything has read (or given up on) the KV and
+            # released the prefill blocks; otherwise nobody will: release them here.
+            if handed_off is not None and decode_chunks == 0:
+                await self._release(handed_off)
+
+    async def _prefill_leg(self, prepared: _Prepared) -> EngineChunk | None:
+        """The prefill's single chunk (first token + kv_transfer_params), or None on failure."""
+        assert self.prefill is not None
+        max_tokens = prepared.params.max_tokens
+        params = dataclasses.replace(
+            prepared.params, max_tokens=1, min_tokens=min(prepared.params.min_tokens, 1)
+        )
+        kv = {"do_remote_decode": True} if max_tokens > 1 else None
+        request = self._engine_request(prepared, params, kv)
+        timeout = min(self.config.prefill_timeout_s, prepared.deadline - time.monotonic())
+        chunks: list[EngineChunk] = []
+        try:
+            async with asyncio.timeout(timeout), aclosing(self.prefill(request)) as stream:
+                async for chunk in stream:
+                    chunks.append(chunk)
+        except ValueError:
+            raise  # the request itself is bad: decode-only would refuse it too
+        except Exception as exc:  # replica gone, engine failed, too slow: fall back
+            logger.warning("prefill leg of %s failed (%r); decode-only", prepared.request_id, exc)
+            return None
+        if not chunks or chunks[-1].error is not None or not chunks[-1].new_token_ids:
+            logger.warning("prefill of %s ended without a token; decode-only", prepared.request_id)
+            return None
+        return _merge(chunks)
+
+    async def _decode_leg(
+        self, prepared: _Prepared, stream: _ResponseStream, route: str
+    ) -> AsyncIterator[ResponseChunk]:
+        stream.route = route
+        request = self._engine_request(prepared, prepared.params, None)
+        async with aclosing(self._bounded(self.decode(request), prepared)) as chunks:
+            async for engine_chunk in chunks:
+                stream.num_cached_tokens = engine_chunk.num_cached_tokens
+                for chunk in stream.feed(engine_chunk):
+                    yield chunk
+                if stream.finished:
+                    return
+
+    def _engine_request(
+        self, prepared: _Prepared, params: SamplingParams, kv: dict[str, Any] | None
+    ) -> EngineRequest:
+        # Stop strings are applied here, on text: engines only see tokens.
+        return EngineRequest(
+            request_id=prepared.engine_request_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            params=dataclasses.replace(params, stop=()),
+            priority=prepared.priority,
+            cache_salt=prepared.cache_salt,
+            kv_transfer_params=kv,
+        )
+
+    async def _bounded(
+        self, chunks: AsyncIterator[EngineChunk], prepared: _Prepared
+    ) -> AsyncIterator[EngineChunk]:
+        """`chunks` until the request's deadline; closing it aborts the engine request."""
+        iterator = aiter(chunks)
+        try:
+            while True:
+                remaining = prepared.deadline - time.monotonic()
+                try:
+                    chunk = await asyncio.wait_for(anext(iterator), max(remaining, 0.0))
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise DeadlineExceeded(
+                        f"request {prepared.request_id} ran past its deadline "
+                        f"({prepared.deadline - prepared.started:.1f} s)"
+                    ) from None
+                yield chunk
+        finally:
+            close = getattr(iterator, "aclose", None)
+            if close is not None:
+                await close()
+
+    async def _release(self, kv_transfer_params: dict[str, Any]) -> None:
+        if self.release is None:
+            return
+        try:
+            await self.release(kv_transfer_params)
+        except Exception as exc:  # best effort: the lease expires anyway
+            logger.info("releasing prefill blocks: %r", exc)
+
+
+class _ResponseStream:
+    """Engine chunks -> client chunks: detokenization, stop strings, usage and timing."""
+
+    def __init__(self, tokenizer: Tokenizer | None, prepared: _Prepared) -> None:
+        self.prepared = prepared
+        self.processor = OutputProcessor(tokenizer)
+        self.processor.add_request(
+            prepared.request_id, prepared.prompt, prepared.prompt_token_ids, prepared.params
+        )
+        self.route = ""
+        self.num_cached_tokens = 0
+        self.finished = False
+        self._ttft_s = 0.0
+        self._sent_first = False
+
+    def feed(self, engine_chunk: EngineChunk, final: bool = True) -> list[ResponseChunk]:
+        """The client chunks for one engine chunk. `final=False` keeps a finish reason of the
+        engine (the prefill leg's max_tokens=1) from ending the client's request."""
+        if engine_chunk.error is not None:
+            raise RuntimeError(f"engine error: {engine_chunk.error}")
+        finish = engine_chunk.finish_reason if final else None
+        if not engine_chunk.new_token_ids and finish is None:
+            return []  # nothing new (the decode leg's repeat of the first token, dropped)
+        output = EngineCoreOutput(
+            request_id=self.prepared.request_id,
+            new_token_ids=engine_chunk.new_token_ids,
+            finish_reason=FinishReason(finish) if finish else None,
+            stop_reason=engine_chunk.stop_reason if finish else None,
+            new_logprobs=engine_chunk.new_logprobs,
+        )
+        results, _stopped = self.processor.process([output])
+        return [self._client_chunk(result) for result in results]
+
+    def _client_chunk(self, result: RequestOutput) -> ResponseChunk:
+        completion = result.outputs[0]
+        now = time.monotonic() - self.prepared.started
+        chunk = ResponseChunk(
+            request_id=self.prepared.request_id,
+            token_ids=list(completion.new_token_ids),
+            text=completion.delta_text,
+            route=self.route,
+            logprobs=_new_logprobs(completion.logprobs, len(completion.new_token_ids)),
+        )
+        if not self._sent_first:
+            self._sent_first = True
+            self._ttft_s = now
+            chunk.prompt_token_ids = self.prepared.prompt_token_ids
+        chunk.ttft_s = self._ttft_s
+        if result.finished:
+            self.finished = True
+            chunk.finish_reason = completion.finish_reason
+            chunk.stop_reason = completion.stop_reason
+            chunk.e2e_s = now
+            chunk.usage = Usage(
+                prompt_tokens=len(self.prepared.prompt_token_ids),
+                completion_tokens=len(completion.token_ids),
+                cached_tokens=self.num_cached_tokens,
+            )
+        return chunk
+
+
+def _new_logprobs(logprobs: list[Any] | None, count: int) -> list[Any] | None:
+    if logprobs is None or count == 0:
+        return None
+    return list(logprobs[-count:])
+
+
+def _merge(chunks: list[EngineChunk]) -> EngineChunk:
+    """One chunk for a whole (short) engine stream: tokens concatenated, the last's ending."""
+    last = chunks[-1]
+    if len(chunks) == 1:
+        return last
+    merged = dataclasses.replace(last, new_token_ids=[t for c in chunks for t in c.new_token_ids])
+    logprobs = [lp for c in chunks for lp in (c.new_logprobs or ())]
+    merged.new_logprobs = logprobs or None
+    return merged
+
+
+def _drop_leading(chunk: EngineChunk, skip: int) -> tuple[EngineChunk, int]:
+    """Drop the first `skip` tokens of a stream (they were sent from the prefill leg)."""
+    if skip == 0:
+        return chunk, 0
+    dropped = min(skip, len(chunk.new_token_ids))
+    logprobs = chunk.new_logprobs[dropped:] if chunk.new_logprobs else chunk.new_logprobs
+    trimmed = dataclasses.replace(
+        chunk, new_token_ids=chunk.new_token_ids[dropped:], new_logprobs=logprobs
+    )
+    return trimmed, skip - dropped

@@ -1,0 +1,12 @@
+"""PrefillServer: runs prompts (max_tokens=1) and holds their KV blocks for a decode replica."""
+
+from __future__ import annotations
+
+from ray import serve
+
+from deployments.engine_server import EngineServer
+
+
+@serve.deployment(name="PrefillServer")
+class PrefillServer(EngineServer):
+    role = "prefill"

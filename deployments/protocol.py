@@ -1,0 +1,130 @@
+"""The router's request and response types, and their gRPC (pdserve.v1) forms.
+
+A `GenerateInput` is a validated client request before tokenization; every edge (gRPC,
+OpenAI HTTP, the CLI) builds one and gets `ValueError` with a message for bad input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.core.sched_output import TokenLogprobs
+from engine.request import SamplingParams
+from protos.pdserve.v1 import generate_pb2 as pb
+
+# Routes a request can take through the router (GenerateResponse.route).
+ROUTE_DISAGGREGATED = "disaggregated"  # prefill replica, KV transfer, decode replica
+ROUTE_DECODE_ONLY = "decode_only"  # short prompt: the decode replica computes it
+ROUTE_FALLBACK = "fallback"  # the prefill leg failed: the decode replica computed it
+ROUTE_COLOCATED = "colocated"  # one engine does both
+
+
+@dataclass
+class GenerateInput:
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str = ""
+    priority: int = 0
+    cache_salt: str | None = None
+    timeout_s: float | None = None  # None: the router's default deadline
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class ResponseChunk:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_token_ids: list[int] | None = None  # first chunk only
+    usage: Usage | None = None
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    route: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# Optional proto fields copied as they are when set (the names match SamplingParams).
+_OPTIONAL_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "skip_special_tokens",
+)
+
+
+def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
+    kwargs: dict[str, Any] = {
+        name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)
+    }
+    kwargs.update(
+        stop=list(message.stop),
+        stop_token_ids=list(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        min_tokens=message.min_tokens,
+        include_stop_str_in_output=message.include_stop_str_in_output,
+    )
+    if message.logit_bias:
+        kwargs["logit_bias"] = dict(message.logit_bias)
+    return SamplingParams(**kwargs)
+
+
+def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
+    """Validate a GenerateRequest (ValueError says what is wrong)."""
+    which = request.WhichOneof("prompt")
+    if which is None:
+        raise ValueError("the request has no prompt: set `text` or `token_ids`")
+    prompt: str | list[int] = request.text if which == "text" else list(request.token_ids.ids)
+    if request.timeout_s < 0 or not math.isfinite(request.timeout_s):
+        raise ValueError(f"timeout_s must be >= 0, got {request.timeout_s}")
+    return GenerateInput(
+        prompt=prompt,
+        params=sampling_params_from_proto(request.sampling_params),
+        request_id=request.request_id,
+        priority=request.priority,
+        cache_salt=request.cache_salt or None,
+        timeout_s=request.timeout_s or None,
+    )
+
+
+def chunk_to_proto(chunk: ResponseChunk) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(
+        request_id=chunk.request_id,
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        finish_reason=chunk.finish_reason or "",
+        route=chunk.route,
+    )
+    if chunk.prompt_token_ids is not None:
+        response.prompt_token_ids.extend(chunk.prompt_token_ids)
+    if chunk.usage is not None:
+        response.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=chunk.usage.prompt_tokens,
+                completion_tokens=chunk.usage.completion_tokens,
+                cached_tokens=chunk.usage.cached_tokens,
+            )
+        )
+    response.timing.CopyFrom(pb.Timing(ttft_s=chunk.ttft_s, e2e_s=chunk.e2e_s))
+    for token_ids, logprobs, rank in chunk.logprobs or ():
+        response.logprobs.append(
+            pb.TokenLogprobs(token_ids=token_ids, logprobs=logprobs, sampled_rank=rank)
+        )
+    return response

@@ -1,0 +1,194 @@
+"""Router: the app's ingress. gRPC `pdserve.v1.Generation` through Serve's gRPC proxy and the
+OpenAI-compatible HTTP API through Serve's HTTP proxy, both over one Orchestrator.
+
+The engine replicas are reached through Serve deployment handles (Serve picks the replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+from ray import serve
+from ray.serve.grpc_util import RayServegRPCContext
+from ray.serve.handle import DeploymentHandle
+
+from connector.metadata import RemoteKV
+from connector.side_channel import SideChannelClient
+from deployments.engine_server import EngineChunk, EngineRequest
+from deployments.openai_api import build_openai_app
+from deployments.orchestrator import DeadlineExceeded, FlowConfig, ModelFacts, Orchestrator, StreamFn
+from deployments.protocol import ResponseChunk, chunk_to_proto, input_from_proto
+from engine.arg_utils import EngineArgs
+from engine.llm import load_tokenizer
+from protos.pdserve.v1 import generate_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterSettings:
+    model: str
+    engine_args: dict[str, Any]
+    flow: FlowConfig
+    kv_secret: str = ""
+    transport: str = ""  # "" in colocated mode
+    served_model_name: str = ""
+
+
+@dataclass
+class _InFlight:
+    task: asyncio.Task[Any] | None
+    aborted: bool = False
+
+
+@serve.deployment(name="Router")
+@serve.ingress()
+class Router:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        decode: DeploymentHandle,
+        prefill: DeploymentHandle | None = None,
+    ) -> None:
+        config, arch = EngineArgs.from_kwargs(
+            settings.model, **settings.engine_args
+        ).create_engine_config()
+        self.settings = settings
+        self.tokenizer = load_tokenizer(config.model.model)
+        self.facts = ModelFacts(
+            name=settings.served_model_name or settings.model,
+            max_model_len=config.scheduler.max_model_len,
+            vocab_size=arch.vocab_size,
+            eos_token_ids=tuple(arch.eos_token_ids),
+        )
+        self.block_size = config.cache.block_size
+        self._decode = decode
+        self._prefill = prefill
+        self._clients: dict[tuple[str, int], SideChannelClient] = {}
+        self._in_flight: dict[str, _InFlight] = {}
+        self.orchestrator = Orchestrator(
+            self.tokenizer,
+            self.facts,
+            settings.flow,
+            decode=_stream_fn(decode),
+            prefill=_stream_fn(prefill) if prefill is not None else None,
+            release=self._release,
+        )
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return build_openai_app(
+            lambda: self.orchestrator, self.facts.name, self.facts.max_model_len
+        )
+
+    # ------------------------------------------------------------------ gRPC: pdserve.v1.Generation
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            gen_input = input_from_proto(request)
+            if gen_input.request_id in self._in_flight:
+                raise ValueError(f"request id {gen_input.request_id!r} is already in flight")
+        except ValueError as exc:
+            _refuse(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+        key = gen_input.request_id = gen_input.request_id or f"cmpl-{uuid.uuid4().hex}"
+        record = _InFlight(asyncio.current_task())
+        self._in_flight[key] = record
+        last: ResponseChunk | None = None
+        try:
+            async with aclosing(self.orchestrator.generate(gen_input)) as chunks:
+                async for chunk in chunks:
+                    last = chunk
+                    yield chunk_to_proto(chunk)
+        except ValueError as exc:
+            _refuse(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+        except DeadlineExceeded as exc:
+            _refuse(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, exc)
+        except asyncio.CancelledError:
+            if not record.aborted:
+                raise
+            # Our own Abort: end the stream normally, saying so.
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            yield chunk_to_proto(_aborted(gen_input.request_id, last))
+        finally:
+            self._in_flight.pop(key, None)
+
+    async def Abort(self, request: pb.AbortRequest) -> pb.AbortResponse:  # noqa: N802
+        record = self._in_flight.get(request.request_id)
+        if record is None or record.task is None:
+            return pb.AbortResponse(found=False)
+        record.aborted = True
+        record.task.cancel()
+        return pb.AbortResponse(found=True)
+
+    async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:  # noqa: N802
+        handles = [h for h in (self._prefill, self._decode) if h is not None]
+        stats = await asyncio.gather(*(h.stats.remote() for h in handles))
+        return pb.HealthResponse(
+            status="SERVING", engines=[pb.EngineStats(**s) for s in stats]
+        )
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest) -> pb.ModelInfoResponse:  # noqa: N802
+        return pb.ModelInfoResponse(
+            model=self.facts.name,
+            max_model_len=self.facts.max_model_len,
+            vocab_size=self.facts.vocab_size,
+            block_size=self.block_size,
+            mode="colocated" if self._prefill is None else "disaggregated",
+            transport=self.settings.transport,
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _release(self, kv_transfer_params: dict[str, Any]) -> None:
+        """Hand the prefill blocks back when no decode engine will (the call blocks: thread)."""
+        remote = RemoteKV.from_params(kv_transfer_params)
+        key = (remote.host, remote.port)
+        if key not in self._clients:
+            self._clients[key] = SideChannelClient(remote.host, remote.port, self.settings.kv_secret)
+        await asyncio.to_thread(self._clients[key].release, remote.lease_id)
+
+
+def _stream_fn(handle: DeploymentHandle) -> StreamFn:
+    streaming = handle.options(stream=True)
+
+    async def stream(request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        response = streaming.generate.remote(request)
+        done = False
+        try:
+            async for chunk in response:
+                yield chunk
+            done = True
+        except Exception as exc:
+            cause = getattr(exc, "cause", None)  # RayTaskError: the replica's own exception
+            if isinstance(cause, ValueError):
+                raise ValueError(str(cause)) from None
+            raise
+        finally:
+            if not done:
+                response.cancel()  # aborts the request on the engine replica
+
+    return stream
+
+
+def _refuse(context: RayServegRPCContext, code: grpc.StatusCode, exc: BaseException) -> NoReturn:
+    """End the call with `code` (Serve's proxy keeps a code set before raising)."""
+    context.set_code(code)
+    context.set_details(str(exc))
+    raise exc
+
+
+def _aborted(request_id: str, last: ResponseChunk | None) -> ResponseChunk:
+    chunk = ResponseChunk(request_id=request_id, token_ids=[], text="", finish_reason="abort")
+    if last is not None:
+        chunk.route, chunk.ttft_s = last.route, last.ttft_s
+    return chunk
