@@ -1,4 +1,4 @@
-"""build_app(args): the pdserve Serve application, for `serve run`, `serve deploy` and `pdserve serve`.
+"""build_app(args): the pdserve Serve application (`serve run`, `serve deploy`, `pdserve serve`).
 
     serve run deployments.app:build_app model=default prefill_replicas=1 decode_replicas=2
     serve deploy deployments/serve_config.yaml
@@ -54,7 +54,9 @@ class AppConfig:
         if unknown:
             raise ValueError(f"unknown app argument(s) {unknown}; known: {sorted(known)}")
         defaults = cls()
-        values = {name: _coerce(name, value, getattr(defaults, name)) for name, value in args.items()}
+        values = {
+            name: _coerce(name, value, getattr(defaults, name)) for name, value in args.items()
+        }
         config = cls(**values)
         config.validate()
         return config
@@ -90,9 +92,9 @@ class AppConfig:
 
 def build_app(args: dict[str, Any] | None = None) -> Any:
     """The Serve Application (Router ingress bound to its engine deployments)."""
-    from deployments.decode import ColocatedServer, DecodeServer
-    from deployments.prefill import PrefillServer
-    from deployments.router import Router, RouterSettings
+    from deployments.decode import ColocatedDeployment, DecodeDeployment
+    from deployments.prefill import PrefillDeployment
+    from deployments.router import RouterDeployment, RouterSettings
 
     config = AppConfig.from_args(args)
     if not config.kv_secret:
@@ -107,20 +109,21 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         transport="" if config.colocated else config.transport,
         served_model_name=config.served_model_name,
     )
-    router = Router.options(
+    router = RouterDeployment.options(
         num_replicas=config.router_replicas,
         max_ongoing_requests=config.max_ongoing_requests * 4,
         ray_actor_options={"num_cpus": config.num_cpus_router},
     )
     if config.colocated:
-        engine = ColocatedServer.options(**_engine_options(config, config.decode_autoscaling,
-                                                            config.decode_replicas))
+        engine = ColocatedDeployment.options(
+            **_engine_options(config, config.decode_autoscaling, config.decode_replicas)
+        )
         return router.bind(settings, engine.bind(config.model, engine_args, None))
     kv = config.kv_transfer_config()
-    prefill = PrefillServer.options(
+    prefill = PrefillDeployment.options(
         **_engine_options(config, config.prefill_autoscaling, config.prefill_replicas)
     )
-    decode = DecodeServer.options(
+    decode = DecodeDeployment.options(
         **_engine_options(config, config.decode_autoscaling, config.decode_replicas)
     )
     return router.bind(

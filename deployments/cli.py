@@ -35,9 +35,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling)")
 
 
-def _add_generate(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("generate", help="offline generation, no Ray")
-    _add_engine_arguments(parser)
+def _add_prompt_and_sampling(parser: argparse.ArgumentParser) -> None:
+    """The prompt and sampling flags `generate` and `client` share."""
     parser.add_argument("--prompt", action="append", default=[], help="repeatable")
     parser.add_argument("--prompt-token-ids", type=_token_ids, action="append", default=[])
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -49,38 +48,122 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
 
 
+def _add_generate(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("generate", help="offline generation, no Ray")
+    _add_engine_arguments(parser)
+    _add_prompt_and_sampling(parser)
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("serve", help="local Ray + the Serve app; blocks until Ctrl-C")
+    parser.add_argument("--model", default="default", help="model directory, or 'default'")
+    parser.add_argument("--prefill-replicas", type=int, default=1)
+    parser.add_argument("--decode-replicas", type=int, default=1)
+    parser.add_argument("--transport", choices=("nixl", "grpc"), default="nixl")
+    parser.add_argument("--colocated", action="store_true", help="one engine does both")
+    parser.add_argument(
+        "--with-colocated",
+        action="store_true",
+        help="also deploy the colocated app (route /colocated, gRPC app "
+        "'colocated') to compare side by side",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--grpc-port", type=int, default=9000)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--num-cpus", type=int, default=None, help="Ray's logical CPUs")
+    parser.add_argument("--num-cpus-per-engine", type=float, default=1.0)
+    parser.add_argument("--num-gpus-per-engine", type=float, default=0.0)
+    parser.add_argument(
+        "--min-remote-prefill-tokens",
+        type=int,
+        default=0,
+        help="shorter prompts skip the prefill replica",
+    )
+    parser.add_argument(
+        "--engine-args",
+        type=_json_object,
+        default={},
+        help="engine arguments as JSON, e.g. '{\"max_model_len\": 512}'",
+    )
+
+
+def _add_client(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("client", help="call the gRPC API")
+    parser.add_argument("--target", default="127.0.0.1:9000", help="HOST:PORT")
+    parser.add_argument("--application", default="", help="Serve app name (several apps)")
+    parser.add_argument("--stream", action="store_true", help="print text as it arrives")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    _add_prompt_and_sampling(parser)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_generate(commands)
+    _add_serve(commands)
+    _add_client(commands)
     make_model = commands.add_parser("make-model", help="write the built-in default model")
     make_model.add_argument("--path", default=None, help="default: the cache directory")
     make_model.add_argument("--seed", type=int, default=None)
     bench = commands.add_parser("bench", help="benchmarks; each prints one JSON object")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    from deployments import bench_serve
     from engine.benchmarks import kv, offline, sched
 
+    bench_serve.add_arguments(benches.add_parser("serve", help="a running endpoint, streaming"))
     sched.add_arguments(benches.add_parser("sched", help="scheduler cost per step (no model)"))
     offline.add_arguments(benches.add_parser("offline", help="engine vs transformers.generate"))
     kv.add_arguments(benches.add_parser("kv", help="KV block transfer between two processes"))
     return parser
 
 
+def _prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    prompts: list[str | list[int]] = [*args.prompt, *args.prompt_token_ids]
+    if not prompts:
+        raise ValueError("give at least one --prompt or --prompt-token-ids")
+    return prompts
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.sampling_seed,
+        "ignore_eos": args.ignore_eos,
+    }
+
+
+def _completion_json(
+    prompt_token_ids: list[int], token_ids: list[int], text: str, finish_reason: str | None
+) -> str:
+    """One line per prompt; `generate --json` and `client --json` print the same object."""
+    record = {
+        "prompt_token_ids": prompt_token_ids,
+        "token_ids": token_ids,
+        "text": text,
+        "finish_reason": finish_reason,
+    }
+    return json.dumps(record)
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM
     from engine.request import SamplingParams
 
-    prompts: list[str | list[int]] = [*args.prompt, *args.prompt_token_ids]
-    if not prompts:
-        raise ValueError("give at least one --prompt or --prompt-token-ids")
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.sampling_seed,
-        ignore_eos=args.ignore_eos,
-    )
+    prompts = _prompts(args)
+    params = SamplingParams(**_sampling_kwargs(args))
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -92,15 +175,78 @@ def _run_generate(args: argparse.Namespace) -> int:
     for output in llm.generate(prompts, params):
         completion = output.outputs[0]
         if args.json:
-            record = {
-                "prompt_token_ids": output.prompt_token_ids,
-                "token_ids": completion.token_ids,
-                "text": completion.text,
-                "finish_reason": completion.finish_reason,
-            }
-            print(json.dumps(record))
+            print(
+                _completion_json(
+                    output.prompt_token_ids,
+                    completion.token_ids,
+                    completion.text,
+                    completion.finish_reason,
+                )
+            )
         else:
             print(completion.text)
+    return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from deployments.app import AppConfig
+    from deployments.launch import ServeOptions, run_until_interrupted
+
+    config = AppConfig.from_args(
+        {
+            "model": args.model,
+            "prefill_replicas": args.prefill_replicas,
+            "decode_replicas": args.decode_replicas,
+            "transport": args.transport,
+            "colocated": args.colocated,
+            "num_cpus_per_engine": args.num_cpus_per_engine,
+            "num_gpus_per_engine": args.num_gpus_per_engine,
+            "min_remote_prefill_tokens": args.min_remote_prefill_tokens,
+            "engine_args": args.engine_args,
+        }
+    )
+    options = ServeOptions(
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        num_cpus=args.num_cpus,
+        with_colocated=args.with_colocated,
+    )
+    run_until_interrupted(config, options)
+    return 0
+
+
+def _run_client(args: argparse.Namespace) -> int:
+    import grpc
+
+    from deployments.client import Completion, GenerationClient, generate_request
+    from engine.request import SamplingParams
+
+    SamplingParams(**_sampling_kwargs(args))  # the same checks (and messages) as generate
+    requests = [generate_request(p, **_sampling_kwargs(args)) for p in _prompts(args)]
+    with GenerationClient(args.target, args.application) as client:
+        try:
+            for request in requests:
+                completion = Completion()
+                for response in client.stream(request, timeout=args.timeout):
+                    completion.add(response)
+                    if args.stream and not args.json:
+                        print(response.text, end="", flush=True)
+                if args.json:
+                    print(
+                        _completion_json(
+                            completion.prompt_token_ids,
+                            completion.token_ids,
+                            completion.text,
+                            completion.finish_reason,
+                        )
+                    )
+                else:
+                    print("" if args.stream else completion.text)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            print(f"pdserve: error: {code.name}: {exc.details()}", file=sys.stderr)
+            return 2 if code == grpc.StatusCode.INVALID_ARGUMENT else 1
     return 0
 
 
@@ -121,7 +267,11 @@ def _run_make_model(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     from engine.benchmarks import kv, offline, sched
 
-    if args.bench == "sched":
+    if args.bench == "serve":
+        from deployments import bench_serve
+
+        report = bench_serve.run(bench_serve.config_from_args(args))
+    elif args.bench == "sched":
         report = sched.run(sched.workload_from_args(args))
     elif args.bench == "kv":
         report = kv.run(kv.config_from_args(args))
@@ -131,7 +281,13 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"generate": _run_generate, "make-model": _run_make_model, "bench": _run_bench}
+_COMMANDS = {
+    "generate": _run_generate,
+    "serve": _run_serve,
+    "client": _run_client,
+    "make-model": _run_make_model,
+    "bench": _run_bench,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

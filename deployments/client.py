@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,17 +65,6 @@ class Completion:
             self.finish_reason = response.finish_reason
             self.usage = response.usage
 
-    def as_json(self) -> str:
-        """The object `pdserve generate --json` prints."""
-        return json.dumps(
-            {
-                "prompt_token_ids": self.prompt_token_ids,
-                "token_ids": self.token_ids,
-                "text": self.text,
-                "finish_reason": self.finish_reason,
-            }
-        )
-
 
 class GenerationClient:
     def __init__(self, target: str, application: str = "") -> None:
@@ -87,7 +75,7 @@ class GenerationClient:
     def stream(
         self, request: pb.GenerateRequest, timeout: float | None = None
     ) -> Iterator[pb.GenerateResponse]:
-        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
     def complete(self, request: pb.GenerateRequest, timeout: float | None = None) -> Completion:
         completion = Completion()

@@ -1,4 +1,7 @@
-"""DecodeServer: reads a prompt's KV from a prefill replica, then generates the rest."""
+"""DecodeServer: reads a prompt's KV from a prefill replica, then generates the rest.
+
+ColocatedServer is the same engine doing both (the colocated mode, for comparison).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +10,13 @@ from ray import serve
 from deployments.engine_server import EngineServer
 
 
-@serve.deployment(name="DecodeServer")
 class DecodeServer(EngineServer):
     role = "decode"
 
 
-@serve.deployment(name="EngineServer")
 class ColocatedServer(EngineServer):
-    """Colocated mode, for comparison: one deployment does prefill and decode."""
-
     role = "colocated"
+
+
+DecodeDeployment = serve.deployment(name="DecodeServer")(DecodeServer)
+ColocatedDeployment = serve.deployment(name="EngineServer")(ColocatedServer)

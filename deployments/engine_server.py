@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +99,7 @@ class EngineServer:
     def num_blocks(self) -> int:
         return self.engine.core.num_blocks - 1  # block 0 is the null block
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
         """Stream a request's tokens. Bad input raises ValueError before anything runs; a
         caller that stops listening (cancelled by Serve) aborts the request."""
         seen = 0

@@ -3,6 +3,7 @@ interrupted (SIGINT or SIGTERM), then shuts Serve and Ray down."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -34,13 +35,11 @@ def start(config: AppConfig, options: ServeOptions) -> dict[str, str]:
     ray.init(
         num_cpus=options.num_cpus or _logical_cpus(config, options),
         include_dashboard=False,
-        logging_level="WARNING",
+        logging_level=logging.WARNING,
     )
     serve.start(
         http_options=HTTPOptions(host=options.host, port=options.http_port),
-        grpc_options=gRPCOptions(
-            port=options.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]
-        ),
+        grpc_options=gRPCOptions(port=options.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
     )
     args = _as_args(config)
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")

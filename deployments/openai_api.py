@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -251,7 +251,11 @@ class _ChatFormat(_Format):
     def whole(self, chunks: list[ResponseChunk], with_token_ids: bool) -> dict[str, Any]:
         last = chunks[-1]
         message = {"role": "assistant", "content": "".join(c.text for c in chunks)}
-        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": last.finish_reason}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "finish_reason": last.finish_reason,
+        }
         if with_token_ids:
             choice["token_ids"] = [t for c in chunks for t in c.token_ids]
         body = self.envelope(chunks[0], [choice])
@@ -261,8 +265,11 @@ class _ChatFormat(_Format):
 
 
 async def _sse(
-    first: ResponseChunk, rest: AsyncIterator[ResponseChunk], fmt: _Format, include_usage: bool
-) -> AsyncIterator[str]:
+    first: ResponseChunk,
+    rest: AsyncGenerator[ResponseChunk, None],
+    fmt: _Format,
+    include_usage: bool,
+) -> AsyncGenerator[str, None]:
     """Server-sent events; a client that disconnects cancels this, which aborts the request."""
     async with aclosing(rest):
         chunk = first

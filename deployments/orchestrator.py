@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +37,7 @@ from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-StreamFn = Callable[[EngineRequest], AsyncIterator[EngineChunk]]
+StreamFn = Callable[[EngineRequest], AsyncGenerator[EngineChunk, None]]
 ReleaseFn = Callable[[dict[str, Any]], Awaitable[None]]
 
 
@@ -141,7 +141,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ the flow
 
-    async def generate(self, request: GenerateInput) -> AsyncIterator[ResponseChunk]:
+    async def generate(self, request: GenerateInput) -> AsyncGenerator[ResponseChunk, None]:
         """Validate, then stream the response; ValueError before the first chunk for bad input.
         DeadlineExceeded when the request runs out of time (the engines abort it)."""
         prepared = self.prepare(request)
@@ -158,7 +158,7 @@ class Orchestrator:
 
     async def _disaggregated(
         self, prepared: _Prepared, stream: _ResponseStream
-    ) -> AsyncIterator[ResponseChunk]:
+    ) -> AsyncGenerator[ResponseChunk, None]:
         first = await self._prefill_leg(prepared)
         if first is None:  # the prefill leg failed: the decode replica computes the prompt
             async for chunk in self._decode_leg(prepared, stream, ROUTE_FALLBACK):
@@ -219,7 +219,7 @@ class Orchestrator:
 
     async def _decode_leg(
         self, prepared: _Prepared, stream: _ResponseStream, route: str
-    ) -> AsyncIterator[ResponseChunk]:
+    ) -> AsyncGenerator[ResponseChunk, None]:
         stream.route = route
         request = self._engine_request(prepared, prepared.params, None)
         async with aclosing(self._bounded(self.decode(request), prepared)) as chunks:
@@ -244,8 +244,8 @@ class Orchestrator:
         )
 
     async def _bounded(
-        self, chunks: AsyncIterator[EngineChunk], prepared: _Prepared
-    ) -> AsyncIterator[EngineChunk]:
+        self, chunks: AsyncGenerator[EngineChunk, None], prepared: _Prepared
+    ) -> AsyncGenerator[EngineChunk, None]:
         """`chunks` until the request's deadline; closing it aborts the engine request."""
         iterator = aiter(chunks)
         try:

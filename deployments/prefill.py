@@ -7,6 +7,8 @@ from ray import serve
 from deployments.engine_server import EngineServer
 
 
-@serve.deployment(name="PrefillServer")
 class PrefillServer(EngineServer):
     role = "prefill"
+
+
+PrefillDeployment = serve.deployment(name="PrefillServer")(PrefillServer)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -23,7 +23,13 @@ from connector.metadata import RemoteKV
 from connector.side_channel import SideChannelClient
 from deployments.engine_server import EngineChunk, EngineRequest
 from deployments.openai_api import build_openai_app
-from deployments.orchestrator import DeadlineExceeded, FlowConfig, ModelFacts, Orchestrator, StreamFn
+from deployments.orchestrator import (
+    DeadlineExceeded,
+    FlowConfig,
+    ModelFacts,
+    Orchestrator,
+    StreamFn,
+)
 from deployments.protocol import ResponseChunk, chunk_to_proto, input_from_proto
 from engine.arg_utils import EngineArgs
 from engine.llm import load_tokenizer
@@ -48,8 +54,6 @@ class _InFlight:
     aborted: bool = False
 
 
-@serve.deployment(name="Router")
-@serve.ingress()
 class Router:
     def __init__(
         self,
@@ -89,9 +93,9 @@ class Router:
 
     # ------------------------------------------------------------------ gRPC: pdserve.v1.Generation
 
-    async def Generate(  # noqa: N802 (gRPC method name)
+    async def Generate(
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         try:
             gen_input = input_from_proto(request)
             if gen_input.request_id in self._in_flight:
@@ -122,7 +126,7 @@ class Router:
         finally:
             self._in_flight.pop(key, None)
 
-    async def Abort(self, request: pb.AbortRequest) -> pb.AbortResponse:  # noqa: N802
+    async def Abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
         record = self._in_flight.get(request.request_id)
         if record is None or record.task is None:
             return pb.AbortResponse(found=False)
@@ -130,14 +134,12 @@ class Router:
         record.task.cancel()
         return pb.AbortResponse(found=True)
 
-    async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:  # noqa: N802
+    async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:
         handles = [h for h in (self._prefill, self._decode) if h is not None]
         stats = await asyncio.gather(*(h.stats.remote() for h in handles))
-        return pb.HealthResponse(
-            status="SERVING", engines=[pb.EngineStats(**s) for s in stats]
-        )
+        return pb.HealthResponse(status="SERVING", engines=[pb.EngineStats(**s) for s in stats])
 
-    async def ModelInfo(self, request: pb.ModelInfoRequest) -> pb.ModelInfoResponse:  # noqa: N802
+    async def ModelInfo(self, request: pb.ModelInfoRequest) -> pb.ModelInfoResponse:
         return pb.ModelInfoResponse(
             model=self.facts.name,
             max_model_len=self.facts.max_model_len,
@@ -154,15 +156,17 @@ class Router:
         remote = RemoteKV.from_params(kv_transfer_params)
         key = (remote.host, remote.port)
         if key not in self._clients:
-            self._clients[key] = SideChannelClient(remote.host, remote.port, self.settings.kv_secret)
+            self._clients[key] = SideChannelClient(
+                remote.host, remote.port, self.settings.kv_secret
+            )
         await asyncio.to_thread(self._clients[key].release, remote.lease_id)
 
 
 def _stream_fn(handle: DeploymentHandle) -> StreamFn:
     streaming = handle.options(stream=True)
 
-    async def stream(request: EngineRequest) -> AsyncIterator[EngineChunk]:
-        response = streaming.generate.remote(request)
+    async def stream(request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
+        response: Any = streaming.generate.remote(request)  # a DeploymentResponseGenerator
         done = False
         try:
             async for chunk in response:
@@ -192,3 +196,6 @@ def _aborted(request_id: str, last: ResponseChunk | None) -> ResponseChunk:
     if last is not None:
         chunk.route, chunk.ttft_s = last.route, last.ttft_s
     return chunk
+
+
+RouterDeployment = serve.deployment(name="Router")(serve.ingress()(Router))

@@ -112,7 +112,7 @@ def _load_hf(path: str, device: str) -> Any:
     except ImportError as exc:
         raise ValueError("bench offline needs transformers (pip install transformers)") from exc
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def run(config: OfflineBenchConfig) -> dict[str, Any]:

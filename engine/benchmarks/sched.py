@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 from dataclasses import asdict, dataclass
 
+from engine.benchmarks.stats import summarize
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.scheduler import Scheduler
 from engine.request import Request, SamplingParams
@@ -55,19 +55,8 @@ def make_requests(w: SchedWorkload) -> list[Request]:
     return requests
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
 def _summary(values_us: list[float]) -> dict[str, float]:
-    ordered = sorted(values_us)
-    return {
-        "mean": round(statistics.fmean(ordered), 2) if ordered else 0.0,
-        "p50": round(_percentile(ordered, 0.50), 2),
-        "p99": round(_percentile(ordered, 0.99), 2),
-    }
+    return summarize(values_us)
 
 
 def run(w: SchedWorkload) -> dict[str, object]:

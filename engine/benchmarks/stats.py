@@ -1,0 +1,24 @@
+"""Summaries the benchmarks share: mean and nearest-rank percentiles."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values (0.0 when there are none)."""
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def summarize(
+    values: Sequence[float], quantiles: Sequence[float] = (0.5, 0.99), digits: int = 2
+) -> dict[str, float]:
+    """{"mean", "p50", ...} of `values`, rounded to `digits`."""
+    ordered = sorted(values)
+    summary = {"mean": round(statistics.fmean(ordered), digits) if ordered else 0.0}
+    for q in quantiles:
+        summary[f"p{round(q * 100):d}"] = round(percentile(ordered, q), digits)
+    return summary
