@@ -32,7 +32,7 @@ _FIRST_PLAIN_TOKEN = 16
 @dataclass
 class ServeBenchConfig:
     target: str = "127.0.0.1:9000"
-    apps: list[str] = field(default_factory=lambda: [""])  # "" = the only app
+    apps: list[str] = field(default_factory=lambda: ["pdserve"])
     num_prompts: int = 64
     input_len: int = 128
     output_len: int = 64
@@ -302,7 +302,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     slo = parse_slo(args.slo)
     return ServeBenchConfig(
         target=args.target,
-        apps=args.app or [""],
+        apps=args.app or ["pdserve"],
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         output_len=args.output_len,

@@ -90,7 +90,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 def _add_client(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("client", help="call the gRPC API")
     parser.add_argument("--target", default="127.0.0.1:9000", help="HOST:PORT")
-    parser.add_argument("--application", default="", help="Serve app name (several apps)")
+    parser.add_argument("--application", default="pdserve", help="Serve app name")
     parser.add_argument("--stream", action="store_true", help="print text as it arrives")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds")
     _add_prompt_and_sampling(parser)

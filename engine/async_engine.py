@@ -8,6 +8,7 @@ to it through a command queue, and results come back to each request's asyncio.Q
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -60,6 +61,19 @@ class _Sink:
         except RuntimeError:  # "Event loop is closed"
             return False
         return True
+
+
+def _snapshot(result: RequestOutput) -> RequestOutput:
+    """A copy the caller's thread may read while the loop thread goes on: the output
+    processor updates one CompletionOutput per request in place, step after step."""
+    completion = result.outputs[0]
+    copy = dataclasses.replace(
+        completion,
+        token_ids=list(completion.token_ids),
+        new_token_ids=list(completion.new_token_ids),
+        logprobs=list(completion.logprobs) if completion.logprobs is not None else None,
+    )
+    return dataclasses.replace(result, outputs=[copy])
 
 
 class AsyncEngine:
@@ -195,7 +209,7 @@ class AsyncEngine:
             sink = self._sinks.get(result.request_id)
             if sink is None:
                 continue
-            if not sink.put(result):
+            if not sink.put(_snapshot(result)):
                 self._abort(result.request_id)  # one caller gone; the engine serves on
             elif result.finished:
                 del self._sinks[result.request_id]

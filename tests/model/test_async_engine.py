@@ -39,6 +39,25 @@ def test_streams_token_by_token_and_matches_hf(engine, hf_refs):
     assert outs[-1].outputs[0].finish_reason == "length"
 
 
+def test_each_streamed_output_is_a_snapshot_even_for_a_slow_consumer(engine, hf_refs):
+    """The loop thread runs ahead of a slow consumer: what a consumer reads must be what the
+    step produced (outputs are handed across threads), not the request's later state."""
+    prompt = [2, 7, 1, 8, 2, 8]
+
+    async def slow():
+        seen = []
+        async for out in engine.generate(prompt, GREEDY):
+            await asyncio.sleep(0.02)  # several engine steps happen meanwhile
+            completion = out.outputs[0]
+            seen.append((list(completion.new_token_ids), list(completion.token_ids)))
+        return seen
+
+    seen = asyncio.run(slow())
+    expected = hf_refs["llama_gqa"].greedy(prompt, 12)
+    assert [t for new, _ in seen for t in new] == expected
+    assert [len(so_far) for _, so_far in seen] == list(range(1, 13))
+
+
 def test_concurrent_requests_each_get_their_own_stream(engine, hf_refs):
     prompts = [[i, i + 1, i + 2, i + 3] for i in range(10, 16)]
 

@@ -1,0 +1,38 @@
+"""Helpers for tests that run the Serve app on local Ray."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, period_s: float = 0.25) -> bool:
+    """Poll `condition` (exceptions count as False) until it holds or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if condition():
+                return True
+        except Exception:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(period_s)
+
+
+def prefill_replica_actors(app_name: str = "pdserve") -> list[str]:
+    """Names of the live PrefillServer replica actors of `app_name` (namespace "serve")."""
+    import ray
+
+    return sorted(
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == "serve" and actor["name"].startswith(f"SERVE_REPLICA::{app_name}#PrefillServer#")
+    )

@@ -1,0 +1,338 @@
+"""The Serve app on real local Ray Serve: gRPC through Serve's gRPC proxy, HTTP through its HTTP
+proxy, prefill and decode replicas moving KV over real NIXL. One Serve instance runs the
+disaggregated app ("pdserve") and the colocated one ("colocated") for the whole module.
+
+The offline engine in this process is the oracle: greedy outputs must match it token for token.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import pytest
+
+from deployments.app import AppConfig
+from deployments.client import Completion, GenerationClient, generate_request
+from deployments.launch import APP_NAME, COLOCATED_APP_NAME, ServeOptions, start, stop
+from engine.llm import LLM
+from engine.request import SamplingParams
+from tests.integration.serve_utils import free_port, prefill_replica_actors, wait_until
+
+pytestmark = pytest.mark.integration
+
+MAX_MODEL_LEN = 256
+ENGINE_ARGS = {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": 16 << 20}
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog",
+    "Once upon a time, in a land far away, there lived a",
+    "def fibonacci(n):",
+]
+
+
+class App:
+    def __init__(self, grpc_port: int, http_port: int) -> None:
+        self.target = f"127.0.0.1:{grpc_port}"
+        self.http_port = http_port
+        self.client = GenerationClient(self.target, APP_NAME)
+        self.colocated = GenerationClient(self.target, COLOCATED_APP_NAME)
+
+    def http(self, path: str, body: Any, raw: bytes | None = None) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=120)
+        payload = raw if raw is not None else json.dumps(body).encode()
+        conn.request("POST", path, payload, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        data = response.read().decode()
+        conn.close()
+        return response.status, json.loads(data)
+
+    def sse(self, path: str, body: dict[str, Any]) -> list[Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=120)
+        conn.request("POST", path, json.dumps({**body, "stream": True}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200
+        events = []
+        for line in response:
+            text = line.decode().strip()
+            if text.startswith("data: "):
+                data = text[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+        conn.close()
+        return events
+
+    def engines_idle(self, client: GenerationClient | None = None) -> bool:
+        health = (client or self.client).health()
+        return all(
+            e.num_free_blocks == e.num_blocks and e.num_running == 0 and e.num_waiting == 0
+            and e.num_held_requests == 0
+            for e in health.engines
+        )
+
+
+@pytest.fixture(scope="module")
+def app() -> Iterator[App]:
+    config = AppConfig.from_args(
+        {"engine_args": ENGINE_ARGS, "num_cpus_per_engine": 0.5, "transport": "nixl",
+         "lease_seconds": 20}
+    )
+    grpc_port, http_port = free_port(), free_port()
+    start(config, ServeOptions(grpc_port=grpc_port, http_port=http_port, num_cpus=8,
+                               with_colocated=True))
+    served = App(grpc_port, http_port)
+    try:
+        yield served
+    finally:
+        served.client.close()
+        served.colocated.close()
+        stop()
+
+
+@pytest.fixture(scope="module")
+def offline() -> Iterator[LLM]:
+    llm = LLM("default", **ENGINE_ARGS)
+    yield llm
+    llm.close()
+
+
+def greedy(llm: LLM, prompt: str | list[int], max_tokens: int, **kw: Any) -> Any:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+    return llm.generate([prompt], params)[0]
+
+
+def test_grpc_greedy_matches_offline_disaggregated_and_colocated(app: App, offline: LLM) -> None:
+    for prompt in PROMPTS:
+        expected = greedy(offline, prompt, 24)
+        for client, route in ((app.client, "disaggregated"), (app.colocated, "colocated")):
+            got = client.complete(generate_request(prompt, max_tokens=24, temperature=0.0))
+            assert got.route == route
+            assert got.prompt_token_ids == expected.prompt_token_ids
+            assert got.token_ids == expected.outputs[0].token_ids, (prompt, route)
+            assert got.text == expected.outputs[0].text
+            assert got.finish_reason == expected.outputs[0].finish_reason
+            assert got.usage is not None
+            assert got.usage.completion_tokens == len(got.token_ids)
+
+
+def test_seeded_sampling_disaggregated_equals_colocated(app: App) -> None:
+    request = generate_request(PROMPTS[2], max_tokens=24, temperature=0.9, top_p=0.95, seed=7)
+    disaggregated = app.client.complete(request)
+    colocated = app.colocated.complete(request)
+    assert disaggregated.route == "disaggregated"
+    assert disaggregated.token_ids == colocated.token_ids
+    assert disaggregated.text == colocated.text
+
+
+def test_stop_string_across_the_legs(app: App, offline: LLM) -> None:
+    full = greedy(offline, PROMPTS[1], 24).outputs[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]  # lands in the decode leg's text
+    expected = greedy(offline, PROMPTS[1], 24, stop=[stop]).outputs[0]
+    got = app.client.complete(
+        generate_request(PROMPTS[1], max_tokens=24, temperature=0.0, stop=[stop])
+    )
+    assert got.finish_reason == "stop"
+    assert got.text == expected.text
+    assert got.token_ids == expected.token_ids
+
+
+def test_http_completions_match_offline(app: App, offline: LLM) -> None:
+    for prompt in PROMPTS[:2]:
+        expected = greedy(offline, prompt, 20).outputs[0]
+        body = {"model": "default", "prompt": prompt, "max_tokens": 20, "temperature": 0,
+                "return_token_ids": True}
+        status, reply = app.http("/v1/completions", body)
+        assert status == 200, reply
+        choice = reply["choices"][0]
+        assert choice["token_ids"] == expected.token_ids
+        assert choice["text"] == expected.text
+        assert reply["usage"]["completion_tokens"] == len(expected.token_ids)
+        events = app.sse("/v1/completions", body)
+        assert events[-1] == "[DONE]"
+        texts = [e["choices"][0]["text"] for e in events[:-1]]
+        assert len(texts) > 1  # streamed, not one blob
+        assert "".join(texts) == expected.text
+        assert events[-2]["choices"][0]["finish_reason"] == expected.finish_reason
+
+
+def test_http_chat_and_models(app: App, offline: LLM) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", app.http_port, timeout=60)
+    conn.request("GET", "/v1/models")
+    models = json.loads(conn.getresponse().read())
+    conn.close()
+    assert [m["id"] for m in models["data"]] == ["default"]
+    messages = [{"role": "user", "content": "Say hello"}]
+    tokenizer = offline.tokenizer
+    assert tokenizer is not None
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages),
+                                  add_special_tokens=False)
+    expected = greedy(offline, prompt_ids, 16).outputs[0]
+    status, reply = app.http("/v1/chat/completions",
+                             {"model": "default", "messages": messages, "max_tokens": 16,
+                              "temperature": 0})
+    assert status == 200, reply
+    assert reply["choices"][0]["message"] == {"role": "assistant", "content": expected.text}
+    events = app.sse("/v1/chat/completions",
+                     {"messages": messages, "max_tokens": 16, "temperature": 0})
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("content", "") for d in deltas) == expected.text
+
+
+def test_first_token_arrives_before_the_decode_leg_finishes(app: App) -> None:
+    request = generate_request(PROMPTS[0], max_tokens=160, temperature=0.0, ignore_eos=True)
+    stream = app.client.stream(request, timeout=120)
+    first = next(stream)
+    # The client holds the prefill's token while the decode engine still has the request.
+    decode = [e for e in app.client.health().engines if e.role == "decode"][0]
+    assert len(first.token_ids) == 1
+    assert first.prompt_token_ids
+    assert decode.num_running + decode.num_waiting >= 1
+    chunks = [first, *stream]
+    assert len(chunks) > 100  # one chunk per decode step: tokens stream as produced
+    assert sum(len(c.token_ids) for c in chunks) == 160
+    assert chunks[-1].finish_reason == "length"
+    assert 0 < chunks[-1].timing.ttft_s < chunks[-1].timing.e2e_s
+
+
+def test_32_concurrent_streams_match_offline(app: App, offline: LLM) -> None:
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+
+    def one(prompt: str) -> Completion:
+        return app.client.complete(generate_request(prompt, max_tokens=32, temperature=0.0),
+                                   timeout=300)
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, prompts))
+    assert [r.token_ids for r in results] == expected
+    assert all(r.num_chunks > 1 for r in results)
+    assert wait_until(app.engines_idle, 30)
+
+
+def test_cancelled_stream_frees_blocks_on_both_engines(app: App) -> None:
+    request = generate_request(PROMPTS[2], max_tokens=160, temperature=0.0, ignore_eos=True)
+    call = app.client.stream(request, timeout=120)
+    for _ in range(3):
+        next(call)
+    health = app.client.health()
+    assert any(e.num_free_blocks < e.num_blocks for e in health.engines if e.role == "decode")
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    assert wait_until(app.engines_idle, 30), app.client.health()
+
+
+def test_abort_rpc_ends_the_stream(app: App) -> None:
+    request = generate_request(PROMPTS[3], request_id="to-abort", max_tokens=160,
+                               temperature=0.0, ignore_eos=True)
+    call = app.client.stream(request, timeout=120)
+    next(call)
+    assert app.client.abort("to-abort")
+    rest = list(call)
+    assert rest[-1].finish_reason == "abort"
+    assert sum(len(c.token_ids) for c in rest) < 159
+    assert not app.client.abort("to-abort")  # no longer in flight
+    assert wait_until(app.engines_idle, 30), app.client.health()
+
+
+def test_deadline_exceeded(app: App) -> None:
+    request = generate_request(PROMPTS[0], max_tokens=200, temperature=0.0, ignore_eos=True,
+                               timeout_s=0.3)
+    with pytest.raises(grpc.RpcError) as info:
+        app.client.complete(request)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "deadline" in info.value.details()
+    assert wait_until(app.engines_idle, 30), app.client.health()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ("", {}, "prompt is empty"),
+        ([], {}, "prompt is empty"),
+        ("Hello", {"max_tokens": 0}, "max_tokens"),
+        ("Hello", {"temperature": -1.0}, "temperature"),
+        ("Hello", {"top_p": 1.5}, "top_p"),
+        (list(range(20, 20 + MAX_MODEL_LEN + 10)), {}, "max_model_len"),
+        ([5, 99999], {}, "vocabulary"),
+    ],
+)
+def test_bad_grpc_requests_are_invalid_argument(
+    app: App, prompt: Any, params: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        app.client.complete(generate_request(prompt, **params))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()
+
+
+def test_bad_http_requests_are_400_and_service_keeps_serving(app: App) -> None:
+    cases: list[tuple[Any, bytes | None, str]] = [
+        ({"prompt": "", "max_tokens": 4}, None, "prompt is empty"),
+        ({"prompt": "Hi", "max_tokens": 0}, None, "max_tokens"),
+        ({"prompt": "Hi", "temperature": -0.5}, None, "temperature"),
+        ({"prompt": "Hi", "top_p": 2}, None, "top_p"),
+        ({"prompt": "Hi", "model": "gpt-17"}, None, "gpt-17"),
+        ({"prompt": list(range(20, 20 + MAX_MODEL_LEN + 10))}, None, "max_model_len"),
+        ({"prompt": "Hi", "max_tokens": "many"}, None, "max_tokens"),
+        (None, b'{"prompt": "Hi", ', "JSON"),
+        ({"max_tokens": 3}, None, "prompt"),
+    ]
+    for body, raw, message in cases:
+        status, reply = app.http("/v1/completions", body, raw)
+        assert status == 400, (body, reply)
+        assert message in reply["error"]["message"], reply
+    status, reply = app.http("/v1/chat/completions", {"messages": [], "max_tokens": 3})
+    assert status == 400 and "messages" in reply["error"]["message"]
+    status, reply = app.http("/v1/completions", {"prompt": "Hi", "max_tokens": 3})
+    assert status == 200 and reply["choices"][0]["finish_reason"] in ("length", "stop")
+    got = app.client.complete(generate_request("Hi", max_tokens=3, temperature=0.0))
+    assert got.finish_reason in ("length", "stop")
+
+
+def test_killing_the_prefill_replica_keeps_requests_completing(app: App, offline: LLM) -> None:
+    """Last in the module: it kills a replica. In-flight and new requests complete (fallback to
+    decode-only, or recompute of a failed read), and Serve brings a new prefill replica up."""
+    import ray
+
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} again {i}" for i in range(16)]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+    (victim,) = prefill_replica_actors()
+    results: list[Completion | Exception] = [Exception("not run")] * len(prompts)
+    started = threading.Event()
+
+    def one(i: int) -> None:
+        try:
+            request = generate_request(prompts[i], max_tokens=48, temperature=0.0)
+            results[i] = app.client.complete(request, timeout=180)
+        except Exception as exc:  # recorded, asserted below
+            results[i] = exc
+        started.set()
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(8)]
+        time.sleep(0.3)  # requests in flight
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        futures += [pool.submit(one, i) for i in range(8, 16)]  # new requests, replica gone
+        for future in futures:
+            future.result()
+    for i, result in enumerate(results):
+        assert isinstance(result, Completion), (i, result)
+        assert result.token_ids == expected[i], i
+    assert wait_until(lambda: prefill_replica_actors() not in ([], [victim]), 120)
+    assert wait_until(
+        lambda: app.client.complete(
+            generate_request("Hello", max_tokens=4, temperature=0.0)
+        ).route == "disaggregated",
+        120,
+    )
