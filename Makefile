@@ -1,10 +1,10 @@
-# The two README commands are `make serve` (once the Serve app lands) and `make test`.
+# The two README commands: `make serve` (the local Serve app, default model) and `make test`.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint bench-sched clean
+.PHONY: install serve test lint bench-sched clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Local Ray + the disaggregated app on the built-in default model: gRPC :9000, HTTP :8000.
+# Extra flags: make serve ARGS="--transport grpc --decode-replicas 2".
+serve: $(STAMP)
+	$(VENV)/bin/pdserve serve $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -19,6 +19,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from connector.metadata import RemoteKV
+from connector.side_channel import SideChannelClient
 from deployments.engine_server import EngineChunk, EngineRequest
 from deployments.protocol import (
     ROUTE_COLOCATED,
@@ -75,6 +77,22 @@ class _Prepared:
     cache_salt: str | None
     started: float
     deadline: float
+
+
+class LeaseReleaser:
+    """Ends a prefill lease over the prefill engine's side channel (the ReleaseFn)."""
+
+    def __init__(self, secret: str) -> None:
+        self.secret = secret
+        self._clients: dict[tuple[str, int], SideChannelClient] = {}
+
+    async def __call__(self, kv_transfer_params: dict[str, Any]) -> None:
+        remote = RemoteKV.from_params(kv_transfer_params)
+        key = (remote.host, remote.port)
+        if key not in self._clients:
+            self._clients[key] = SideChannelClient(remote.host, remote.port, self.secret)
+        # A blocking gRPC call with a deadline: off the event loop.
+        await asyncio.to_thread(self._clients[key].release, remote.lease_id)
 
 
 class Orchestrator:

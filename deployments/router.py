@@ -19,13 +19,12 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
-from connector.metadata import RemoteKV
-from connector.side_channel import SideChannelClient
 from deployments.engine_server import EngineChunk, EngineRequest
 from deployments.openai_api import build_openai_app
 from deployments.orchestrator import (
     DeadlineExceeded,
     FlowConfig,
+    LeaseReleaser,
     ModelFacts,
     Orchestrator,
     StreamFn,
@@ -75,7 +74,6 @@ class Router:
         self.block_size = config.cache.block_size
         self._decode = decode
         self._prefill = prefill
-        self._clients: dict[tuple[str, int], SideChannelClient] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self.orchestrator = Orchestrator(
             self.tokenizer,
@@ -83,7 +81,7 @@ class Router:
             settings.flow,
             decode=_stream_fn(decode),
             prefill=_stream_fn(prefill) if prefill is not None else None,
-            release=self._release,
+            release=LeaseReleaser(settings.kv_secret),
         )
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -148,18 +146,6 @@ class Router:
             mode="colocated" if self._prefill is None else "disaggregated",
             transport=self.settings.transport,
         )
-
-    # ------------------------------------------------------------------ helpers
-
-    async def _release(self, kv_transfer_params: dict[str, Any]) -> None:
-        """Hand the prefill blocks back when no decode engine will (the call blocks: thread)."""
-        remote = RemoteKV.from_params(kv_transfer_params)
-        key = (remote.host, remote.port)
-        if key not in self._clients:
-            self._clients[key] = SideChannelClient(
-                remote.host, remote.port, self.settings.kv_secret
-            )
-        await asyncio.to_thread(self._clients[key].release, remote.lease_id)
 
 
 def _stream_fn(handle: DeploymentHandle) -> StreamFn:

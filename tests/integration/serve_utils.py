@@ -34,5 +34,6 @@ def prefill_replica_actors(app_name: str = "pdserve") -> list[str]:
     return sorted(
         actor["name"]
         for actor in ray.util.list_named_actors(all_namespaces=True)
-        if actor["namespace"] == "serve" and actor["name"].startswith(f"SERVE_REPLICA::{app_name}#PrefillServer#")
+        if actor["namespace"] == "serve"
+        and actor["name"].startswith(f"SERVE_REPLICA::{app_name}#PrefillServer#")
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -55,15 +54,16 @@ class App:
 
     def sse(self, path: str, body: dict[str, Any]) -> list[Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=120)
-        conn.request("POST", path, json.dumps({**body, "stream": True}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+        )
         response = conn.getresponse()
         assert response.status == 200
         events = []
         for line in response:
             text = line.decode().strip()
             if text.startswith("data: "):
-                data = text[len("data: "):]
+                data = text[len("data: ") :]
                 events.append(data if data == "[DONE]" else json.loads(data))
         conn.close()
         return events
@@ -71,7 +71,9 @@ class App:
     def engines_idle(self, client: GenerationClient | None = None) -> bool:
         health = (client or self.client).health()
         return all(
-            e.num_free_blocks == e.num_blocks and e.num_running == 0 and e.num_waiting == 0
+            e.num_free_blocks == e.num_blocks
+            and e.num_running == 0
+            and e.num_waiting == 0
             and e.num_held_requests == 0
             for e in health.engines
         )
@@ -80,12 +82,18 @@ class App:
 @pytest.fixture(scope="module")
 def app() -> Iterator[App]:
     config = AppConfig.from_args(
-        {"engine_args": ENGINE_ARGS, "num_cpus_per_engine": 0.5, "transport": "nixl",
-         "lease_seconds": 20}
+        {
+            "engine_args": ENGINE_ARGS,
+            "num_cpus_per_engine": 0.5,
+            "transport": "nixl",
+            "lease_seconds": 20,
+        }
     )
     grpc_port, http_port = free_port(), free_port()
-    start(config, ServeOptions(grpc_port=grpc_port, http_port=http_port, num_cpus=8,
-                               with_colocated=True))
+    start(
+        config,
+        ServeOptions(grpc_port=grpc_port, http_port=http_port, num_cpus=8, with_colocated=True),
+    )
     served = App(grpc_port, http_port)
     try:
         yield served
@@ -145,8 +153,13 @@ def test_stop_string_across_the_legs(app: App, offline: LLM) -> None:
 def test_http_completions_match_offline(app: App, offline: LLM) -> None:
     for prompt in PROMPTS[:2]:
         expected = greedy(offline, prompt, 20).outputs[0]
-        body = {"model": "default", "prompt": prompt, "max_tokens": 20, "temperature": 0,
-                "return_token_ids": True}
+        body = {
+            "model": "default",
+            "prompt": prompt,
+            "max_tokens": 20,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         status, reply = app.http("/v1/completions", body)
         assert status == 200, reply
         choice = reply["choices"][0]
@@ -170,16 +183,17 @@ def test_http_chat_and_models(app: App, offline: LLM) -> None:
     messages = [{"role": "user", "content": "Say hello"}]
     tokenizer = offline.tokenizer
     assert tokenizer is not None
-    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages),
-                                  add_special_tokens=False)
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
     expected = greedy(offline, prompt_ids, 16).outputs[0]
-    status, reply = app.http("/v1/chat/completions",
-                             {"model": "default", "messages": messages, "max_tokens": 16,
-                              "temperature": 0})
+    status, reply = app.http(
+        "/v1/chat/completions",
+        {"model": "default", "messages": messages, "max_tokens": 16, "temperature": 0},
+    )
     assert status == 200, reply
     assert reply["choices"][0]["message"] == {"role": "assistant", "content": expected.text}
-    events = app.sse("/v1/chat/completions",
-                     {"messages": messages, "max_tokens": 16, "temperature": 0})
+    events = app.sse(
+        "/v1/chat/completions", {"messages": messages, "max_tokens": 16, "temperature": 0}
+    )
     deltas = [e["choices"][0]["delta"] for e in events[:-1]]
     assert deltas[0]["role"] == "assistant"
     assert "".join(d.get("content", "") for d in deltas) == expected.text
@@ -190,7 +204,7 @@ def test_first_token_arrives_before_the_decode_leg_finishes(app: App) -> None:
     stream = app.client.stream(request, timeout=120)
     first = next(stream)
     # The client holds the prefill's token while the decode engine still has the request.
-    decode = [e for e in app.client.health().engines if e.role == "decode"][0]
+    decode = next(e for e in app.client.health().engines if e.role == "decode")
     assert len(first.token_ids) == 1
     assert first.prompt_token_ids
     assert decode.num_running + decode.num_waiting >= 1
@@ -207,8 +221,9 @@ def test_32_concurrent_streams_match_offline(app: App, offline: LLM) -> None:
     expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
 
     def one(prompt: str) -> Completion:
-        return app.client.complete(generate_request(prompt, max_tokens=32, temperature=0.0),
-                                   timeout=300)
+        return app.client.complete(
+            generate_request(prompt, max_tokens=32, temperature=0.0), timeout=300
+        )
 
     with ThreadPoolExecutor(32) as pool:
         results = list(pool.map(one, prompts))
@@ -232,8 +247,9 @@ def test_cancelled_stream_frees_blocks_on_both_engines(app: App) -> None:
 
 
 def test_abort_rpc_ends_the_stream(app: App) -> None:
-    request = generate_request(PROMPTS[3], request_id="to-abort", max_tokens=160,
-                               temperature=0.0, ignore_eos=True)
+    request = generate_request(
+        PROMPTS[3], request_id="to-abort", max_tokens=160, temperature=0.0, ignore_eos=True
+    )
     call = app.client.stream(request, timeout=120)
     next(call)
     assert app.client.abort("to-abort")
@@ -245,8 +261,9 @@ def test_abort_rpc_ends_the_stream(app: App) -> None:
 
 
 def test_deadline_exceeded(app: App) -> None:
-    request = generate_request(PROMPTS[0], max_tokens=200, temperature=0.0, ignore_eos=True,
-                               timeout_s=0.3)
+    request = generate_request(
+        PROMPTS[0], max_tokens=200, temperature=0.0, ignore_eos=True, timeout_s=0.3
+    )
     with pytest.raises(grpc.RpcError) as info:
         app.client.complete(request)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -300,39 +317,47 @@ def test_bad_http_requests_are_400_and_service_keeps_serving(app: App) -> None:
 
 
 def test_killing_the_prefill_replica_keeps_requests_completing(app: App, offline: LLM) -> None:
-    """Last in the module: it kills a replica. In-flight and new requests complete (fallback to
-    decode-only, or recompute of a failed read), and Serve brings a new prefill replica up."""
+    """Last in the module: it kills a replica. Under steady traffic, requests in flight at the
+    kill and requests sent after it all complete with the right tokens (fallback to decode-only,
+    or recompute of a failed KV read), and Serve brings a new prefill replica up."""
     import ray
 
-    prompts = [f"{PROMPTS[i % len(PROMPTS)]} again {i}" for i in range(16)]
-    params = SamplingParams(max_tokens=48, temperature=0.0)
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} again {i}" for i in range(40)]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
     expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
     (victim,) = prefill_replica_actors()
-    results: list[Completion | Exception] = [Exception("not run")] * len(prompts)
-    started = threading.Event()
+    results: dict[int, Completion | Exception] = {}
+    spans: dict[int, tuple[float, float]] = {}
 
     def one(i: int) -> None:
+        begin = time.monotonic()
         try:
-            request = generate_request(prompts[i], max_tokens=48, temperature=0.0)
+            request = generate_request(prompts[i], max_tokens=32, temperature=0.0)
             results[i] = app.client.complete(request, timeout=180)
         except Exception as exc:  # recorded, asserted below
             results[i] = exc
-        started.set()
+        spans[i] = (begin, time.monotonic())
 
-    with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(one, i) for i in range(8)]
-        time.sleep(0.3)  # requests in flight
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(one, i) for i in range(len(prompts))]
+        assert wait_until(lambda: len(results) >= 6, 60)  # traffic is flowing
+        killed_at = time.monotonic()
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-        futures += [pool.submit(one, i) for i in range(8, 16)]  # new requests, replica gone
         for future in futures:
             future.result()
-    for i, result in enumerate(results):
+    routes = {i: getattr(r, "route", repr(r)) for i, r in sorted(results.items())}
+    print("routes after the kill:", routes)
+    for i, result in results.items():
         assert isinstance(result, Completion), (i, result)
         assert result.token_ids == expected[i], i
+    in_flight = [i for i, (b, e) in spans.items() if b < killed_at < e]
+    started_after = [i for i, (b, _) in spans.items() if b > killed_at]
+    assert in_flight and started_after, spans
     assert wait_until(lambda: prefill_replica_actors() not in ([], [victim]), 120)
     assert wait_until(
-        lambda: app.client.complete(
-            generate_request("Hello", max_tokens=4, temperature=0.0)
-        ).route == "disaggregated",
+        lambda: (
+            app.client.complete(generate_request("Hello", max_tokens=4, temperature=0.0)).route
+            == "disaggregated"
+        ),
         120,
     )

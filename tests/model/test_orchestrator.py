@@ -1,0 +1,183 @@
+"""The router's flow over real engines in this process (no Ray): two EngineServers joined by the
+gRPC KV transport, and the offline LLM as the oracle."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Iterator
+from typing import Any
+
+import pytest
+
+from deployments.engine_server import EngineChunk, EngineRequest, EngineServer
+from deployments.orchestrator import (
+    DeadlineExceeded,
+    FlowConfig,
+    LeaseReleaser,
+    ModelFacts,
+    Orchestrator,
+)
+from deployments.protocol import GenerateInput, ResponseChunk
+from engine.llm import LLM
+from engine.request import SamplingParams
+
+ENGINE_ARGS = {"max_model_len": 128, "kv_cache_memory_bytes": 8 << 20}
+SECRET = "orchestrator-test"
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[EngineServer, EngineServer]]:
+    kv = {"connector": "grpc", "secret": SECRET, "lease_seconds": 30}
+    prefill = EngineServer("default", ENGINE_ARGS, kv)
+    decode = EngineServer("default", ENGINE_ARGS, kv)
+    yield prefill, decode
+    for server in (prefill, decode):
+        server.__del__()
+
+
+@pytest.fixture(scope="module")
+def offline() -> Iterator[LLM]:
+    llm = LLM("default", **ENGINE_ARGS)
+    yield llm
+    llm.close()
+
+
+def make_flow(
+    servers: tuple[EngineServer, EngineServer],
+    prefill: Any = "engine",
+    decode: Any = None,
+    **flow: Any,
+) -> Orchestrator:
+    prefill_server, decode_server = servers
+    tokenizer = decode_server.engine.tokenizer
+    arch = decode_server.engine.core.arch
+    facts = ModelFacts("default", 128, arch.vocab_size, tuple(arch.eos_token_ids))
+    return Orchestrator(
+        tokenizer,
+        facts,
+        FlowConfig(**flow),
+        decode=decode or decode_server.generate,
+        prefill=prefill_server.generate if prefill == "engine" else prefill,
+        release=LeaseReleaser(SECRET),
+    )
+
+
+def run(flow: Orchestrator, prompt: Any, **params: Any) -> list[ResponseChunk]:
+    async def go() -> list[ResponseChunk]:
+        request = GenerateInput(prompt, SamplingParams(**params))
+        return [chunk async for chunk in flow.generate(request)]
+
+    return asyncio.run(go())
+
+
+def tokens(chunks: list[ResponseChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def idle(server: EngineServer, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = server.stats()
+        if stats["num_free_blocks"] == stats["num_blocks"] and not stats["num_held_requests"]:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_disaggregated_equals_offline_and_streams_token_by_token(servers, offline):
+    expected = offline.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0))[0]
+    chunks = run(make_flow(servers), PROMPT, max_tokens=20, temperature=0.0)
+    assert tokens(chunks) == expected.outputs[0].token_ids
+    assert "".join(c.text for c in chunks) == expected.outputs[0].text
+    assert [len(c.token_ids) for c in chunks] == [1] * 20
+    assert {c.route for c in chunks} == {"disaggregated"}
+    assert chunks[0].prompt_token_ids == expected.prompt_token_ids
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+    assert all(idle(s) for s in servers)
+
+
+def test_seeded_sampling_equals_colocated(servers):
+    params = {"max_tokens": 16, "temperature": 1.0, "top_k": 50, "seed": 1234}
+    disaggregated = run(make_flow(servers), PROMPT, **params)
+    colocated = run(make_flow(servers, prefill=None), PROMPT, **params)
+    assert tokens(disaggregated) == tokens(colocated)
+    assert colocated[-1].route == "colocated"
+
+
+def test_first_token_that_ends_the_request_releases_the_prefill_blocks(servers, offline):
+    first = offline.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0))[0]
+    first_token = first.outputs[0].token_ids[0]
+    chunks = run(
+        make_flow(servers), PROMPT, max_tokens=20, temperature=0.0, stop_token_ids=[first_token]
+    )
+    assert tokens(chunks) == [first_token]
+    assert chunks[-1].finish_reason == "stop"
+    # The router released the lease: the prefill blocks are back well before it expires.
+    assert idle(servers[0], timeout_s=5.0)
+
+
+def test_stop_string_in_the_first_token_text(servers, offline):
+    first = offline.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0))[0]
+    text = first.outputs[0].text
+    assert text and "\ufffd" not in text  # the first token decodes to whole characters
+    chunks = run(make_flow(servers), "Hello", max_tokens=20, temperature=0.0, stop=[text[-2:]])
+    assert chunks[-1].finish_reason == "stop"
+    assert len(tokens(chunks)) == 1
+    assert idle(servers[0], timeout_s=5.0)
+
+
+def test_failed_prefill_leg_falls_back_to_decode_only(servers, offline):
+    async def broken(request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
+        raise RuntimeError("prefill replica died")
+        yield  # pragma: no cover (makes this an async generator)
+
+    expected = offline.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0))[0]
+    chunks = run(make_flow(servers, prefill=broken), PROMPT, max_tokens=12, temperature=0.0)
+    assert tokens(chunks) == expected.outputs[0].token_ids
+    assert {c.route for c in chunks} == {"fallback"}
+
+
+def test_short_prompts_skip_the_prefill_leg(servers, offline):
+    expected = offline.generate(["Hi"], SamplingParams(max_tokens=8, temperature=0))[0]
+    flow = make_flow(servers, min_remote_prefill_tokens=8)
+    chunks = run(flow, "Hi", max_tokens=8, temperature=0.0)
+    assert tokens(chunks) == expected.outputs[0].token_ids
+    assert chunks[-1].route == "decode_only"
+
+
+def test_decode_leg_that_fails_before_reading_releases_the_prefill_blocks(servers):
+    async def broken(request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
+        raise RuntimeError("decode replica died")
+        yield  # pragma: no cover
+
+    with pytest.raises(RuntimeError, match="decode replica died"):
+        run(make_flow(servers, decode=broken), PROMPT, max_tokens=8, temperature=0.0)
+    assert idle(servers[0], timeout_s=5.0)
+
+
+def test_deadline_aborts_on_the_engines(servers):
+    with pytest.raises(DeadlineExceeded, match="deadline"):
+        run(
+            make_flow(servers, request_timeout_s=0.2),
+            PROMPT,
+            max_tokens=100,
+            temperature=0.0,
+            ignore_eos=True,
+        )
+    assert all(idle(s) for s in servers)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ("", "prompt is empty"),
+        ([], "prompt is empty"),
+        ([1, 10**6], "vocabulary"),
+        (list(range(3, 140)), "max_model_len"),
+    ],
+)
+def test_bad_prompts_are_value_errors(servers, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        run(make_flow(servers), prompt, max_tokens=4)

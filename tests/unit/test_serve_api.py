@@ -1,0 +1,178 @@
+"""The public API's pieces without Ray: the generated gRPC code, request validation, the app
+config and the serve config file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from google.protobuf import descriptor_pb2
+
+from deployments.app import AppConfig, build_app
+from deployments.protocol import ResponseChunk, Usage, chunk_to_proto, input_from_proto
+from protos.pdserve.v1 import generate_pb2 as pb
+from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["generate", "kv_transfer"])
+def test_generated_modules_match_the_proto(tmp_path: Path, name: str) -> None:
+    """Compile the .proto now and compare its descriptor with the committed module's (run
+    `make protos` after editing a .proto)."""
+    out = tmp_path / "descriptor.bin"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I.",
+            f"--descriptor_set_out={out}",
+            f"protos/pdserve/v1/{name}.proto",
+        ],
+        cwd=ROOT,
+        check=True,
+    )
+    compiled = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
+    _clear_json_names(compiled.message_type)  # protoc's python plugin leaves defaults out
+    module = __import__(f"protos.pdserve.v1.{name}_pb2", fromlist=["DESCRIPTOR"])
+    committed = descriptor_pb2.FileDescriptorProto.FromString(module.DESCRIPTOR.serialized_pb)
+    assert committed == compiled, f"protos/pdserve/v1/{name}_pb2*.py are stale: run make protos"
+
+
+def _clear_json_names(messages: Any) -> None:
+    for message in messages:
+        for f in message.field:
+            f.ClearField("json_name")
+        _clear_json_names(message.nested_type)
+
+
+def test_grpc_module_serves_every_rpc_of_the_service() -> None:
+    methods = pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name
+    assert set(methods) == {"Generate", "Abort", "Health", "ModelInfo"}
+    servicer = pb_grpc.GenerationServicer
+    assert all(hasattr(servicer, name) for name in methods)
+
+
+def test_input_from_proto_maps_sampling_fields() -> None:
+    request = pb.GenerateRequest(
+        request_id="r1",
+        text="Hello",
+        priority=2,
+        cache_salt="salt",
+        timeout_s=5,
+        sampling_params=pb.SamplingParams(
+            max_tokens=7,
+            temperature=0.5,
+            top_p=0.9,
+            top_k=20,
+            seed=3,
+            stop=["\n"],
+            stop_token_ids=[2],
+            ignore_eos=True,
+            logprobs=2,
+            repetition_penalty=1.1,
+            logit_bias={5: -1.0},
+        ),
+    )
+    got = input_from_proto(request)
+    assert (got.prompt, got.request_id, got.priority, got.cache_salt, got.timeout_s) == (
+        "Hello",
+        "r1",
+        2,
+        "salt",
+        5.0,
+    )
+    p = got.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0.5, 0.9, 20, 3)
+    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.logprobs) == (("\n",), (2,), True, 2)
+    assert p.repetition_penalty == pytest.approx(1.1) and p.logit_bias == {5: -1.0}
+
+
+def test_unset_fields_take_the_engine_defaults() -> None:
+    got = input_from_proto(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2])))
+    assert got.prompt == [1, 2] and got.params.max_tokens == 16 and got.params.temperature == 1.0
+    assert got.timeout_s is None and got.cache_salt is None
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (pb.GenerateRequest(), "no prompt"),
+        (pb.GenerateRequest(text="a", timeout_s=-1), "timeout_s"),
+        (
+            pb.GenerateRequest(text="a", sampling_params=pb.SamplingParams(max_tokens=0)),
+            "max_tokens",
+        ),
+        (pb.GenerateRequest(text="a", sampling_params=pb.SamplingParams(top_k=0)), "top_k"),
+        (pb.GenerateRequest(text="a", sampling_params=pb.SamplingParams(min_p=3)), "min_p"),
+    ],
+)
+def test_bad_requests_raise_value_error(request_: pb.GenerateRequest, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        input_from_proto(request_)
+
+
+def test_chunk_to_proto() -> None:
+    chunk = ResponseChunk(
+        "r",
+        [4, 5],
+        "ab",
+        finish_reason="length",
+        prompt_token_ids=[1],
+        usage=Usage(1, 2, 0),
+        ttft_s=0.1,
+        e2e_s=0.2,
+        route="disaggregated",
+        logprobs=[([4, 9], [-0.1, -2.0], 1), ([5], [-0.3], 1)],
+    )
+    message = chunk_to_proto(chunk)
+    assert list(message.token_ids) == [4, 5] and message.text == "ab"
+    assert message.usage.completion_tokens == 2 and message.timing.e2e_s == pytest.approx(0.2)
+    assert list(message.logprobs[0].token_ids) == [4, 9] and message.route == "disaggregated"
+
+
+def test_app_config_coerces_serve_run_strings() -> None:
+    config = AppConfig.from_args(
+        {
+            "colocated": "true",
+            "decode_replicas": "2",
+            "request_timeout_s": "9.5",
+            "engine_args": '{"max_model_len": 512}',
+        }
+    )
+    assert config.colocated is True and config.decode_replicas == 2
+    assert config.request_timeout_s == 9.5 and config.engine_args == {"max_model_len": 512}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"replicas": 2}, "unknown app argument"),
+        ({"transport": "carrier-pigeon"}, "transport"),
+        ({"decode_replicas": 0}, "decode_replicas"),
+        ({"colocated": "maybe"}, "colocated"),
+        ({"engine_args": {"kv_transfer_config": {}}}, "kv_transfer_config"),
+    ],
+)
+def test_app_config_refuses_bad_args(args: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AppConfig.from_args(args)
+
+
+def test_serve_config_file_is_a_valid_deploy_config() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    config = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(config)
+    (app,) = schema.applications
+    assert app.import_path == "deployments.app:build_app"
+    assert config["grpc_options"]["grpc_servicer_functions"] == [
+        "protos.pdserve.v1.generate_pb2_grpc.add_GenerationServicer_to_server"
+    ]
+    AppConfig.from_args(app.args)
+    assert build_app(app.args) is not None  # binds the graph; nothing starts
