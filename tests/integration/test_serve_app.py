@@ -246,6 +246,56 @@ def test_cancelled_stream_frees_blocks_on_both_engines(app: App) -> None:
     assert wait_until(app.engines_idle, 30), app.client.health()
 
 
+def test_http_client_that_disconnects_aborts_its_request(app: App) -> None:
+    body = {
+        "prompt": PROMPTS[1],
+        "max_tokens": 160,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", app.http_port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    events = 0
+    while events < 3:
+        if response.readline().startswith(b"data: "):
+            events += 1
+    assert not app.engines_idle()  # generating
+    conn.sock.close()  # gone without a word
+    conn.close()
+    assert wait_until(app.engines_idle, 30), app.client.health()
+
+
+def test_bench_serve_against_both_apps(app: App, tmp_path: Any) -> None:
+    from deployments.bench_serve import ServeBenchConfig, run
+
+    plot = tmp_path / "latency.png"
+    report = run(
+        ServeBenchConfig(
+            target=app.target,
+            apps=[APP_NAME, COLOCATED_APP_NAME],
+            num_prompts=6,
+            input_len=24,
+            output_len=8,
+            shared_prefix_len=16,
+            concurrency=3,
+            warmup=1,
+            slo_ttft_ms=60_000,
+            plot=str(plot),
+            progress=False,
+        )
+    )
+    for name in (APP_NAME, COLOCATED_APP_NAME):
+        result = report["results"][name]
+        assert result["completed"] == 6 and result["failed"] == 0
+        assert result["goodput"] == result["request_throughput"] > 0
+        assert 0 < result["ttft_ms"]["p50"] <= result["e2e_ms"]["p50"]
+        assert result["itl_ms"]["mean"] > 0
+    assert set(report["ratios"]) == {f"{COLOCATED_APP_NAME}/{APP_NAME}"}
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
 def test_abort_rpc_ends_the_stream(app: App) -> None:
     request = generate_request(
         PROMPTS[3], request_id="to-abort", max_tokens=160, temperature=0.0, ignore_eos=True

@@ -98,6 +98,22 @@ def test_disaggregated_equals_offline_and_streams_token_by_token(servers, offlin
     assert all(idle(s) for s in servers)
 
 
+def test_logprobs_follow_the_tokens_across_the_legs(servers):
+    disaggregated = run(make_flow(servers), PROMPT, max_tokens=6, temperature=0.0, logprobs=2)
+    colocated = run(
+        make_flow(servers, prefill=None), PROMPT, max_tokens=6, temperature=0.0, logprobs=2
+    )
+    for chunks in (disaggregated, colocated):
+        pairs = [
+            (t, lp) for c in chunks for t, lp in zip(c.token_ids, c.logprobs or (), strict=True)
+        ]
+        assert [t for t, _ in pairs] == tokens(chunks)
+        assert all(lp[0][0] == t and len(lp[0]) == 3 for t, lp in pairs)  # sampled + top-2
+    assert [lp[0] for c in disaggregated for lp in c.logprobs or ()] == [
+        lp[0] for c in colocated for lp in c.logprobs or ()
+    ]
+
+
 def test_seeded_sampling_equals_colocated(servers):
     params = {"max_tokens": 16, "temperature": 1.0, "top_k": 50, "seed": 1234}
     disaggregated = run(make_flow(servers), PROMPT, **params)
