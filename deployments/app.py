@@ -44,6 +44,8 @@ class AppConfig:
     min_remote_prefill_tokens: int = 0
     request_timeout_s: float = 300.0
     prefill_timeout_s: float = 60.0
+    # OTLP/gRPC collector for traces; empty: OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing.
+    otlp_endpoint: str = ""
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
@@ -108,6 +110,7 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         kv_secret=config.kv_secret,
         transport="" if config.colocated else config.transport,
         served_model_name=config.served_model_name,
+        otlp_endpoint=config.otlp_endpoint,
     )
     router = RouterDeployment.options(
         num_replicas=config.router_replicas,
@@ -118,7 +121,8 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         engine = ColocatedDeployment.options(
             **_engine_options(config, config.decode_autoscaling, config.decode_replicas)
         )
-        return router.bind(settings, engine.bind(config.model, engine_args, None))
+        colocated = engine.bind(config.model, engine_args, None, config.otlp_endpoint)
+        return router.bind(settings, colocated)
     kv = config.kv_transfer_config()
     prefill = PrefillDeployment.options(
         **_engine_options(config, config.prefill_autoscaling, config.prefill_replicas)
@@ -128,8 +132,8 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
     )
     return router.bind(
         settings,
-        decode.bind(config.model, engine_args, kv),
-        prefill.bind(config.model, engine_args, kv),
+        decode.bind(config.model, engine_args, kv, config.otlp_endpoint),
+        prefill.bind(config.model, engine_args, kv, config.otlp_endpoint),
     )
 
 

@@ -80,6 +80,11 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="shorter prompts skip the prefill replica",
     )
     parser.add_argument(
+        "--otlp-endpoint",
+        default="",
+        help="OTLP/gRPC collector for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)",
+    )
+    parser.add_argument(
         "--engine-args",
         type=_json_object,
         default={},
@@ -203,6 +208,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             "num_gpus_per_engine": args.num_gpus_per_engine,
             "min_remote_prefill_tokens": args.min_remote_prefill_tokens,
             "engine_args": args.engine_args,
+            "otlp_endpoint": args.otlp_endpoint,
         }
     )
     options = ServeOptions(

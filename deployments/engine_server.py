@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
+from deployments.telemetry import (
+    EngineMetrics,
+    Tracing,
+    record_engine_spans,
+    request_attributes,
+)
 from engine.async_engine import AsyncEngine
 from engine.core.sched_output import TokenLogprobs
 from engine.outputs import RequestOutput
-from engine.request import SamplingParams
+from engine.request import RequestTiming, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +36,7 @@ class EngineRequest:
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    trace_context: dict[str, str] | None = None  # W3C carrier: the router's span
 
 
 @dataclass
@@ -42,6 +50,7 @@ class EngineChunk:
     num_cached_tokens: int = 0
     error: str | None = None
     new_logprobs: list[TokenLogprobs] | None = None
+    timing: RequestTiming | None = None  # the last chunk only
 
     @classmethod
     def from_output(cls, output: RequestOutput, num_logprobs_seen: int) -> EngineChunk:
@@ -57,6 +66,7 @@ class EngineChunk:
             num_cached_tokens=output.num_cached_tokens,
             error=output.error,
             new_logprobs=logprobs,
+            timing=output.timing,
         )
 
 
@@ -84,13 +94,21 @@ class EngineServer:
         model: str,
         engine_args: dict[str, Any],
         kv_transfer_config: dict[str, Any] | None = None,
+        otlp_endpoint: str = "",
     ) -> None:
         kv = dict(kv_transfer_config) if kv_transfer_config else None
         if kv is not None:
             kv.setdefault("side_channel_host", node_ip())
             kv.setdefault("side_channel_port", 0)
         self.engine = AsyncEngine(model, **engine_args, kv_transfer_config=kv)
+        self.model_name = model
+        self.transport = kv["connector"] if kv else ""
+        kv_cache = self.engine.core.runner.kv_cache
+        self.block_bytes = kv_cache[0].nbytes if kv_cache is not None else 0
         self.replica_id = _replica_id()
+        self.tracing = Tracing(self.role, self.replica_id, otlp_endpoint)
+        self.metrics = _engine_metrics()
+        self._sampler = _start_sampler(self) if self.metrics is not None else None
         logger.info(
             "%s engine %s ready (%d KV blocks)", self.role, self.replica_id, self.num_blocks
         )
@@ -113,7 +131,52 @@ class EngineServer:
         ):
             chunk = EngineChunk.from_output(output, seen)
             seen += len(chunk.new_logprobs or ())
+            if chunk.timing is not None:
+                self._observe(request, chunk, chunk.timing, len(output.outputs[0].token_ids))
             yield chunk
+
+    def _observe(
+        self, request: EngineRequest, chunk: EngineChunk, timing: RequestTiming, num_output: int
+    ) -> None:
+        """A finished request: its spans (with the engine's own timestamps) and metrics."""
+        if self.metrics is not None:
+            self.metrics.observe_transfer(timing, self.transport, self.block_bytes)
+        if not self.tracing.enabled or not request.trace_context:
+            return
+        attributes = {
+            **request_attributes(self.model_name, request.params),
+            "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+            "gen_ai.usage.output_tokens": num_output,
+            "gen_ai.response.finish_reasons": [chunk.finish_reason or ""],
+            "pdserve.cached_tokens": chunk.num_cached_tokens,
+            "pdserve.replica_id": self.replica_id,
+        }
+        kv = {"transport": self.transport, "block_bytes": self.block_bytes}
+        record_engine_spans(
+            self.tracing.tracer,
+            self.role,
+            request.trace_context,
+            timing,
+            attributes,
+            error=chunk.error,
+            kv=kv,
+        )
+
+    def inject_kv_failure(self, after_descriptors: int = 0) -> None:
+        """Tests: the next KV read of this engine fails part-way (NIXL transport only)."""
+        connector = self.engine.core.connector
+        transport = getattr(getattr(connector, "worker", None), "transport", None)
+        inject = getattr(transport, "inject_failure", None)
+        if inject is None:
+            raise ValueError("this engine's transport cannot inject failures (NIXL only)")
+        inject(after_descriptors)
+
+    def sample_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        scheduler = self.engine.core.scheduler
+        prefix = scheduler.kv_cache_manager.take_prefix_cache_stats()
+        self.metrics.sample(self.stats(), prefix, scheduler.num_preemptions)
 
     def stats(self) -> dict[str, Any]:
         """KV blocks and queues, read from the loop thread's state (a snapshot, may lag a step)."""
@@ -139,10 +202,42 @@ class EngineServer:
 
     def __del__(self) -> None:
         # Serve calls this on a graceful replica shutdown: stop the loop, then the side channel.
+        sampler = getattr(self, "_sampler", None)
+        if sampler is not None:
+            sampler.set()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
             engine.core.close()
+        tracing = getattr(self, "tracing", None)
+        if tracing is not None:
+            tracing.shutdown()
+
+
+def _engine_metrics() -> EngineMetrics | None:
+    """Serve metrics inside a replica; None elsewhere (an engine embedded in a test)."""
+    try:
+        from ray import serve
+
+        serve.get_replica_context()
+    except Exception:
+        return None
+    return EngineMetrics()
+
+
+def _start_sampler(server: EngineServer, period_s: float = 1.0) -> threading.Event:
+    """A daemon thread setting the gauges every `period_s`; set the event to stop it."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(period_s):
+            try:
+                server.sample_metrics()
+            except Exception:  # metrics must never take the engine down
+                logger.exception("sampling engine metrics")
+
+    threading.Thread(target=run, name="engine-metrics", daemon=True).start()
+    return stop
 
 
 def _replica_id() -> str:

@@ -117,8 +117,10 @@ def build_openai_app(
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(400, _validation_message(exc))
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message = _validation_message(exc)
+        orchestrator().telemetry.rejected(dict(request.headers), message)
+        return _error(400, message)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -147,12 +149,17 @@ def build_openai_app(
         body: Any, request: Request, to_input: Callable[..., GenerateInput], fmt: _Format
     ) -> Any:
         flow = orchestrator()
+        carrier = dict(request.headers)
         try:
             if body.model is not None and body.model != model_name:
                 raise ValueError(f"model {body.model!r} is not served here; use {model_name!r}")
             gen_input = to_input(body, flow)
-            gen_input.request_id = request.headers.get("x-request-id", "")
-            chunks = flow.generate(gen_input)
+        except ValueError as exc:
+            flow.telemetry.rejected(carrier, str(exc))  # refused before the flow saw it
+            return _error(400, str(exc))
+        gen_input.request_id = request.headers.get("x-request-id", "")
+        chunks = flow.generate(gen_input, carrier)
+        try:
             first = await anext(chunks)  # bad input fails here, before any byte is sent
         except ValueError as exc:
             return _error(400, str(exc))

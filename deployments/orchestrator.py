@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +31,7 @@ from deployments.protocol import (
     ResponseChunk,
     Usage,
 )
+from deployments.telemetry import RouterTelemetry
 from engine.core.sched_output import EngineCoreOutput
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -77,6 +78,7 @@ class _Prepared:
     cache_salt: str | None
     started: float
     deadline: float
+    trace_context: dict[str, str] | None = None
 
 
 class LeaseReleaser:
@@ -104,6 +106,7 @@ class Orchestrator:
         decode: StreamFn,
         prefill: StreamFn | None = None,
         release: ReleaseFn | None = None,
+        telemetry: RouterTelemetry | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model = model
@@ -111,6 +114,7 @@ class Orchestrator:
         self.decode = decode
         self.prefill = prefill
         self.release = release
+        self.telemetry = telemetry or RouterTelemetry()
 
     # ------------------------------------------------------------------ validation
 
@@ -159,10 +163,39 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ the flow
 
-    async def generate(self, request: GenerateInput) -> AsyncGenerator[ResponseChunk, None]:
+    async def generate(
+        self, request: GenerateInput, trace_carrier: Mapping[str, str] | None = None
+    ) -> AsyncGenerator[ResponseChunk, None]:
         """Validate, then stream the response; ValueError before the first chunk for bad input.
-        DeadlineExceeded when the request runs out of time (the engines abort it)."""
-        prepared = self.prepare(request)
+        DeadlineExceeded when the request runs out of time (the engines abort it).
+        `trace_carrier` (gRPC metadata, HTTP headers) may hold the client's trace context."""
+        observed = self.telemetry.observe(trace_carrier)
+        try:
+            prepared = self.prepare(request)
+            observed.started(
+                prepared.request_id,
+                self.model.name,
+                prepared.params,
+                len(prepared.prompt_token_ids),
+            )
+            prepared.trace_context = observed.carrier() or None
+            async with aclosing(self._generate(prepared)) as chunks:
+                async for chunk in chunks:
+                    observed.chunk(chunk)
+                    yield chunk
+        except ValueError as exc:
+            observed.failed("invalid", str(exc))
+            raise
+        except DeadlineExceeded as exc:
+            observed.failed("timeout", str(exc))
+            raise
+        except Exception as exc:
+            observed.failed("error", str(exc))
+            raise
+        finally:
+            observed.end()
+
+    async def _generate(self, prepared: _Prepared) -> AsyncGenerator[ResponseChunk, None]:
         stream = _ResponseStream(self.tokenizer, prepared)
         if self.prefill is None:
             source = self._decode_leg(prepared, stream, ROUTE_COLOCATED)
@@ -259,6 +292,7 @@ class Orchestrator:
             priority=prepared.priority,
             cache_salt=prepared.cache_salt,
             kv_transfer_params=kv,
+            trace_context=prepared.trace_context,
         )
 
     async def _bounded(

@@ -30,6 +30,7 @@ from deployments.orchestrator import (
     StreamFn,
 )
 from deployments.protocol import ResponseChunk, chunk_to_proto, input_from_proto
+from deployments.telemetry import RouterMetrics, RouterTelemetry, Tracing
 from engine.arg_utils import EngineArgs
 from engine.llm import load_tokenizer
 from protos.pdserve.v1 import generate_pb2 as pb
@@ -45,6 +46,7 @@ class RouterSettings:
     kv_secret: str = ""
     transport: str = ""  # "" in colocated mode
     served_model_name: str = ""
+    otlp_endpoint: str = ""
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Router:
         self._decode = decode
         self._prefill = prefill
         self._in_flight: dict[str, _InFlight] = {}
+        self.tracing = Tracing("router", _replica_id(), settings.otlp_endpoint)
         self.orchestrator = Orchestrator(
             self.tokenizer,
             self.facts,
@@ -82,6 +85,7 @@ class Router:
             decode=_stream_fn(decode),
             prefill=_stream_fn(prefill) if prefill is not None else None,
             release=LeaseReleaser(settings.kv_secret),
+            telemetry=RouterTelemetry(self.tracing.tracer, RouterMetrics()),
         )
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -94,18 +98,20 @@ class Router:
     async def Generate(
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        carrier = dict(grpc_context.invocation_metadata())
         try:
             gen_input = input_from_proto(request)
             if gen_input.request_id in self._in_flight:
                 raise ValueError(f"request id {gen_input.request_id!r} is already in flight")
         except ValueError as exc:
+            self.orchestrator.telemetry.rejected(carrier, str(exc))
             _refuse(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
         key = gen_input.request_id = gen_input.request_id or f"cmpl-{uuid.uuid4().hex}"
         record = _InFlight(asyncio.current_task())
         self._in_flight[key] = record
         last: ResponseChunk | None = None
         try:
-            async with aclosing(self.orchestrator.generate(gen_input)) as chunks:
+            async with aclosing(self.orchestrator.generate(gen_input, carrier)) as chunks:
                 async for chunk in chunks:
                     last = chunk
                     yield chunk_to_proto(chunk)
@@ -185,3 +191,10 @@ def _aborted(request_id: str, last: ResponseChunk | None) -> ResponseChunk:
 
 
 RouterDeployment = serve.deployment(name="Router")(serve.ingress()(Router))
+
+
+def _replica_id() -> str:
+    try:
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # outside a replica
+        return "router"

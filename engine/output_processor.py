@@ -119,4 +119,5 @@ class OutputProcessor:
             kv_transfer_params=output.kv_transfer_params,
             num_cached_tokens=output.num_cached_tokens,
             error=output.error,
+            timing=output.timing,
         )

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.sched_output import TokenLogprobs
+from engine.request import RequestTiming
 
 
 @dataclass
@@ -35,3 +36,4 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    timing: RequestTiming | None = None  # the engine's timestamps, on the last output

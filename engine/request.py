@@ -156,6 +156,22 @@ BlockHasher = Callable[["Request"], None]
 MAX_TOKEN_ID = 2**31
 
 
+@dataclass(slots=True)
+class RequestTiming:
+    """Wall-clock moments (time.time()) of a request's life in one engine. Traces are built
+    from them after the fact, so they stay exact though the engine loop runs in its own thread.
+    """
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    kv_load_start: float | None = None
+    kv_load_end: float | None = None
+    kv_load_blocks: int = 0
+    kv_load_outcome: str | None = None  # "ok", "recovered" (recomputed) or "failed"
+
+
 class Request:
     """One generation request as the scheduler sees it.
 
@@ -188,6 +204,7 @@ class Request:
         "sampling_params",
         "status",
         "stop_reason",
+        "timing",
     )
 
     def __init__(
@@ -221,6 +238,7 @@ class Request:
         self.num_external_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix hits at first scheduling
         self.num_preemptions = 0
+        self.timing = RequestTiming(self.arrival_time)
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.block_hashes: list[bytes] = []

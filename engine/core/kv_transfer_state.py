@@ -12,6 +12,7 @@ request with FINISHED_ERROR. Either way no invalid block enters the prefix cache
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from engine.core.kv_cache_utils import cdiv
@@ -37,6 +38,11 @@ class KVTransferState:
         request.num_computed_tokens = num_local_computed_tokens
         target = num_local_computed_tokens + request.num_external_computed_tokens
         self._load_targets[request.request_id] = target
+        block_size = self._scheduler.block_size
+        request.timing.kv_load_start = time.time()
+        request.timing.kv_load_blocks = (
+            cdiv(target, block_size) - num_local_computed_tokens // block_size
+        )
 
     def note_sync_load(self, request: Request) -> None:
         self._sync_loads.add(request.request_id)
@@ -48,10 +54,13 @@ class KVTransferState:
             return False
         self._finished_recving.discard(req_id)
         target = self._load_targets.pop(req_id)
+        request.timing.kv_load_end = time.time()
         if req_id in self._failed_recving:
             self._failed_recving.discard(req_id)  # already rewound to the valid prefix
+            request.timing.kv_load_outcome = "recovered"
         else:
             request.num_computed_tokens = target
+            request.timing.kv_load_outcome = "ok"
         self._scheduler.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.WAITING
         return True
@@ -72,6 +81,8 @@ class KVTransferState:
                 continue
             affected.add(req_id)
             if policy == "fail":
+                request.timing.kv_load_end = time.time()
+                request.timing.kv_load_outcome = "failed"
                 bad = sorted(invalid_block_ids)
                 scheduler.fail_request(request, f"loading remote KV failed (invalid blocks {bad})")
                 continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.request import FinishReason, Request, SamplingParams
+from engine.request import FinishReason, Request, RequestTiming, SamplingParams
 
 
 @dataclass
@@ -113,6 +113,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     new_logprobs: list[TokenLogprobs] | None = None
+    timing: RequestTiming | None = None  # on the last output only
 
     @property
     def finished(self) -> bool:

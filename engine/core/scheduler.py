@@ -7,6 +7,7 @@ with the latter. A decode is a request one token behind; a prefill chunk is one 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from connector.base import KVConnectorBase
@@ -290,6 +291,8 @@ class Scheduler:
         else:
             step.scheduled_new.append(request)
         request.status = _RUNNING
+        if request.timing.first_scheduled is None:
+            request.timing.first_scheduled = time.time()
         request.num_computed_tokens = num_computed
         self.running.append(request)
         step.num_scheduled[request.request_id] = num_new_tokens
@@ -319,6 +322,8 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or request.status != _RUNNING or req_id in discarded:
                 continue  # aborted during the step, or its logits came from bad KV
+            if not request.output_token_ids:
+                request.timing.first_token = time.time()
             if len(token_ids) == 1:  # the decode fast path: one token, usually no stop
                 request.append_output_token_ids(token_ids[0])
                 status = check_stop(request, token_ids[0], max_model_len)
@@ -363,11 +368,13 @@ class Scheduler:
             request.stop_reason,
             kv_transfer_params,
             request.num_cached_tokens or 0,
+            timing=request.timing,
         )
 
     def _finish(self, request: Request, status: RequestStatus) -> dict | None:
         """Mark finished and release its blocks, unless the connector still needs them."""
         request.status = status
+        request.timing.finished = time.time()
         self.finished_req_ids.add(request.request_id)
         kv_transfer_params = None
         delay_free = False
@@ -388,7 +395,9 @@ class Scheduler:
         request.error = error
         self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
         self._pending_outputs.append(
-            EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=error)
+            EngineCoreOutput(
+                request.request_id, [], FinishReason.ERROR, error=error, timing=request.timing
+            )
         )
 
 

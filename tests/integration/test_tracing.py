@@ -1,0 +1,249 @@
+"""Traces and metrics of the Serve app: a real OTLP/gRPC receiver (the OTLP TraceService from
+opentelemetry-proto, served in this process) gets the spans every replica exports; Ray's
+Prometheus endpoint serves the metrics."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from deployments.app import AppConfig
+from deployments.client import GenerationClient, generate_request
+from deployments.launch import APP_NAME, ServeOptions, start, stop
+from tests.integration.serve_utils import free_port, wait_until
+
+pytestmark = pytest.mark.integration
+
+ENGINE_ARGS = {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20}
+# A prompt of a few full blocks: its KV crosses over NIXL.
+LONG_PROMPT = "In the beginning the universe was created. " * 6
+CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN_ID = "00f067aa0ba902b7"
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP collector that keeps every span with its resource's attributes."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def Export(self, request: Any, context: Any) -> Any:
+        with self._lock:
+            for resource_spans in request.resource_spans:
+                resource = _attributes(resource_spans.resource.attributes)
+                for scope_spans in resource_spans.scope_spans:
+                    for span in scope_spans.spans:
+                        self.spans.append(_span(span, resource))
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def trace(self, trace_id: str) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return {s["name"]: s for s in self.spans if s["trace_id"] == trace_id}
+
+    def find(self, predicate: Any) -> list[dict[str, Any]]:
+        with self._lock:
+            return [s for s in self.spans if predicate(s)]
+
+
+def _value(any_value: Any) -> Any:
+    kind = any_value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in any_value.array_value.values]
+    return getattr(any_value, kind) if kind else None
+
+
+def _attributes(key_values: Any) -> dict[str, Any]:
+    return {kv.key: _value(kv.value) for kv in key_values}
+
+
+def _span(span: Any, resource: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": span.name,
+        "trace_id": span.trace_id.hex(),
+        "span_id": span.span_id.hex(),
+        "parent": span.parent_span_id.hex(),
+        "start": span.start_time_unix_nano,
+        "end": span.end_time_unix_nano,
+        "attributes": _attributes(span.attributes),
+        "status": span.status.code,  # 2 = ERROR
+        "message": span.status.message,
+        "service": resource.get("service.name"),
+    }
+
+
+class Served:
+    def __init__(self, receiver: Receiver, grpc_port: int) -> None:
+        self.receiver = receiver
+        self.client = GenerationClient(f"127.0.0.1:{grpc_port}", APP_NAME)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    receiver = Receiver()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    otlp_port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    config = AppConfig.from_args(
+        {
+            "engine_args": ENGINE_ARGS,
+            "num_cpus_per_engine": 0.5,
+            "transport": "nixl",
+            "otlp_endpoint": f"http://127.0.0.1:{otlp_port}",
+        }
+    )
+    grpc_port = free_port()
+    start(config, ServeOptions(grpc_port=grpc_port, http_port=free_port(), num_cpus=6))
+    try:
+        yield Served(receiver, grpc_port)
+    finally:
+        stop()
+        server.stop(0)
+
+
+def _traceparent(trace_id: str, span_id: str) -> tuple[tuple[str, str], ...]:
+    return (("traceparent", f"00-{trace_id}-{span_id}-01"),)
+
+
+def test_one_trace_per_request_across_router_prefill_kv_transfer_decode(served: Served) -> None:
+    request = generate_request(LONG_PROMPT, max_tokens=12, temperature=0.0)
+    metadata = served.client.metadata + _traceparent(CLIENT_TRACE_ID, CLIENT_SPAN_ID)
+    responses = list(served.client.stub.Generate(request, metadata=metadata, timeout=120))
+    assert responses[-1].route == "disaggregated"
+    names = {"router.request", "prefill", "kv_transfer", "decode"}
+    assert wait_until(lambda: names <= set(served.receiver.trace(CLIENT_TRACE_ID)), 30), (
+        served.receiver.trace(CLIENT_TRACE_ID).keys()
+    )
+    spans = served.receiver.trace(CLIENT_TRACE_ID)
+    router, prefill = spans["router.request"], spans["prefill"]
+    kv, decode = spans["kv_transfer"], spans["decode"]
+    # The client's traceparent is honoured: its span is the router span's parent.
+    assert router["parent"] == CLIENT_SPAN_ID
+    assert prefill["parent"] == router["span_id"] and decode["parent"] == router["span_id"]
+    assert kv["parent"] == decode["span_id"]
+    assert (router["service"], prefill["service"], decode["service"], kv["service"]) == (
+        "pdserve-router",
+        "pdserve-prefill",
+        "pdserve-decode",
+        "pdserve-decode",
+    )
+    # Engine spans sit inside the router's, in flow order (timestamps from the engines).
+    assert router["start"] <= prefill["start"] <= prefill["end"] <= decode["start"]
+    assert decode["start"] <= kv["start"] <= kv["end"] <= decode["end"] <= router["end"]
+    attrs = router["attributes"]
+    assert attrs["gen_ai.request.model"] == "default"
+    assert attrs["gen_ai.request.max_tokens"] == 12
+    assert attrs["gen_ai.request.temperature"] == 0.0
+    assert attrs["gen_ai.usage.input_tokens"] == len(responses[0].prompt_token_ids)
+    assert attrs["gen_ai.usage.output_tokens"] == 12
+    assert attrs["gen_ai.response.finish_reasons"] == ["length"]
+    assert prefill["attributes"]["pdserve.queue_time_s"] >= 0
+    assert prefill["attributes"]["pdserve.compute_time_s"] > 0
+    assert prefill["attributes"]["gen_ai.usage.input_tokens"] == attrs["gen_ai.usage.input_tokens"]
+    assert decode["attributes"]["gen_ai.usage.output_tokens"] == 12
+    assert decode["attributes"]["pdserve.time_to_first_token_s"] > 0
+    assert kv["attributes"]["pdserve.kv.transport"] == "nixl"
+    assert kv["attributes"]["pdserve.kv.blocks"] > 0
+    assert kv["attributes"]["pdserve.kv.bytes"] > 0
+    assert kv["attributes"]["pdserve.kv.outcome"] == "ok" and kv["status"] != 2
+
+
+def test_without_a_client_traceparent_the_router_span_is_the_root(served: Served) -> None:
+    response = list(
+        served.client.stream(generate_request("Hello", max_tokens=3, request_id="r-root"))
+    )
+    assert response[-1].finish_reason
+
+    def root() -> list[dict[str, Any]]:
+        return served.receiver.find(
+            lambda s: (
+                s["name"] == "router.request"
+                and s["attributes"].get("pdserve.request_id") == "r-root"
+            )
+        )
+
+    assert wait_until(lambda: len(root()) == 1, 30)
+    assert root()[0]["parent"] == ""
+
+
+def test_bad_request_span_has_error_status(served: Served) -> None:
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    metadata = served.client.metadata + _traceparent(trace_id, "b7ad6b7169203331")
+    with pytest.raises(grpc.RpcError) as info:
+        list(
+            served.client.stub.Generate(
+                generate_request("Hello", max_tokens=0), metadata=metadata, timeout=30
+            )
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert wait_until(lambda: "router.request" in served.receiver.trace(trace_id), 30)
+    span = served.receiver.trace(trace_id)["router.request"]
+    assert span["status"] == 2 and "max_tokens" in span["message"]
+    assert span["attributes"]["pdserve.outcome"] == "invalid"
+
+
+def test_injected_transfer_failure_is_recovered_and_traced(served: Served) -> None:
+    from ray import serve
+
+    expected = served.client.complete(
+        generate_request(LONG_PROMPT + " x", max_tokens=8, temperature=0.0)
+    )
+    decode = serve.get_deployment_handle("DecodeServer", app_name=APP_NAME)
+    decode.inject_kv_failure.remote(0).result()
+    trace_id = "1af7651916cd43dd8448eb211c80319d"
+    metadata = served.client.metadata + _traceparent(trace_id, "c7ad6b7169203332")
+    request = generate_request(LONG_PROMPT + " y", max_tokens=8, temperature=0.0)
+    got = list(served.client.stub.Generate(request, metadata=metadata, timeout=120))
+    assert got[-1].finish_reason == expected.finish_reason  # the request still succeeds
+    assert wait_until(lambda: "kv_transfer" in served.receiver.trace(trace_id), 30)
+    kv = served.receiver.trace(trace_id)["kv_transfer"]
+    assert kv["attributes"]["pdserve.kv.outcome"] == "recovered"
+    assert kv["status"] == 2
+
+
+def test_prometheus_endpoint_exports_the_metrics(served: Served) -> None:
+    import ray
+
+    for i in range(4):
+        served.client.complete(generate_request(f"{LONG_PROMPT} {i}", max_tokens=6))
+    node = ray._private.worker.global_worker.node
+    url = f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics"
+    wanted = [
+        "ray_pdserve_ttft_seconds_bucket",
+        "ray_pdserve_tpot_seconds_bucket",
+        "ray_pdserve_e2e_seconds_bucket",
+        "ray_pdserve_requests_total",
+        "ray_pdserve_prompt_tokens_total",
+        "ray_pdserve_generation_tokens_total",
+        "ray_pdserve_kv_transfer_bytes_total",
+        "ray_pdserve_kv_transfer_seconds_bucket",
+        "ray_pdserve_kv_transfer_failures_total",
+        "ray_pdserve_prefix_cache_queries_total",
+        "ray_pdserve_kv_cache_usage",
+        "ray_pdserve_running_requests",
+        "ray_pdserve_waiting_requests",
+    ]
+    values: dict[str, float] = {}
+
+    def scrape() -> bool:
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        values.clear()
+        for line in body.splitlines():
+            if line.startswith("ray_pdserve_"):
+                name, _, value = line.rpartition(" ")
+                metric = name.split("{", 1)[0]
+                values[metric] = max(values.get(metric, 0.0), float(value))
+        return all(name in values for name in wanted)
+
+    assert wait_until(scrape, 90, period_s=2), sorted(values)
+    for name in wanted:
+        if name.endswith(("_total", "_bucket")):
+            assert values[name] > 0, name

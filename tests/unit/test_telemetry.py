@@ -1,0 +1,123 @@
+"""Tracing helpers without Ray or a collector: span trees from engine timings, context
+propagation, and the dashboard's metric names."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from deployments.telemetry import (
+    OTLP_ENDPOINT_ENV,
+    RouterTelemetry,
+    Tracing,
+    extract_context,
+    inject_context,
+    record_engine_spans,
+)
+from engine.request import RequestTiming, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def tracer(exporter: InMemorySpanExporter):
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider.get_tracer("test")
+
+
+def test_without_an_endpoint_tracing_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(OTLP_ENDPOINT_ENV, raising=False)
+    tracing = Tracing("router", "r1")
+    assert not tracing.enabled
+    span = RouterTelemetry(tracing.tracer).observe(None)
+    assert span.carrier() == {}  # nothing to propagate, nothing recorded
+    tracing.shutdown()
+
+
+def test_endpoint_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(OTLP_ENDPOINT_ENV, "http://127.0.0.1:1")
+    tracing = Tracing("decode", "d1")
+    assert tracing.enabled and tracing.endpoint == "http://127.0.0.1:1"
+    tracing.shutdown()
+
+
+def test_router_span_carries_the_client_parent_and_gen_ai_attributes(tracer, exporter) -> None:
+    carrier = {"Traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    observed = RouterTelemetry(tracer).observe(carrier)
+    observed.started("r1", "default", SamplingParams(max_tokens=5, temperature=0.5), 7)
+    child = extract_context(observed.carrier())
+    assert child is not None
+    observed.failed("error", "engine exploded")
+    observed.end()
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "router.request"
+    assert format(span.context.trace_id, "032x") == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert format(span.parent.span_id, "016x") == "00f067aa0ba902b7"
+    assert span.attributes["gen_ai.request.max_tokens"] == 5
+    assert span.attributes["gen_ai.usage.input_tokens"] == 7
+    assert span.status.status_code == StatusCode.ERROR
+    assert span.status.description == "engine exploded"
+
+
+def test_engine_spans_from_timings_nest_and_keep_their_times(tracer, exporter) -> None:
+    root = tracer.start_span("router.request")
+    carrier = inject_context(root)
+    timing = RequestTiming(
+        arrival=100.0,
+        first_scheduled=100.5,
+        first_token=100.6,
+        finished=101.0,
+        kv_load_start=100.1,
+        kv_load_end=100.4,
+        kv_load_blocks=3,
+        kv_load_outcome="recovered",
+    )
+    record_engine_spans(
+        tracer,
+        "decode",
+        carrier,
+        timing,
+        {"gen_ai.request.model": "m"},
+        kv={"transport": "nixl", "block_bytes": 1024},
+    )
+    root.end()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    decode, kv = spans["decode"], spans["kv_transfer"]
+    assert decode.parent.span_id == root.context.span_id
+    assert kv.parent.span_id == decode.context.span_id
+    assert (decode.start_time, decode.end_time) == (100 * 10**9, 101 * 10**9)
+    assert (kv.start_time, kv.end_time) == (int(100.1 * 10**9), int(100.4 * 10**9))
+    assert decode.attributes["pdserve.queue_time_s"] == pytest.approx(0.1)  # after the KV
+    assert decode.attributes["pdserve.time_to_first_token_s"] == pytest.approx(0.6)
+    assert kv.attributes["pdserve.kv.bytes"] == 3 * 1024
+    assert kv.attributes["pdserve.kv.outcome"] == "recovered"
+    assert kv.status.status_code == StatusCode.ERROR
+
+
+def test_no_trace_context_means_no_engine_spans(tracer, exporter) -> None:
+    record_engine_spans(tracer, "prefill", None, RequestTiming(1.0, finished=2.0), {})
+    assert exporter.get_finished_spans() == ()
+
+
+def test_dashboard_queries_only_metrics_the_code_exports() -> None:
+    dashboard = json.loads((ROOT / "k8s" / "dashboards" / "pdserve.json").read_text())
+    used = set(re.findall(r"ray_(pdserve_[a-z0-9_]+)", json.dumps(dashboard)))
+    exported = set(
+        re.findall(r'"(pdserve_[a-z0-9_]+)"', (ROOT / "deployments" / "telemetry.py").read_text())
+    )
+    assert used
+    base = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in used}
+    assert base <= exported, base - exported
