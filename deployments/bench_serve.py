@@ -3,8 +3,8 @@
 Fixed concurrency or Poisson arrivals; random token-id prompts (optionally sharing a prefix),
 fixed output lengths (ignore_eos). Reports TTFT, TPOT, ITL and end-to-end latency, request and
 token throughput, and goodput under an SLO. Several Serve apps (`--app`, e.g. the disaggregated
-`pdserve` and the `colocated` app of `pdserve serve --with-colocated`) run the same workload one
-after another in one run, with ratios against the first.
+`pdserve` and the `colocated` app of `pdserve serve --with-colocated`, or any `--also-app`) run
+the same workload one after another in one run, with ratios against the first.
 """
 
 from __future__ import annotations

@@ -67,6 +67,15 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="also deploy the colocated app (route /colocated, gRPC app "
         "'colocated') to compare side by side",
     )
+    parser.add_argument(
+        "--also-app",
+        type=_extra_app,
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="also deploy app NAME with these app-argument overrides, e.g. "
+        '\'untraced={"otlp_endpoint": ""}\' (repeatable)',
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=9000)
     parser.add_argument("--http-port", type=int, default=8000)
@@ -101,6 +110,24 @@ def _add_client(commands: argparse._SubParsersAction) -> None:
     _add_prompt_and_sampling(parser)
 
 
+def _extra_app(text: str) -> tuple[str, dict]:
+    name, sep, overrides = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"--also-app takes NAME=JSON, got {text!r}")
+    return name, _json_object(overrides)
+
+
+def _extra_apps(args: argparse.Namespace) -> dict[str, dict]:
+    from deployments.launch import APP_NAME, COLOCATED_APP_NAME
+
+    apps = dict(args.also_app)
+    if args.with_colocated:
+        apps[COLOCATED_APP_NAME] = {"colocated": True}
+    if APP_NAME in apps:
+        raise ValueError(f"{APP_NAME!r} is the main app's name; pick another")
+    return apps
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -117,6 +144,10 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_serve(commands)
     _add_client(commands)
+    sink = commands.add_parser("trace-sink", help="print OTLP/gRPC spans sent to it (dev tool)")
+    sink.add_argument("--host", default="127.0.0.1")
+    sink.add_argument("--port", type=int, default=4317)
+    sink.add_argument("--quiet", action="store_true", help="receive and drop (benchmarks)")
     make_model = commands.add_parser("make-model", help="write the built-in default model")
     make_model.add_argument("--path", default=None, help="default: the cache directory")
     make_model.add_argument("--seed", type=int, default=None)
@@ -216,7 +247,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         num_cpus=args.num_cpus,
-        with_colocated=args.with_colocated,
+        extra_apps=_extra_apps(args),
     )
     run_until_interrupted(config, options)
     return 0
@@ -256,6 +287,13 @@ def _run_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_trace_sink(args: argparse.Namespace) -> int:
+    from deployments import trace_sink
+
+    trace_sink.run(args.host, args.port, args.quiet)
+    return 0
+
+
 def _run_make_model(args: argparse.Namespace) -> int:
     from engine.models import default_model
 
@@ -291,6 +329,7 @@ _COMMANDS = {
     "generate": _run_generate,
     "serve": _run_serve,
     "client": _run_client,
+    "trace-sink": _run_trace_sink,
     "make-model": _run_make_model,
     "bench": _run_bench,
 }

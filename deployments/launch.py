@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deployments.app import AppConfig, build_app
@@ -23,7 +23,14 @@ class ServeOptions:
     http_port: int = 8000
     grpc_port: int = 9000
     num_cpus: int | None = None  # Ray's logical CPUs; default: enough for every replica
-    with_colocated: bool = False  # also deploy the colocated app (for side-by-side benches)
+    # More apps beside the main one, for side-by-side benches: name -> AppConfig overrides
+    # (e.g. {"colocated": {"colocated": True}}); each is served at route /<name> and by its
+    # name in gRPC metadata.
+    extra_apps: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def num_apps(self) -> int:
+        return 1 + len(self.extra_apps)
 
 
 def start(config: AppConfig, options: ServeOptions) -> dict[str, str]:
@@ -47,10 +54,10 @@ def start(config: AppConfig, options: ServeOptions) -> dict[str, str]:
         "grpc": f"{options.host}:{options.grpc_port}",
         "http": f"http://{options.host}:{options.http_port}",
     }
-    if options.with_colocated:
-        colocated = {**args, "colocated": True}
-        serve.run(build_app(colocated), name=COLOCATED_APP_NAME, route_prefix="/colocated")
-        where["colocated_http"] = f"{where['http']}/colocated"
+    for name, overrides in options.extra_apps.items():
+        extra = AppConfig.from_args({**args, **overrides})
+        serve.run(build_app(_as_args(extra)), name=name, route_prefix=f"/{name}")
+        where[f"{name}_http"] = f"{where['http']}/{name}"
     return where
 
 
@@ -72,7 +79,7 @@ def run_until_interrupted(config: AppConfig, options: ServeOptions) -> None:
         print(
             f"pdserve: serving model {config.model!r} ({mode}); "
             f"gRPC on {where['grpc']}, HTTP on {where['http']}"
-            + (f", colocated app at {where['colocated_http']}" if options.with_colocated else ""),
+            + "".join(f", app {n!r} at {where[f'{n}_http']}" for n in options.extra_apps),
             flush=True,
         )
         print("pdserve: press Ctrl-C to stop", flush=True)
@@ -84,9 +91,7 @@ def run_until_interrupted(config: AppConfig, options: ServeOptions) -> None:
 
 def _logical_cpus(config: AppConfig, options: ServeOptions) -> int:
     """Enough logical CPUs for every replica (Ray schedules on them; cores are shared)."""
-    engines = config.decode_replicas + (0 if config.colocated else config.prefill_replicas)
-    if options.with_colocated:
-        engines += config.decode_replicas
+    engines = options.num_apps * (config.decode_replicas + config.prefill_replicas)
     needed = engines * config.num_cpus_per_engine + 2 * config.num_cpus_router + 1
     return max(os.cpu_count() or 1, int(needed + 0.999))
 

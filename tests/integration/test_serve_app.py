@@ -92,7 +92,12 @@ def app() -> Iterator[App]:
     grpc_port, http_port = free_port(), free_port()
     start(
         config,
-        ServeOptions(grpc_port=grpc_port, http_port=http_port, num_cpus=8, with_colocated=True),
+        ServeOptions(
+            grpc_port=grpc_port,
+            http_port=http_port,
+            num_cpus=8,
+            extra_apps={COLOCATED_APP_NAME: {"colocated": True}},
+        ),
     )
     served = App(grpc_port, http_port)
     try:

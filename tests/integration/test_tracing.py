@@ -4,19 +4,17 @@ Prometheus endpoint serves the metrics."""
 
 from __future__ import annotations
 
-import threading
 import urllib.request
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from deployments.app import AppConfig
 from deployments.client import GenerationClient, generate_request
 from deployments.launch import APP_NAME, ServeOptions, start, stop
+from deployments.trace_sink import STATUS_ERROR, SpanSink, start_sink
 from tests.integration.serve_utils import free_port, wait_until
 
 pytestmark = pytest.mark.integration
@@ -28,70 +26,16 @@ CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 
 
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP collector that keeps every span with its resource's attributes."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-
-    def Export(self, request: Any, context: Any) -> Any:
-        with self._lock:
-            for resource_spans in request.resource_spans:
-                resource = _attributes(resource_spans.resource.attributes)
-                for scope_spans in resource_spans.scope_spans:
-                    for span in scope_spans.spans:
-                        self.spans.append(_span(span, resource))
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def trace(self, trace_id: str) -> dict[str, dict[str, Any]]:
-        with self._lock:
-            return {s["name"]: s for s in self.spans if s["trace_id"] == trace_id}
-
-    def find(self, predicate: Any) -> list[dict[str, Any]]:
-        with self._lock:
-            return [s for s in self.spans if predicate(s)]
-
-
-def _value(any_value: Any) -> Any:
-    kind = any_value.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(v) for v in any_value.array_value.values]
-    return getattr(any_value, kind) if kind else None
-
-
-def _attributes(key_values: Any) -> dict[str, Any]:
-    return {kv.key: _value(kv.value) for kv in key_values}
-
-
-def _span(span: Any, resource: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "name": span.name,
-        "trace_id": span.trace_id.hex(),
-        "span_id": span.span_id.hex(),
-        "parent": span.parent_span_id.hex(),
-        "start": span.start_time_unix_nano,
-        "end": span.end_time_unix_nano,
-        "attributes": _attributes(span.attributes),
-        "status": span.status.code,  # 2 = ERROR
-        "message": span.status.message,
-        "service": resource.get("service.name"),
-    }
-
-
 class Served:
-    def __init__(self, receiver: Receiver, grpc_port: int) -> None:
+    def __init__(self, receiver: SpanSink, grpc_port: int) -> None:
         self.receiver = receiver
         self.client = GenerationClient(f"127.0.0.1:{grpc_port}", APP_NAME)
 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    receiver = Receiver()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    otlp_port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    receiver = SpanSink()
+    server, otlp_port = start_sink(receiver)
     config = AppConfig.from_args(
         {
             "engine_args": ENGINE_ARGS,
@@ -153,7 +97,7 @@ def test_one_trace_per_request_across_router_prefill_kv_transfer_decode(served: 
     assert kv["attributes"]["pdserve.kv.transport"] == "nixl"
     assert kv["attributes"]["pdserve.kv.blocks"] > 0
     assert kv["attributes"]["pdserve.kv.bytes"] > 0
-    assert kv["attributes"]["pdserve.kv.outcome"] == "ok" and kv["status"] != 2
+    assert kv["attributes"]["pdserve.kv.outcome"] == "ok" and kv["status"] != STATUS_ERROR
 
 
 def test_without_a_client_traceparent_the_router_span_is_the_root(served: Served) -> None:
@@ -186,7 +130,7 @@ def test_bad_request_span_has_error_status(served: Served) -> None:
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert wait_until(lambda: "router.request" in served.receiver.trace(trace_id), 30)
     span = served.receiver.trace(trace_id)["router.request"]
-    assert span["status"] == 2 and "max_tokens" in span["message"]
+    assert span["status"] == STATUS_ERROR and "max_tokens" in span["message"]
     assert span["attributes"]["pdserve.outcome"] == "invalid"
 
 
@@ -206,7 +150,7 @@ def test_injected_transfer_failure_is_recovered_and_traced(served: Served) -> No
     assert wait_until(lambda: "kv_transfer" in served.receiver.trace(trace_id), 30)
     kv = served.receiver.trace(trace_id)["kv_transfer"]
     assert kv["attributes"]["pdserve.kv.outcome"] == "recovered"
-    assert kv["status"] == 2
+    assert kv["status"] == STATUS_ERROR
 
 
 def test_prometheus_endpoint_exports_the_metrics(served: Served) -> None:
