@@ -176,3 +176,16 @@ def test_serve_config_file_is_a_valid_deploy_config() -> None:
     ]
     AppConfig.from_args(app.args)
     assert build_app(app.args) is not None  # binds the graph; nothing starts
+
+
+def test_kuberay_service_embeds_a_valid_serve_config() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    service = yaml.safe_load((ROOT / "k8s" / "rayservice.yaml").read_text())
+    assert service["kind"] == "RayService"
+    serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    (app,) = ServeDeploySchema.model_validate(serve_config).applications
+    config = AppConfig.from_args(app.args)
+    assert config.num_gpus_per_engine == 1 and config.transport == "nixl"
+    reference = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
+    assert serve_config["grpc_options"] == reference["grpc_options"]
