@@ -32,7 +32,7 @@ _FIRST_PLAIN_TOKEN = 16
 @dataclass
 class ServeBenchConfig:
     target: str = "127.0.0.1:9000"
-    apps: list[str] = field(default_factory=lambda: ["pdserve"])
+    apps: list[str] = field(default_factory=lambda: ["pdserve"])  # Serve app names
     num_prompts: int = 64
     input_len: int = 128
     output_len: int = 64
@@ -46,8 +46,11 @@ class ServeBenchConfig:
     plot: str | None = None
     timeout_s: float = 600.0
     progress: bool = True
+    interleave: bool = False  # run the apps at the same time instead of one after another
 
     def __post_init__(self) -> None:
+        if not self.apps or len(set(self.apps)) != len(self.apps):
+            raise ValueError(f"apps must be distinct names, got {self.apps}")
         for name in ("num_prompts", "input_len", "output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -143,6 +146,16 @@ async def _run_app(
         return list(results), time.perf_counter() - start
 
 
+async def _run_apps_together(
+    prompts: list[list[int]], config: ServeBenchConfig, progress: Any
+) -> list[tuple[list[RequestResult], float]]:
+    """Every app's workload at once: the machine's ups and downs hit them all alike, so their
+    latencies compare fairly on a noisy host (their throughputs share the machine)."""
+    return list(
+        await asyncio.gather(*(_run_app(app, prompts, config, progress) for app in config.apps))
+    )
+
+
 def summarize_results(
     results: list[RequestResult], duration_s: float, config: ServeBenchConfig
 ) -> dict[str, Any]:
@@ -207,10 +220,13 @@ def run(config: ServeBenchConfig) -> dict[str, Any]:
         desc="bench serve",
         unit="req",
     ) as progress:
-        for app in config.apps:
-            results, duration = asyncio.run(_run_app(app, prompts, config, progress))
-            raw[app or "default"] = results
-            report["results"][app or "default"] = summarize_results(results, duration, config)
+        if config.interleave:
+            runs = asyncio.run(_run_apps_together(prompts, config, progress))
+        else:
+            runs = [asyncio.run(_run_app(app, prompts, config, progress)) for app in config.apps]
+        for app, (results, duration) in zip(config.apps, runs, strict=True):
+            raw[app] = results
+            report["results"][app] = summarize_results(results, duration, config)
     names = list(report["results"])
     if len(names) > 1:
         first = report["results"][names[0]]
@@ -282,6 +298,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo", default="", help="e.g. ttft_ms=500,tpot_ms=50")
     parser.add_argument("--plot", default=None, help="write a PNG of the latency distributions")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="load all --app at once (fair latency comparison on a noisy machine)",
+    )
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -315,4 +336,5 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         slo_tpot_ms=slo.get("tpot_ms"),
         plot=args.plot,
         progress=not args.no_progress,
+        interleave=args.interleave,
     )

@@ -272,7 +272,8 @@ def test_http_client_that_disconnects_aborts_its_request(app: App) -> None:
     assert wait_until(app.engines_idle, 30), app.client.health()
 
 
-def test_bench_serve_against_both_apps(app: App, tmp_path: Any) -> None:
+@pytest.mark.parametrize("interleave", [False, True])
+def test_bench_serve_against_both_apps(app: App, tmp_path: Any, interleave: bool) -> None:
     from deployments.bench_serve import ServeBenchConfig, run
 
     plot = tmp_path / "latency.png"
@@ -289,6 +290,7 @@ def test_bench_serve_against_both_apps(app: App, tmp_path: Any) -> None:
             slo_ttft_ms=60_000,
             plot=str(plot),
             progress=False,
+            interleave=interleave,
         )
     )
     for name in (APP_NAME, COLOCATED_APP_NAME):

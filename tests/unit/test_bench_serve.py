@@ -92,6 +92,8 @@ def test_slo_parsing() -> None:
         ({"shared_prefix_len": 200}, "shared_prefix_len"),
         ({"request_rate": 0}, "request_rate"),
         ({"concurrency": 0}, "concurrency"),
+        ({"apps": ["a", "a"]}, "distinct"),
+        ({"apps": []}, "distinct"),
     ],
 )
 def test_bad_bench_config(kwargs: dict, message: str) -> None:
