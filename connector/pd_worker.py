@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from connector.config import KVTransferConfig
@@ -125,6 +126,10 @@ class PDWorker:
             )
         except (SideChannelError, ValueError, RuntimeError) as exc:
             logger.warning("KV load for %s failed to start: %s", load.request_id, exc)
+            if not _unreachable(exc):
+                # Refused (layout mismatch, bad engine id, a read that could not be posted):
+                # the remote holds the blocks for nobody now, so hand them back at once.
+                self._release(load.remote)
             self._failed(load, str(exc))
             return
         now = time.monotonic()
@@ -227,3 +232,11 @@ class PDWorker:
         if self.server is not None:
             self.server.stop()
         self.transport.close()
+
+
+def _unreachable(exc: Exception) -> bool:
+    """The remote did not answer: a release would only wait for the same timeout."""
+    return isinstance(exc, SideChannelError) and exc.code in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    )

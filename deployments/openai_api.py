@@ -161,17 +161,21 @@ def build_openai_app(
         chunks = flow.generate(gen_input, carrier)
         try:
             first = await anext(chunks)  # bad input fails here, before any byte is sent
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                events = _sse(first, chunks, fmt, include_usage)
+                return StreamingResponse(
+                    events, media_type="text/event-stream", headers=_SSE_HEADERS
+                )
+            async with aclosing(chunks):
+                collected = [first] + [chunk async for chunk in chunks]
+            return fmt.whole(collected, body.return_token_ids)
         except ValueError as exc:
             return _error(400, str(exc))
         except DeadlineExceeded as exc:
             return _error(504, str(exc), "timeout")
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _sse(first, chunks, fmt, include_usage)
-            return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
-        async with aclosing(chunks):
-            collected = [first] + [chunk async for chunk in chunks]
-        return fmt.whole(collected, body.return_token_ids)
+        except Exception as exc:  # an engine failed or a replica died mid-request
+            return _error(500, f"generation failed: {exc}", "server_error")
 
     return app
 
@@ -288,7 +292,7 @@ async def _sse(
                 if chunk.finish_reason is not None:
                     break
                 chunk = await anext(rest)
-        except (DeadlineExceeded, RuntimeError) as exc:
+        except Exception as exc:  # headers are sent: say it in the stream, then end it
             kind = "timeout" if isinstance(exc, DeadlineExceeded) else "server_error"
             yield _event({"error": {"message": str(exc), "type": kind}})
         else:

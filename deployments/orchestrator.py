@@ -84,17 +84,27 @@ class _Prepared:
 class LeaseReleaser:
     """Ends a prefill lease over the prefill engine's side channel (the ReleaseFn)."""
 
-    def __init__(self, secret: str) -> None:
+    def __init__(self, secret: str, timeout_s: float = 2.0) -> None:
         self.secret = secret
+        self.timeout_s = timeout_s
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
 
     async def __call__(self, kv_transfer_params: dict[str, Any]) -> None:
         remote = RemoteKV.from_params(kv_transfer_params)
         key = (remote.host, remote.port)
         if key not in self._clients:
-            self._clients[key] = SideChannelClient(remote.host, remote.port, self.secret)
-        # A blocking gRPC call with a deadline: off the event loop.
-        await asyncio.to_thread(self._clients[key].release, remote.lease_id)
+            self._clients[key] = SideChannelClient(
+                remote.host, remote.port, self.secret, self.timeout_s
+            )
+        try:
+            # A blocking gRPC call with a short deadline: off the event loop.
+            await asyncio.to_thread(self._clients[key].release, remote.lease_id)
+        except Exception:
+            # A replica that went away (restarted ones listen elsewhere): forget its channel.
+            client = self._clients.pop(key, None)
+            if client is not None:
+                client.close()
+            raise
 
 
 class Orchestrator:
@@ -115,6 +125,7 @@ class Orchestrator:
         self.prefill = prefill
         self.release = release
         self.telemetry = telemetry or RouterTelemetry()
+        self._background: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ validation
 
@@ -225,14 +236,18 @@ class Orchestrator:
                 yield chunk
             if stream.finished or handed_off is None:
                 return
-            decode_request = self._engine_request(prepared, prepared.params, handed_off)
             # The decode engine recomputes the last prompt token and samples the first token
-            # again (the same draw): it was already sent, so drop it from the decode stream.
-            skip = len(first.new_token_ids)
+            # again. Its logits may differ in the last bits from the prefill's (other batch,
+            # other kernels), so the token already sent is forced: the decode continues it
+            # exactly, and the repeat is dropped from the decode stream.
+            sent = list(first.new_token_ids)
+            params = dataclasses.replace(prepared.params, forced_output_token_ids=sent)
+            decode_request = self._engine_request(prepared, params, handed_off)
+            pending = list(sent)
             async with aclosing(self._bounded(self.decode(decode_request), prepared)) as chunks:
                 async for engine_chunk in chunks:
                     decode_chunks += 1
-                    engine_chunk, skip = _drop_leading(engine_chunk, skip)
+                    engine_chunk = _drop_repeat(engine_chunk, pending)
                     for chunk in stream.feed(engine_chunk):
                         yield chunk
                     if stream.finished:
@@ -241,7 +256,7 @@ class Orchestrator:
             # A decode engine that produced anything has read (or given up on) the KV and
             # released the prefill blocks; otherwise nobody will: release them here.
             if handed_off is not None and decode_chunks == 0:
-                await self._release(handed_off)
+                self._release_soon(handed_off)
 
     async def _prefill_leg(self, prepared: _Prepared) -> EngineChunk | None:
         """The prefill's single chunk (first token + kv_transfer_params), or None on failure."""
@@ -254,15 +269,22 @@ class Orchestrator:
         request = self._engine_request(prepared, params, kv)
         timeout = min(self.config.prefill_timeout_s, prepared.deadline - time.monotonic())
         chunks: list[EngineChunk] = []
+        completed = False
         try:
             async with asyncio.timeout(timeout), aclosing(self.prefill(request)) as stream:
                 async for chunk in stream:
                     chunks.append(chunk)
+            completed = True
         except ValueError:
             raise  # the request itself is bad: decode-only would refuse it too
         except Exception as exc:  # replica gone, engine failed, too slow: fall back
             logger.warning("prefill leg of %s failed (%r); decode-only", prepared.request_id, exc)
             return None
+        finally:
+            handed_off = chunks[-1].kv_transfer_params if chunks else None
+            if not completed and handed_off is not None:
+                # The engine finished (blocks held for a reader) but we stopped listening.
+                self._release_soon(handed_off)
         if not chunks or chunks[-1].error is not None or not chunks[-1].new_token_ids:
             logger.warning("prefill of %s ended without a token; decode-only", prepared.request_id)
             return None
@@ -304,7 +326,10 @@ class Orchestrator:
             while True:
                 remaining = prepared.deadline - time.monotonic()
                 try:
-                    chunk = await asyncio.wait_for(anext(iterator), max(remaining, 0.0))
+                    # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that
+                    # lands as the chunk arrives (an abort would then go unnoticed).
+                    async with asyncio.timeout(max(remaining, 0.0)):
+                        chunk = await anext(iterator)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
@@ -318,9 +343,21 @@ class Orchestrator:
             if close is not None:
                 await close()
 
-    async def _release(self, kv_transfer_params: dict[str, Any]) -> None:
+    async def wait_background(self) -> None:
+        """Wait for background releases (shutdown, tests)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    def _release_soon(self, kv_transfer_params: dict[str, Any]) -> None:
+        """Release prefill blocks in the background: never hold up (or fail) the response."""
         if self.release is None:
             return
+        task = asyncio.get_running_loop().create_task(self._release(kv_transfer_params))
+        self._background.add(task)  # a reference until done, or the task may vanish
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, kv_transfer_params: dict[str, Any]) -> None:
+        assert self.release is not None
         try:
             await self.release(kv_transfer_params)
         except Exception as exc:  # best effort: the lease expires anyway
@@ -405,13 +442,19 @@ def _merge(chunks: list[EngineChunk]) -> EngineChunk:
     return merged
 
 
-def _drop_leading(chunk: EngineChunk, skip: int) -> tuple[EngineChunk, int]:
-    """Drop the first `skip` tokens of a stream (they were sent from the prefill leg)."""
-    if skip == 0:
-        return chunk, 0
-    dropped = min(skip, len(chunk.new_token_ids))
+def _drop_repeat(chunk: EngineChunk, pending: list[int]) -> EngineChunk:
+    """Drop from the decode stream the tokens the prefill leg sent (`pending`, consumed)."""
+    if not pending:
+        return chunk
+    dropped = min(len(pending), len(chunk.new_token_ids))
+    if chunk.new_token_ids[:dropped] != pending[:dropped]:
+        # Forced tokens cannot differ; if they do, the text would silently fork: refuse.
+        raise RuntimeError(
+            f"decode engine returned {chunk.new_token_ids[:dropped]} where the prefill "
+            f"engine had sent {pending[:dropped]}"
+        )
+    del pending[:dropped]
     logprobs = chunk.new_logprobs[dropped:] if chunk.new_logprobs else chunk.new_logprobs
-    trimmed = dataclasses.replace(
+    return dataclasses.replace(
         chunk, new_token_ids=chunk.new_token_ids[dropped:], new_logprobs=logprobs
     )
-    return trimmed, skip - dropped

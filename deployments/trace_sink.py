@@ -4,6 +4,7 @@ JSON object per line. For local development without Jaeger or Tempo, and for tes
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -64,13 +65,14 @@ def run(host: str, port: int, quiet: bool) -> None:
     def show(span: dict[str, Any]) -> None:
         print(json.dumps(span), flush=True)
 
+    stopping = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopping.set())
     sink = SpanSink(None if quiet else show)
     server, bound = start_sink(sink, host, port)
     print(f"pdserve: OTLP/gRPC trace sink on {host}:{bound}", file=sys.stderr, flush=True)
-    try:
-        server.wait_for_termination()
-    except KeyboardInterrupt:
-        server.stop(0)
+    stopping.wait()
+    server.stop(0)
 
 
 def _value(any_value: Any) -> Any:

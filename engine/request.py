@@ -87,6 +87,10 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     # Free-form arguments for custom logits processors.
     extra_args: Mapping[str, Any] = field(default_factory=dict)
+    # The first output tokens, fixed in advance (sampling still draws, so the RNG positions of
+    # what follows are unchanged). A disaggregated decode continues the token that the prefill
+    # engine already sent to the client, even if its own logits would pick another.
+    forced_output_token_ids: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         self._check_lengths()
@@ -95,6 +99,7 @@ class SamplingParams:
         # Normalise sequences so a params object is hashable-ish and never aliased.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "forced_output_token_ids", tuple(self.forced_output_token_ids))
 
     @property
     def is_greedy(self) -> bool:
@@ -118,6 +123,12 @@ class SamplingParams:
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise ValueError(f"stop strings must be non-empty strings, got {text!r}")
+        forced = self.forced_output_token_ids
+        if len(forced) > self.max_tokens or any(not _is_int(t) or t < 0 for t in forced):
+            raise ValueError(
+                "forced_output_token_ids must be at most max_tokens token ids >= 0, "
+                f"got {list(forced)!r}"
+            )
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
         budget = self.thinking_token_budget

@@ -4,6 +4,7 @@ gRPC KV transport, and the offline LLM as the oracle."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
@@ -67,7 +68,10 @@ def make_flow(
 def run(flow: Orchestrator, prompt: Any, **params: Any) -> list[ResponseChunk]:
     async def go() -> list[ResponseChunk]:
         request = GenerateInput(prompt, SamplingParams(**params))
-        return [chunk async for chunk in flow.generate(request)]
+        try:
+            return [chunk async for chunk in flow.generate(request)]
+        finally:
+            await flow.wait_background()  # releases run in the background
 
     return asyncio.run(go())
 
@@ -112,6 +116,27 @@ def test_logprobs_follow_the_tokens_across_the_legs(servers):
     assert [lp[0] for c in disaggregated for lp in c.logprobs or ()] == [
         lp[0] for c in colocated for lp in c.logprobs or ()
     ]
+
+
+def test_decode_continues_the_token_the_prefill_sent_even_if_it_would_pick_another(
+    servers, offline
+):
+    """Prefill and decode logits may differ in the last bits (other batch, other kernels): the
+    decode must continue the token the client already has. Simulated by a prefill leg whose
+    token is not the model's greedy pick."""
+    prefill_server = servers[0]
+    greedy_first = offline.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0))[0]
+    other = (greedy_first.outputs[0].token_ids[0] + 1) % 2000
+
+    async def diverging(request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
+        async for chunk in prefill_server.generate(request):
+            yield dataclasses.replace(chunk, new_token_ids=[other])
+
+    chunks = run(make_flow(servers, prefill=diverging), PROMPT, max_tokens=10, temperature=0.0)
+    prompt_ids = greedy_first.prompt_token_ids
+    rest = offline.generate([[*prompt_ids, other]], SamplingParams(max_tokens=9, temperature=0))
+    assert tokens(chunks) == [other, *rest[0].outputs[0].token_ids]
+    assert all(idle(s) for s in servers)
 
 
 def test_seeded_sampling_equals_colocated(servers):

@@ -12,6 +12,7 @@ from engine.request import SamplingParams
 from engine.sample.logits_processor import (
     BatchUpdate,
     BatchUpdateBuilder,
+    ForcedOutputLogitsProcessor,
     LogitBiasLogitsProcessor,
     LogitsProcessor,
     LogitsProcessorConfig,
@@ -243,6 +244,32 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
     assert applied(proc, 3).tolist() == [row(), row(), row()]
 
 
+def test_forced_output_tokens_win_then_release_the_row() -> None:
+    proc = ForcedOutputLogitsProcessor(CONFIG, CPU)
+    out0: list[int] = []
+    out1: list[int] = []
+    proc.update_state(update(3, added=(add(0, out0, forced_output_token_ids=[4, 2]), add(1, out1))))
+    logits = torch.zeros(3, V)
+    logits[0, 4] = -INF  # masked by an earlier processor: still forced, and finite
+    first = proc.apply(logits)
+    assert first[0].tolist() == row(**{f"t{i}": -INF for i in range(V) if i != 4})
+    assert first[1].tolist() == row() and first[2].tolist() == row()
+    out0.append(4)
+    proc.update_state(None)
+    assert applied(proc, 3)[0].tolist() == row(**{f"t{i}": -INF for i in range(V) if i != 2})
+    out0.append(2)
+    proc.update_state(None)  # both forced tokens emitted: the row samples freely again
+    assert applied(proc, 3).tolist() == [row(), row(), row()]
+
+
+def test_forced_output_tokens_are_validated() -> None:
+    proc = ForcedOutputLogitsProcessor(CONFIG, CPU)
+    with pytest.raises(ValueError, match="vocab size"):
+        proc.validate_params(SamplingParams(forced_output_token_ids=[V]))
+    with pytest.raises(ValueError, match="at most max_tokens"):
+        SamplingParams(max_tokens=1, forced_output_token_ids=[1, 2])
+
+
 def test_min_tokens_follows_moves_and_removal() -> None:
     proc = MinTokensLogitsProcessor(CONFIG, CPU)
     proc.update_state(
@@ -411,9 +438,10 @@ def test_build_splits_builtins_by_argmax_invariance() -> None:
         MinTokensLogitsProcessor,
         LogitBiasLogitsProcessor,
         ThinkingBudgetLogitsProcessor,
+        ForcedOutputLogitsProcessor,
     ]
     assert [type(p) for p in procs.argmax_invariant] == [MinPLogitsProcessor]
-    assert len(procs.all) == 4
+    assert len(procs.all) == 5
     with pytest.raises(ValueError, match="vocab size"):
         procs.validate_params(SamplingParams(logit_bias={V: 1.0}))
 

@@ -1,6 +1,7 @@
 """Logits processors: the contract, the built-ins, and the per-engine set."""
 
 from engine.sample.logits_processor.builtin import (
+    ForcedOutputLogitsProcessor,
     LogitBiasLogitsProcessor,
     MinPLogitsProcessor,
     MinTokensLogitsProcessor,
@@ -29,6 +30,7 @@ __all__ = [
     "AddedRequest",
     "BatchUpdate",
     "BatchUpdateBuilder",
+    "ForcedOutputLogitsProcessor",
     "LogitBiasLogitsProcessor",
     "LogitsProcessor",
     "LogitsProcessorConfig",

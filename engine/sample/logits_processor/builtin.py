@@ -121,6 +121,48 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
         self._values = torch.tensor(values, dtype=torch.float32, device=self.device)
 
 
+class ForcedOutputLogitsProcessor(LogitsProcessor):
+    """Make output token i be `forced_output_token_ids[i]`: every other logit of the row is -inf
+    (the draw still happens, so later draws keep their counter positions)."""
+
+    def __init__(self, config: LogitsProcessorConfig, device: torch.device) -> None:
+        super().__init__(config, device)
+        self._rows: dict[int, tuple[tuple[int, ...], list[int]]] = {}  # forced, live output
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def validate_params(self, params: SamplingParams) -> None:
+        bad = [t for t in params.forced_output_token_ids if t >= self.config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"forced_output_token_ids {bad} are out of range for vocab size "
+                f"{self.config.vocab_size}"
+            )
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self._rows, batch_update, self._new_state)
+        done = [i for i, (forced, out) in self._rows.items() if len(out) >= len(forced)]
+        for index in done:
+            del self._rows[index]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self._rows:
+            return logits
+        rows = _long_tensor(list(self._rows), self.device)
+        tokens = _long_tensor([f[len(out)] for f, out in self._rows.values()], self.device)
+        logits[rows] = float("-inf")
+        logits[rows, tokens] = 0.0  # finite even if an earlier processor masked it
+        return logits
+
+    @staticmethod
+    def _new_state(
+        params: SamplingParams, _prompt: list[int], output: list[int]
+    ) -> tuple[tuple[int, ...], list[int]] | None:
+        forced = tuple(params.forced_output_token_ids)
+        return (forced, output) if len(output) < len(forced) else None
+
+
 class MinPLogitsProcessor(LogitsProcessor):
     """Drop tokens whose probability is below `min_p` times the row's top probability.
 

@@ -9,6 +9,7 @@ import torch
 
 from engine.request import SamplingParams
 from engine.sample.logits_processor.builtin import (
+    ForcedOutputLogitsProcessor,
     LogitBiasLogitsProcessor,
     MinPLogitsProcessor,
     MinTokensLogitsProcessor,
@@ -21,11 +22,12 @@ from engine.sample.logits_processor.interface import (
 from engine.sample.logits_processor.thinking_budget import ThinkingBudgetLogitsProcessor
 
 # Order matters among the argmax-changing ones: thinking budget runs after logit_bias so a
-# bias cannot undo a forced reasoning end.
+# bias cannot undo a forced reasoning end; forced output tokens come last and win over all.
 BUILTIN_LOGITS_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
     MinTokensLogitsProcessor,
     LogitBiasLogitsProcessor,
     ThinkingBudgetLogitsProcessor,
+    ForcedOutputLogitsProcessor,
     MinPLogitsProcessor,
 )
 
