@@ -148,7 +148,8 @@ def _engine_options(
         },
         # Engine start-up loads weights and allocates the KV cache: give it time.
         "health_check_timeout_s": 60,
-        "graceful_shutdown_timeout_s": 10,
+        # Scaling down waits for the replica's requests to end (up to their deadline).
+        "graceful_shutdown_timeout_s": config.request_timeout_s,
     }
     if autoscaling:
         options["autoscaling_config"] = autoscaling

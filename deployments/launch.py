@@ -40,6 +40,7 @@ def start(config: AppConfig, options: ServeOptions) -> dict[str, str]:
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     ray.init(
+        address="local",  # always a fresh local cluster, never one found on the machine
         num_cpus=options.num_cpus or _logical_cpus(config, options),
         include_dashboard=False,
         logging_level=logging.WARNING,

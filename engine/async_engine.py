@@ -111,6 +111,8 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop())
         self._commands.put(_Add(request_id, text, token_ids, params, request_kwargs, sink))
+        if self._dead is not None:  # died meanwhile: the loop may never read that command
+            raise EngineDeadError(f"engine loop has stopped: {self._dead}")
         finished = False
         try:
             while True:
@@ -144,15 +146,29 @@ class AsyncEngine:
             while True:
                 block = not self.core.has_requests()
                 if not self._drain_commands(block):
+                    self._dead = EngineDeadError("the engine was shut down")
+                    self._fail_everyone(self._dead)
                     return
                 if self.core.has_requests():
                     self._step()
         except BaseException as exc:
             logger.exception("engine loop failed")
             self._dead = exc
-            for sink in self._sinks.values():
-                sink.put(EngineDeadError(f"engine loop failed: {exc}"))
-            self._sinks.clear()
+            self._fail_everyone(EngineDeadError(f"engine loop failed: {exc}"))
+
+    def _fail_everyone(self, error: EngineDeadError) -> None:
+        """Every caller still waiting gets `error`: those streaming, and those whose request
+        is still queued as a command (nobody will ever read that queue again)."""
+        for sink in self._sinks.values():
+            sink.put(error)
+        self._sinks.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                command.sink.put(error)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands; with `block`, wait for the first. False means shut down."""

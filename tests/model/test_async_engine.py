@@ -141,3 +141,26 @@ def test_a_caller_whose_event_loop_closed_does_not_kill_the_engine(engine, hf_re
     outs = asyncio.run(collect(engine, [5, 6, 7]))
     assert outs[-1].outputs[0].token_ids == hf_refs["llama_gqa"].greedy([5, 6, 7], 12)
     assert "orphan" not in engine.core.scheduler.requests
+
+
+def test_shutdown_ends_every_waiting_caller_with_an_error(hf_refs):
+    """Streams in flight and requests still queued all hear that the engine is gone."""
+    from engine.async_engine import EngineDeadError
+
+    engine = AsyncEngine(
+        hf_refs["llama_gqa"].path, max_model_len=96, block_size=4, num_gpu_blocks_override=200
+    )
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+
+    async def stream_then_shutdown():
+        streaming = engine.generate([1, 2, 3], long)
+        await streaming.__anext__()
+        engine.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in streaming:
+                pass
+        with pytest.raises(EngineDeadError):
+            await collect(engine, [4, 5, 6])
+
+    asyncio.run(asyncio.wait_for(stream_then_shutdown(), 30))
+    engine.core.close()
