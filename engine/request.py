@@ -28,7 +28,7 @@ class RequestStatus(enum.IntEnum):
         return self > RequestStatus.PREEMPTED
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a request ended, in the words of the OpenAI API."""
 
     STOP = "stop"
