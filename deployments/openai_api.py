@@ -7,9 +7,7 @@ JSON, wrong types, out-of-range sampling values, an unknown model, a prompt too 
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -18,8 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.openai_format import ChatFormat, CompletionFormat, ResponseFormat, sse_events
 from deployments.orchestrator import DeadlineExceeded, Orchestrator
-from deployments.protocol import GenerateInput, ResponseChunk
+from deployments.protocol import GenerateInput
 from engine.request import SamplingParams
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -98,9 +97,22 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
 
+class _ContentPart(BaseModel):
+    type: str
+    text: str = ""
+
+
 class ChatMessage(BaseModel):
     role: str
-    content: str
+    content: str | list[_ContentPart]
+
+    def as_template_message(self) -> dict[str, str]:
+        if isinstance(self.content, str):
+            return {"role": self.role, "content": self.content}
+        kinds = {part.type for part in self.content} - {"text"}
+        if kinds:
+            raise ValueError(f"only text content is supported, got {sorted(kinds)}")
+        return {"role": self.role, "content": "".join(part.text for part in self.content)}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -115,6 +127,10 @@ def build_openai_app(
 ) -> FastAPI:
     """The FastAPI app. `orchestrator` is looked up per request (the router owns it)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+
+    def token_text(token_id: int) -> str:
+        tokenizer = orchestrator().tokenizer
+        return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else ""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -139,14 +155,16 @@ def build_openai_app(
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await _serve(body, request, _completion_input, _CompletionFormat(model_name))
+        return await _serve(
+            body, request, _completion_input, CompletionFormat(model_name, token_text)
+        )
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        return await _serve(body, request, _chat_input, _ChatFormat(model_name))
+        return await _serve(body, request, _chat_input, ChatFormat(model_name, token_text))
 
     async def _serve(
-        body: Any, request: Request, to_input: Callable[..., GenerateInput], fmt: _Format
+        body: Any, request: Request, to_input: Callable[..., GenerateInput], fmt: ResponseFormat
     ) -> Any:
         flow = orchestrator()
         carrier = dict(request.headers)
@@ -163,7 +181,7 @@ def build_openai_app(
             first = await anext(chunks)  # bad input fails here, before any byte is sent
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                events = _sse(first, chunks, fmt, include_usage)
+                events = sse_events(first, chunks, fmt, include_usage)
                 return StreamingResponse(
                     events, media_type="text/event-stream", headers=_SSE_HEADERS
                 )
@@ -197,126 +215,15 @@ def _chat_input(body: ChatCompletionRequest, flow: Orchestrator) -> GenerateInpu
         raise ValueError("this model has no tokenizer, so no chat template")
     if not body.messages:
         raise ValueError("messages is empty")
-    text = flow.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+    text = flow.tokenizer.apply_chat_template([m.as_template_message() for m in body.messages])
     # The rendered template carries its own bos: tokenize without adding special tokens.
     token_ids = flow.tokenizer.encode(text, add_special_tokens=False)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:  # as OpenAI: up to the context length (16 is the completions default)
+        max_tokens = max(1, flow.model.max_model_len - len(token_ids))
+    params = body.sampling_params(max_tokens, logprobs)
     return GenerateInput(token_ids, params, "", body.priority, body.cache_salt, body.timeout_s)
-
-
-class _Format:
-    object_name = ""
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.created = int(time.time())
-
-    def envelope(self, chunk: ResponseChunk, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": chunk.request_id,
-            "object": self.object_name,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def delta_choice(self, chunk: ResponseChunk, first: bool) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def whole(self, chunks: list[ResponseChunk], with_token_ids: bool) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-class _CompletionFormat(_Format):
-    object_name = "text_completion"
-
-    def delta_choice(self, chunk: ResponseChunk, first: bool) -> dict[str, Any]:
-        return {"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason}
-
-    def whole(self, chunks: list[ResponseChunk], with_token_ids: bool) -> dict[str, Any]:
-        last = chunks[-1]
-        choice: dict[str, Any] = {
-            "index": 0,
-            "text": "".join(c.text for c in chunks),
-            "logprobs": None,
-            "finish_reason": last.finish_reason,
-        }
-        if with_token_ids:
-            choice["prompt_token_ids"] = chunks[0].prompt_token_ids
-            choice["token_ids"] = [t for c in chunks for t in c.token_ids]
-        body = self.envelope(chunks[0], [choice])
-        body["usage"] = _usage(last)
-        return body
-
-
-class _ChatFormat(_Format):
-    object_name = "chat.completion.chunk"
-
-    def delta_choice(self, chunk: ResponseChunk, first: bool) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": chunk.text}
-        if first:
-            delta["role"] = "assistant"
-        return {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason}
-
-    def whole(self, chunks: list[ResponseChunk], with_token_ids: bool) -> dict[str, Any]:
-        last = chunks[-1]
-        message = {"role": "assistant", "content": "".join(c.text for c in chunks)}
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": message,
-            "finish_reason": last.finish_reason,
-        }
-        if with_token_ids:
-            choice["token_ids"] = [t for c in chunks for t in c.token_ids]
-        body = self.envelope(chunks[0], [choice])
-        body["object"] = "chat.completion"
-        body["usage"] = _usage(last)
-        return body
-
-
-async def _sse(
-    first: ResponseChunk,
-    rest: AsyncGenerator[ResponseChunk, None],
-    fmt: _Format,
-    include_usage: bool,
-) -> AsyncGenerator[str, None]:
-    """Server-sent events; a client that disconnects cancels this, which aborts the request."""
-    async with aclosing(rest):
-        chunk = first
-        try:
-            is_first = True
-            while True:
-                yield _event(fmt.envelope(chunk, [fmt.delta_choice(chunk, is_first)]))
-                is_first = False
-                if chunk.finish_reason is not None:
-                    break
-                chunk = await anext(rest)
-        except Exception as exc:  # headers are sent: say it in the stream, then end it
-            kind = "timeout" if isinstance(exc, DeadlineExceeded) else "server_error"
-            yield _event({"error": {"message": str(exc), "type": kind}})
-        else:
-            if include_usage:
-                usage_event = fmt.envelope(chunk, [])
-                usage_event["usage"] = _usage(chunk)
-                yield _event(usage_event)
-    yield "data: [DONE]\n\n"
-
-
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-def _usage(chunk: ResponseChunk) -> dict[str, Any]:
-    usage = chunk.usage
-    if usage is None:
-        return {}
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

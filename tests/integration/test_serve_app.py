@@ -204,6 +204,41 @@ def test_http_chat_and_models(app: App, offline: LLM) -> None:
     assert "".join(d.get("content", "") for d in deltas) == expected.text
 
 
+def test_http_logprobs_content_parts_and_chat_default_length(app: App) -> None:
+    status, reply = app.http(
+        "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    )
+    assert status == 200, reply
+    logprobs = reply["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == 6
+    assert all(lp <= 0 for lp in logprobs["token_logprobs"])
+    assert all(1 <= len(top) <= 2 for top in logprobs["top_logprobs"])
+    parts = [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello"}]
+    plain = {
+        "messages": [{"role": "user", "content": "Say hello"}],
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    status, whole = app.http("/v1/chat/completions", {**plain, "max_tokens": 8})
+    status_parts, from_parts = app.http(
+        "/v1/chat/completions",
+        {**plain, "max_tokens": 8, "messages": [{"role": "user", "content": parts}]},
+    )
+    assert status == status_parts == 200
+    assert from_parts["choices"][0]["message"] == whole["choices"][0]["message"]
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == whole["usage"]["completion_tokens"]
+    assert all(len(entry["top_logprobs"]) == 2 for entry in content)
+    # Chat without max_tokens runs to the end of the context (or a stop), not to 16 tokens.
+    status, long = app.http("/v1/chat/completions", {**plain, "logprobs": False})
+    assert status == 200
+    choice, used = long["choices"][0], long["usage"]
+    assert choice["finish_reason"] == "stop" or (
+        used["prompt_tokens"] + used["completion_tokens"] == MAX_MODEL_LEN
+    )
+
+
 def test_first_token_arrives_before_the_decode_leg_finishes(app: App) -> None:
     request = generate_request(PROMPTS[0], max_tokens=160, temperature=0.0, ignore_eos=True)
     stream = app.client.stream(request, timeout=120)
