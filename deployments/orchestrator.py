@@ -1,9 +1,9 @@
 """The router's request flow: tokenize once, prefill leg, stream the first token, decode leg.
 
-Engines speak tokens only; this module owns the text side (one detokenizer and the stop strings
-per request, over the tokens of both legs), so a disaggregated request reads exactly like a
-colocated one. Serve handles are wrapped into `StreamFn`s by the router, which keeps this
-module free of Ray and testable over in-process engines.
+Engines speak tokens only; the router owns the text side (response_stream.py), so a
+disaggregated request reads exactly like a colocated one. Serve handles are wrapped into
+`StreamFn`s by the router, which keeps this module free of Ray and testable over in-process
+engines.
 """
 
 from __future__ import annotations
@@ -29,12 +29,9 @@ from deployments.protocol import (
     ROUTE_FALLBACK,
     GenerateInput,
     ResponseChunk,
-    Usage,
 )
+from deployments.response_stream import PreparedRequest, ResponseStream
 from deployments.telemetry import RouterTelemetry
-from engine.core.sched_output import EngineCoreOutput
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
 from engine.request import FinishReason, SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -65,20 +62,6 @@ class FlowConfig:
     request_timeout_s: float = 300.0
     # A prefill leg slower than this is given up for decode-only (e.g. no prefill replica).
     prefill_timeout_s: float = 60.0
-
-
-@dataclass
-class _Prepared:
-    request_id: str
-    engine_request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams  # what the client asked, with a seed when sampling disaggregated
-    priority: int
-    cache_salt: str | None
-    started: float
-    deadline: float
-    trace_context: dict[str, str] | None = None
 
 
 class LeaseReleaser:
@@ -129,7 +112,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ validation
 
-    def prepare(self, request: GenerateInput) -> _Prepared:
+    def prepare(self, request: GenerateInput) -> PreparedRequest:
         """Tokenize and validate; ValueError for anything the engines would refuse."""
         text, token_ids = self._tokenize(request.prompt)
         if len(token_ids) >= self.model.max_model_len:
@@ -145,7 +128,7 @@ class Orchestrator:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         now = time.monotonic()
         timeout = request.timeout_s or self.config.request_timeout_s
-        return _Prepared(
+        return PreparedRequest(
             request_id=request.request_id or f"cmpl-{uuid.uuid4().hex}",
             engine_request_id=uuid.uuid4().hex,
             prompt=text,
@@ -206,8 +189,8 @@ class Orchestrator:
         finally:
             observed.end()
 
-    async def _generate(self, prepared: _Prepared) -> AsyncGenerator[ResponseChunk, None]:
-        stream = _ResponseStream(self.tokenizer, prepared)
+    async def _generate(self, prepared: PreparedRequest) -> AsyncGenerator[ResponseChunk, None]:
+        stream = ResponseStream(self.tokenizer, prepared)
         if self.prefill is None:
             source = self._decode_leg(prepared, stream, ROUTE_COLOCATED)
         elif len(prepared.prompt_token_ids) < max(1, self.config.min_remote_prefill_tokens):
@@ -219,7 +202,7 @@ class Orchestrator:
                 yield chunk
 
     async def _disaggregated(
-        self, prepared: _Prepared, stream: _ResponseStream
+        self, prepared: PreparedRequest, stream: ResponseStream
     ) -> AsyncGenerator[ResponseChunk, None]:
         first = await self._prefill_leg(prepared)
         if first is None:  # the prefill leg failed: the decode replica computes the prompt
@@ -258,7 +241,7 @@ class Orchestrator:
             if handed_off is not None and decode_chunks == 0:
                 self._release_soon(handed_off)
 
-    async def _prefill_leg(self, prepared: _Prepared) -> EngineChunk | None:
+    async def _prefill_leg(self, prepared: PreparedRequest) -> EngineChunk | None:
         """The prefill's single chunk (first token + kv_transfer_params), or None on failure."""
         assert self.prefill is not None
         max_tokens = prepared.params.max_tokens
@@ -291,7 +274,7 @@ class Orchestrator:
         return _merge(chunks)
 
     async def _decode_leg(
-        self, prepared: _Prepared, stream: _ResponseStream, route: str
+        self, prepared: PreparedRequest, stream: ResponseStream, route: str
     ) -> AsyncGenerator[ResponseChunk, None]:
         stream.route = route
         request = self._engine_request(prepared, prepared.params, None)
@@ -304,7 +287,7 @@ class Orchestrator:
                     return
 
     def _engine_request(
-        self, prepared: _Prepared, params: SamplingParams, kv: dict[str, Any] | None
+        self, prepared: PreparedRequest, params: SamplingParams, kv: dict[str, Any] | None
     ) -> EngineRequest:
         # Stop strings are applied here, on text: engines only see tokens.
         return EngineRequest(
@@ -318,7 +301,7 @@ class Orchestrator:
         )
 
     async def _bounded(
-        self, chunks: AsyncGenerator[EngineChunk, None], prepared: _Prepared
+        self, chunks: AsyncGenerator[EngineChunk, None], prepared: PreparedRequest
     ) -> AsyncGenerator[EngineChunk, None]:
         """`chunks` until the request's deadline; closing it aborts the engine request."""
         iterator = aiter(chunks)
@@ -362,73 +345,6 @@ class Orchestrator:
             await self.release(kv_transfer_params)
         except Exception as exc:  # best effort: the lease expires anyway
             logger.info("releasing prefill blocks: %r", exc)
-
-
-class _ResponseStream:
-    """Engine chunks -> client chunks: detokenization, stop strings, usage and timing."""
-
-    def __init__(self, tokenizer: Tokenizer | None, prepared: _Prepared) -> None:
-        self.prepared = prepared
-        self.processor = OutputProcessor(tokenizer)
-        self.processor.add_request(
-            prepared.request_id, prepared.prompt, prepared.prompt_token_ids, prepared.params
-        )
-        self.route = ""
-        self.num_cached_tokens = 0
-        self.finished = False
-        self._ttft_s = 0.0
-        self._sent_first = False
-
-    def feed(self, engine_chunk: EngineChunk, final: bool = True) -> list[ResponseChunk]:
-        """The client chunks for one engine chunk. `final=False` keeps a finish reason of the
-        engine (the prefill leg's max_tokens=1) from ending the client's request."""
-        if engine_chunk.error is not None:
-            raise RuntimeError(f"engine error: {engine_chunk.error}")
-        finish = engine_chunk.finish_reason if final else None
-        if not engine_chunk.new_token_ids and finish is None:
-            return []  # nothing new (the decode leg's repeat of the first token, dropped)
-        output = EngineCoreOutput(
-            request_id=self.prepared.request_id,
-            new_token_ids=engine_chunk.new_token_ids,
-            finish_reason=FinishReason(finish) if finish else None,
-            stop_reason=engine_chunk.stop_reason if finish else None,
-            new_logprobs=engine_chunk.new_logprobs,
-        )
-        results, _stopped = self.processor.process([output])
-        return [self._client_chunk(result) for result in results]
-
-    def _client_chunk(self, result: RequestOutput) -> ResponseChunk:
-        completion = result.outputs[0]
-        now = time.monotonic() - self.prepared.started
-        chunk = ResponseChunk(
-            request_id=self.prepared.request_id,
-            token_ids=list(completion.new_token_ids),
-            text=completion.delta_text,
-            route=self.route,
-            logprobs=_new_logprobs(completion.logprobs, len(completion.new_token_ids)),
-        )
-        if not self._sent_first:
-            self._sent_first = True
-            self._ttft_s = now
-            chunk.prompt_token_ids = self.prepared.prompt_token_ids
-        chunk.ttft_s = self._ttft_s
-        if result.finished:
-            self.finished = True
-            chunk.finish_reason = completion.finish_reason
-            chunk.stop_reason = completion.stop_reason
-            chunk.e2e_s = now
-            chunk.usage = Usage(
-                prompt_tokens=len(self.prepared.prompt_token_ids),
-                completion_tokens=len(completion.token_ids),
-                cached_tokens=self.num_cached_tokens,
-            )
-        return chunk
-
-
-def _new_logprobs(logprobs: list[Any] | None, count: int) -> list[Any] | None:
-    if logprobs is None or count == 0:
-        return None
-    return list(logprobs[-count:])
 
 
 def _merge(chunks: list[EngineChunk]) -> EngineChunk:

@@ -1,0 +1,102 @@
+"""The text side of a request: engine chunks (tokens) in, client chunks (text) out.
+
+One detokenizer and the stop strings per request, over the tokens of both legs of a
+disaggregated request, so its text is exactly the colocated text; plus usage and timing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from deployments.engine_server import EngineChunk
+from deployments.protocol import ResponseChunk, Usage
+from engine.core.sched_output import EngineCoreOutput
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.request import FinishReason, SamplingParams
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class PreparedRequest:
+    """A validated, tokenized request on its way through the flow."""
+
+    request_id: str
+    engine_request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams  # what the client asked, with a seed when sampling disaggregated
+    priority: int
+    cache_salt: str | None
+    started: float
+    deadline: float
+    trace_context: dict[str, str] | None = None
+
+
+class ResponseStream:
+    """Engine chunks -> client chunks: detokenization, stop strings, usage and timing."""
+
+    def __init__(self, tokenizer: Tokenizer | None, prepared: PreparedRequest) -> None:
+        self.prepared = prepared
+        self.processor = OutputProcessor(tokenizer)
+        self.processor.add_request(
+            prepared.request_id, prepared.prompt, prepared.prompt_token_ids, prepared.params
+        )
+        self.route = ""
+        self.num_cached_tokens = 0
+        self.finished = False
+        self._ttft_s = 0.0
+        self._sent_first = False
+
+    def feed(self, engine_chunk: EngineChunk, final: bool = True) -> list[ResponseChunk]:
+        """The client chunks for one engine chunk. `final=False` keeps a finish reason of the
+        engine (the prefill leg's max_tokens=1) from ending the client's request."""
+        if engine_chunk.error is not None:
+            raise RuntimeError(f"engine error: {engine_chunk.error}")
+        finish = engine_chunk.finish_reason if final else None
+        if not engine_chunk.new_token_ids and finish is None:
+            return []  # nothing new (the decode leg's repeat of the first token, dropped)
+        output = EngineCoreOutput(
+            request_id=self.prepared.request_id,
+            new_token_ids=engine_chunk.new_token_ids,
+            finish_reason=FinishReason(finish) if finish else None,
+            stop_reason=engine_chunk.stop_reason if finish else None,
+            new_logprobs=engine_chunk.new_logprobs,
+        )
+        results, _stopped = self.processor.process([output])
+        return [self._client_chunk(result) for result in results]
+
+    def _client_chunk(self, result: RequestOutput) -> ResponseChunk:
+        completion = result.outputs[0]
+        now = time.monotonic() - self.prepared.started
+        chunk = ResponseChunk(
+            request_id=self.prepared.request_id,
+            token_ids=list(completion.new_token_ids),
+            text=completion.delta_text,
+            route=self.route,
+            logprobs=_new_logprobs(completion.logprobs, len(completion.new_token_ids)),
+        )
+        if not self._sent_first:
+            self._sent_first = True
+            self._ttft_s = now
+            chunk.prompt_token_ids = self.prepared.prompt_token_ids
+        chunk.ttft_s = self._ttft_s
+        if result.finished:
+            self.finished = True
+            chunk.finish_reason = completion.finish_reason
+            chunk.stop_reason = completion.stop_reason
+            chunk.e2e_s = now
+            chunk.usage = Usage(
+                prompt_tokens=len(self.prepared.prompt_token_ids),
+                completion_tokens=len(completion.token_ids),
+                cached_tokens=self.num_cached_tokens,
+            )
+        return chunk
+
+
+def _new_logprobs(logprobs: list[Any] | None, count: int) -> list[Any] | None:
+    if logprobs is None or count == 0:
+        return None
+    return list(logprobs[-count:])
