@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import select
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -21,22 +23,43 @@ pytestmark = pytest.mark.integration
 PDSERVE = [sys.executable, "-m", "deployments.cli"]
 
 
-def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout_s: float) -> list[str]:
-    assert proc.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-        if ready:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
+class _Lines:
+    """A process's output lines, read by a thread (select() on a buffered pipe would miss lines
+    already sitting in Python's buffer)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        self.seen: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, needle: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
                 break
-            lines.append(line)
+            if line is None:
+                break
+            self.seen.append(line)
             if needle in line:
-                return lines
-        elif proc.poll() is not None:
-            break
-    raise AssertionError(f"no {needle!r} from pdserve serve; output so far:\n{''.join(lines)}")
+                return
+        raise AssertionError(f"no {needle!r} from pdserve serve; output:\n{''.join(self.seen)}")
+
+    def rest(self, timeout_s: float) -> str:
+        self._thread.join(timeout_s)
+        while not self._queue.empty():
+            line = self._queue.get_nowait()
+            if line is not None:
+                self.seen.append(line)
+        return "".join(self.seen)
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
@@ -65,9 +88,10 @@ def test_pdserve_serve_then_client_then_ctrl_c() -> None:
         env={**os.environ, "RAY_DEDUP_LOGS": "0"},
         start_new_session=True,
     )
+    lines = _Lines(proc)
     try:
-        lines = _wait_for_line(proc, "press Ctrl-C", 240)
-        assert any(f"gRPC on 127.0.0.1:{grpc_port}" in line for line in lines)
+        lines.wait_for("press Ctrl-C", 240)
+        assert any(f"gRPC on 127.0.0.1:{grpc_port}" in line for line in lines.seen)
         target = ["--target", f"127.0.0.1:{grpc_port}"]
         served = _run(["client", *target, "--prompt", "Hello", "--max-tokens", "12", "--json"])
         assert served.returncode == 0, served.stderr
@@ -81,9 +105,10 @@ def test_pdserve_serve_then_client_then_ctrl_c() -> None:
     finally:
         proc.send_signal(signal.SIGINT)
         try:
-            rest, _ = proc.communicate(timeout=120)
+            proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise
-    assert proc.returncode == 0, rest
-    assert "shutting down" in rest
+    output = lines.rest(30)
+    assert proc.returncode == 0, output
+    assert "shutting down" in output
