@@ -4,6 +4,8 @@ Prometheus endpoint serves the metrics."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -27,9 +29,10 @@ CLIENT_SPAN_ID = "00f067aa0ba902b7"
 
 
 class Served:
-    def __init__(self, receiver: SpanSink, grpc_port: int) -> None:
+    def __init__(self, receiver: SpanSink, grpc_port: int, http_port: int) -> None:
         self.receiver = receiver
         self.client = GenerationClient(f"127.0.0.1:{grpc_port}", APP_NAME)
+        self.http_port = http_port
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +47,10 @@ def served() -> Iterator[Served]:
             "otlp_endpoint": f"http://127.0.0.1:{otlp_port}",
         }
     )
-    grpc_port = free_port()
-    start(config, ServeOptions(grpc_port=grpc_port, http_port=free_port(), num_cpus=6))
+    grpc_port, http_port = free_port(), free_port()
+    start(config, ServeOptions(grpc_port=grpc_port, http_port=http_port, num_cpus=6))
     try:
-        yield Served(receiver, grpc_port)
+        yield Served(receiver, grpc_port, http_port)
     finally:
         stop()
         server.stop(0)
@@ -98,6 +101,19 @@ def test_one_trace_per_request_across_router_prefill_kv_transfer_decode(served: 
     assert kv["attributes"]["pdserve.kv.blocks"] > 0
     assert kv["attributes"]["pdserve.kv.bytes"] > 0
     assert kv["attributes"]["pdserve.kv.outcome"] == "ok" and kv["status"] != STATUS_ERROR
+
+
+def test_http_traceparent_header_is_honoured(served: Served) -> None:
+    trace_id, parent = "5bf92f3577b34da6a3ce929d0e0e4737", "10f067aa0ba902b8"
+    conn = http.client.HTTPConnection("127.0.0.1", served.http_port, timeout=60)
+    body = json.dumps({"prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0})
+    headers = {"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{parent}-01"}
+    conn.request("POST", "/v1/completions", body, headers)
+    assert conn.getresponse().status == 200
+    conn.close()
+    names = {"router.request", "prefill", "kv_transfer", "decode"}
+    assert wait_until(lambda: names <= set(served.receiver.trace(trace_id)), 30)
+    assert served.receiver.trace(trace_id)["router.request"]["parent"] == parent
 
 
 def test_without_a_client_traceparent_the_router_span_is_the_root(served: Served) -> None:
