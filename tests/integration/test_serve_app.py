@@ -307,8 +307,13 @@ def test_http_client_that_disconnects_aborts_its_request(app: App) -> None:
     assert wait_until(app.engines_idle, 30), app.client.health()
 
 
-@pytest.mark.parametrize("interleave", [False, True])
-def test_bench_serve_against_both_apps(app: App, tmp_path: Any, interleave: bool) -> None:
+@pytest.mark.parametrize(
+    ("interleave", "load"),
+    [(False, {"concurrency": 3}), (True, {"request_rate": 20.0})],  # fixed, then Poisson
+)
+def test_bench_serve_against_both_apps(
+    app: App, tmp_path: Any, interleave: bool, load: dict[str, Any]
+) -> None:
     from deployments.bench_serve import ServeBenchConfig, run
 
     plot = tmp_path / "latency.png"
@@ -320,12 +325,12 @@ def test_bench_serve_against_both_apps(app: App, tmp_path: Any, interleave: bool
             input_len=24,
             output_len=8,
             shared_prefix_len=16,
-            concurrency=3,
             warmup=1,
             slo_ttft_ms=60_000,
             plot=str(plot),
             progress=False,
             interleave=interleave,
+            **load,
         )
     )
     for name in (APP_NAME, COLOCATED_APP_NAME):
