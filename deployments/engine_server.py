@@ -128,6 +128,7 @@ class EngineServer:
             priority=request.priority,
             cache_salt=request.cache_salt,
             kv_transfer_params=request.kv_transfer_params,
+            coalesce=True,  # a router that falls behind gets tokens in batches, not one by one
         ):
             chunk = EngineChunk.from_output(output, seen)
             seen += len(chunk.new_logprobs or ())

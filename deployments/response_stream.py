@@ -51,32 +51,59 @@ class ResponseStream:
         self._sent_first = False
 
     def feed(self, engine_chunk: EngineChunk, final: bool = True) -> list[ResponseChunk]:
-        """The client chunks for one engine chunk. `final=False` keeps a finish reason of the
-        engine (the prefill leg's max_tokens=1) from ending the client's request."""
+        """The client chunk (at most one) for one engine chunk. `final=False` keeps a finish
+        reason of the engine (the prefill leg's max_tokens=1) from ending the request."""
         if engine_chunk.error is not None:
             raise RuntimeError(f"engine error: {engine_chunk.error}")
         finish = engine_chunk.finish_reason if final else None
         if not engine_chunk.new_token_ids and finish is None:
             return []  # nothing new (the decode leg's repeat of the first token, dropped)
-        output = EngineCoreOutput(
-            request_id=self.prepared.request_id,
-            new_token_ids=engine_chunk.new_token_ids,
-            finish_reason=FinishReason(finish) if finish else None,
-            stop_reason=engine_chunk.stop_reason if finish else None,
-            new_logprobs=engine_chunk.new_logprobs,
-        )
-        results, _stopped = self.processor.process([output])
-        return [self._client_chunk(result) for result in results]
+        token_ids: list[int] = []
+        text: list[str] = []
+        logprobs: list[Any] = []
+        last: RequestOutput | None = None
+        # Token by token, as the engine made them: a stop string ends the request at the
+        # token that completed it even when the engine sent several tokens in one chunk.
+        for output in self._per_token(engine_chunk, finish):
+            results, _stopped = self.processor.process([output])
+            for result in results:  # read now: the processor reuses its CompletionOutput
+                completion = result.outputs[0]
+                token_ids.extend(completion.new_token_ids)
+                text.append(completion.delta_text)
+                logprobs.extend(_new_logprobs(completion.logprobs, len(completion.new_token_ids)))
+                last = result
+            if last is not None and last.finished:
+                break
+        if last is None:
+            return []
+        return [self._client_chunk(last, token_ids, "".join(text), logprobs or None)]
 
-    def _client_chunk(self, result: RequestOutput) -> ResponseChunk:
+    def _per_token(self, chunk: EngineChunk, finish: str | None) -> list[EngineCoreOutput]:
+        ids, logprobs = chunk.new_token_ids, chunk.new_logprobs
+        outputs = [
+            EngineCoreOutput(
+                request_id=self.prepared.request_id,
+                new_token_ids=[token_id],
+                new_logprobs=[logprobs[i]] if logprobs else None,
+            )
+            for i, token_id in enumerate(ids)
+        ] or [EngineCoreOutput(request_id=self.prepared.request_id, new_token_ids=[])]
+        if finish:
+            outputs[-1].finish_reason = FinishReason(finish)
+            outputs[-1].stop_reason = chunk.stop_reason
+        return outputs
+
+    def _client_chunk(
+        self, result: RequestOutput, token_ids: list[int], text: str, logprobs: list[Any] | None
+    ) -> ResponseChunk:
         completion = result.outputs[0]
         now = time.monotonic() - self.prepared.started
         chunk = ResponseChunk(
             request_id=self.prepared.request_id,
-            token_ids=list(completion.new_token_ids),
-            text=completion.delta_text,
+            token_ids=token_ids,
+            text=text,
             route=self.route,
-            logprobs=_new_logprobs(completion.logprobs, len(completion.new_token_ids)),
+            logprobs=logprobs,
         )
         if not self._sent_first:
             self._sent_first = True
@@ -96,7 +123,7 @@ class ResponseStream:
         return chunk
 
 
-def _new_logprobs(logprobs: list[Any] | None, count: int) -> list[Any] | None:
+def _new_logprobs(logprobs: list[Any] | None, count: int) -> list[Any]:
     if logprobs is None or count == 0:
-        return None
+        return []
     return list(logprobs[-count:])

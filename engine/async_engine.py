@@ -76,6 +76,15 @@ def _snapshot(result: RequestOutput) -> RequestOutput:
     return dataclasses.replace(result, outputs=[copy])
 
 
+def _merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of a request (snapshots: `later` is cumulative)."""
+    a, b = earlier.outputs[0], later.outputs[0]
+    merged = dataclasses.replace(
+        b, new_token_ids=a.new_token_ids + b.new_token_ids, delta_text=a.delta_text + b.delta_text
+    )
+    return dataclasses.replace(later, outputs=[merged])
+
+
 class AsyncEngine:
     def __init__(self, model: str = "default", **engine_args: Any) -> None:
         config, arch = EngineArgs.from_kwargs(model, **engine_args).create_engine_config()
@@ -97,9 +106,15 @@ class AsyncEngine:
         prompt: PromptInput,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        coalesce: bool = False,
         **request_kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput per step that produced tokens; the last has finished=True.
+
+        With `coalesce`, the outputs of steps that ran while the caller was busy come as one
+        (their new tokens together): a caller that forwards each output over a network pays
+        its per-message cost once per batch when it falls behind, and catches up.
 
         Bad input raises ValueError before anything is queued. A caller that stops iterating
         (a client gone) aborts the request, so its KV blocks come back.
@@ -114,11 +129,19 @@ class AsyncEngine:
         if self._dead is not None:  # died meanwhile: the loop may never read that command
             raise EngineDeadError(f"engine loop has stopped: {self._dead}")
         finished = False
+        held: RequestOutput | BaseException | None = None
         try:
             while True:
-                item = await sink.queue.get()
+                item = held if held is not None else await sink.queue.get()
+                held = None
                 if isinstance(item, BaseException):
                     raise item
+                while coalesce and not item.finished and not sink.queue.empty():
+                    later = sink.queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        held = later  # after what came before it
+                        break
+                    item = _merge_outputs(item, later)
                 finished = item.finished
                 yield item
                 if finished:

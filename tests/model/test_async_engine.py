@@ -58,6 +58,22 @@ def test_each_streamed_output_is_a_snapshot_even_for_a_slow_consumer(engine, hf_
     assert [len(so_far) for _, so_far in seen] == list(range(1, 13))
 
 
+def test_coalesce_batches_the_steps_a_slow_consumer_missed(engine, hf_refs):
+    prompt = [2, 7, 1, 8, 2, 8]
+
+    async def slow():
+        seen = []
+        async for out in engine.generate(prompt, GREEDY, coalesce=True):
+            await asyncio.sleep(0.05)  # the engine makes several tokens meanwhile
+            seen.append((list(out.outputs[0].new_token_ids), out.finished))
+        return seen
+
+    seen = asyncio.run(slow())
+    assert [t for new, _ in seen for t in new] == hf_refs["llama_gqa"].greedy(prompt, 12)
+    assert len(seen) < 12  # batched, not one output per token
+    assert [finished for _, finished in seen] == [False] * (len(seen) - 1) + [True]
+
+
 def test_concurrent_requests_each_get_their_own_stream(engine, hf_refs):
     prompts = [[i, i + 1, i + 2, i + 3] for i in range(10, 16)]
 
