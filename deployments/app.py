@@ -10,7 +10,7 @@ NIXL or gRPC. `colocated=true`: Router -> one EngineServer deployment doing both
 from __future__ import annotations
 
 import secrets
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from deployments.orchestrator import FlowConfig
@@ -180,10 +180,3 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{name} must be JSON, got {value!r}: {exc}") from None
     return value
-
-
-def describe(config: AppConfig) -> dict[str, Any]:
-    """The config without its secret (for logs and `pdserve serve`'s banner)."""
-    shown = asdict(config)
-    shown["kv_secret"] = "***" if config.kv_secret else ""
-    return shown

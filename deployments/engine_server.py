@@ -53,11 +53,8 @@ class EngineChunk:
     timing: RequestTiming | None = None  # the last chunk only
 
     @classmethod
-    def from_output(cls, output: RequestOutput, num_logprobs_seen: int) -> EngineChunk:
+    def from_output(cls, output: RequestOutput) -> EngineChunk:
         completion = output.outputs[0]
-        logprobs = None
-        if completion.logprobs is not None:
-            logprobs = completion.logprobs[num_logprobs_seen:]
         return cls(
             new_token_ids=list(completion.new_token_ids),
             finish_reason=completion.finish_reason,
@@ -65,7 +62,7 @@ class EngineChunk:
             kv_transfer_params=output.kv_transfer_params,
             num_cached_tokens=output.num_cached_tokens,
             error=output.error,
-            new_logprobs=logprobs,
+            new_logprobs=completion.new_logprobs,
             timing=output.timing,
         )
 
@@ -105,7 +102,7 @@ class EngineServer:
         self.transport = kv["connector"] if kv else ""
         kv_cache = self.engine.core.runner.kv_cache
         self.block_bytes = kv_cache[0].nbytes if kv_cache is not None else 0
-        self.replica_id = _replica_id()
+        self.replica_id = replica_name()
         self.tracing = Tracing(self.role, self.replica_id, otlp_endpoint)
         self.metrics = _engine_metrics()
         self._sampler = _start_sampler(self) if self.metrics is not None else None
@@ -120,7 +117,6 @@ class EngineServer:
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
         """Stream a request's tokens. Bad input raises ValueError before anything runs; a
         caller that stops listening (cancelled by Serve) aborts the request."""
-        seen = 0
         async for output in self.engine.generate(
             request.prompt_token_ids,
             request.params,
@@ -130,8 +126,7 @@ class EngineServer:
             kv_transfer_params=request.kv_transfer_params,
             coalesce=True,  # a router that falls behind gets tokens in batches, not one by one
         ):
-            chunk = EngineChunk.from_output(output, seen)
-            seen += len(chunk.new_logprobs or ())
+            chunk = EngineChunk.from_output(output)
             if chunk.timing is not None:
                 self._observe(request, chunk, chunk.timing, len(output.outputs[0].token_ids))
             yield chunk
@@ -217,13 +212,7 @@ class EngineServer:
 
 def _engine_metrics() -> EngineMetrics | None:
     """Serve metrics inside a replica; None elsewhere (an engine embedded in a test)."""
-    try:
-        from ray import serve
-
-        serve.get_replica_context()
-    except Exception:
-        return None
-    return EngineMetrics()
+    return EngineMetrics() if serve_replica_id() is not None else None
 
 
 def _start_sampler(server: EngineServer, period_s: float = 1.0) -> threading.Event:
@@ -241,10 +230,16 @@ def _start_sampler(server: EngineServer, period_s: float = 1.0) -> threading.Eve
     return stop
 
 
-def _replica_id() -> str:
+def serve_replica_id() -> str | None:
+    """This Serve replica's id; None outside a replica (tests, local use)."""
     try:
         from ray import serve
 
         return str(serve.get_replica_context().replica_id.unique_id)
-    except Exception:  # outside a replica (tests, local use)
-        return f"pid-{os.getpid()}"
+    except Exception:
+        return None
+
+
+def replica_name() -> str:
+    """The replica id, or the process id where there is no replica (names spans and stats)."""
+    return serve_replica_id() or f"pid-{os.getpid()}"

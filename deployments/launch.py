@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deployments.app import AppConfig, build_app
@@ -49,7 +49,7 @@ def start(config: AppConfig, options: ServeOptions) -> dict[str, str]:
         http_options=HTTPOptions(host=options.host, port=options.http_port),
         grpc_options=gRPCOptions(port=options.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
     )
-    args = _as_args(config)
+    args = asdict(config)
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     where = {
         "grpc": f"{options.host}:{options.grpc_port}",
@@ -57,7 +57,7 @@ def start(config: AppConfig, options: ServeOptions) -> dict[str, str]:
     }
     for name, overrides in options.extra_apps.items():
         extra = AppConfig.from_args({**args, **overrides})
-        serve.run(build_app(_as_args(extra)), name=name, route_prefix=f"/{name}")
+        serve.run(build_app(asdict(extra)), name=name, route_prefix=f"/{name}")
         where[f"{name}_http"] = f"{where['http']}/{name}"
     return where
 
@@ -95,9 +95,3 @@ def _logical_cpus(config: AppConfig, options: ServeOptions) -> int:
     engines = options.num_apps * (config.decode_replicas + config.prefill_replicas)
     needed = engines * config.num_cpus_per_engine + 2 * config.num_cpus_router + 1
     return max(os.cpu_count() or 1, int(needed + 0.999))
-
-
-def _as_args(config: AppConfig) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return asdict(config)

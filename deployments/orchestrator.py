@@ -52,7 +52,6 @@ class ModelFacts:
     name: str
     max_model_len: int
     vocab_size: int
-    eos_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -120,9 +119,7 @@ class Orchestrator:
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.model.max_model_len} "
                 "leaves no room for output"
             )
-        params = request.params
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none")
+        params = request.params  # stop strings without a tokenizer: ResponseStream refuses
         if self.prefill is not None and params.seed is None and not params.is_greedy:
             # Both legs must draw the first token alike: counter-based sampling needs a seed.
             params = dataclasses.replace(params, seed=secrets.randbits(63))

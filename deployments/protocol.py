@@ -7,7 +7,7 @@ OpenAI HTTP, the CLI) builds one and gets `ValueError` with a message for bad in
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.core.sched_output import TokenLogprobs
@@ -44,14 +44,12 @@ class ResponseChunk:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
     prompt_token_ids: list[int] | None = None  # first chunk only
     usage: Usage | None = None
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     route: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 # Optional proto fields copied as they are when set (the names match SamplingParams).

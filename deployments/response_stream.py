@@ -70,7 +70,7 @@ class ResponseStream:
                 completion = result.outputs[0]
                 token_ids.extend(completion.new_token_ids)
                 text.append(completion.delta_text)
-                logprobs.extend(_new_logprobs(completion.logprobs, len(completion.new_token_ids)))
+                logprobs.extend(completion.new_logprobs or ())
                 last = result
             if last is not None and last.finished:
                 break
@@ -113,7 +113,6 @@ class ResponseStream:
         if result.finished:
             self.finished = True
             chunk.finish_reason = completion.finish_reason
-            chunk.stop_reason = completion.stop_reason
             chunk.e2e_s = now
             chunk.usage = Usage(
                 prompt_tokens=len(self.prepared.prompt_token_ids),
@@ -121,9 +120,3 @@ class ResponseStream:
                 cached_tokens=self.num_cached_tokens,
             )
         return chunk
-
-
-def _new_logprobs(logprobs: list[Any] | None, count: int) -> list[Any]:
-    if logprobs is None or count == 0:
-        return []
-    return list(logprobs[-count:])

@@ -19,7 +19,7 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
-from deployments.engine_server import EngineChunk, EngineRequest
+from deployments.engine_server import EngineChunk, EngineRequest, replica_name
 from deployments.openai_api import build_openai_app
 from deployments.orchestrator import (
     DeadlineExceeded,
@@ -71,13 +71,12 @@ class Router:
             name=settings.served_model_name or settings.model,
             max_model_len=config.scheduler.max_model_len,
             vocab_size=arch.vocab_size,
-            eos_token_ids=tuple(arch.eos_token_ids),
         )
         self.block_size = config.cache.block_size
         self._decode = decode
         self._prefill = prefill
         self._in_flight: dict[str, _InFlight] = {}
-        self.tracing = Tracing("router", _replica_id(), settings.otlp_endpoint)
+        self.tracing = Tracing("router", replica_name(), settings.otlp_endpoint)
         self.orchestrator = Orchestrator(
             self.tokenizer,
             self.facts,
@@ -191,10 +190,3 @@ def _aborted(request_id: str, last: ResponseChunk | None) -> ResponseChunk:
 
 
 RouterDeployment = serve.deployment(name="Router")(serve.ingress()(Router))
-
-
-def _replica_id() -> str:
-    try:
-        return str(serve.get_replica_context().replica_id.unique_id)
-    except Exception:  # outside a replica
-        return "router"

@@ -25,6 +25,13 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def new_logprobs(self) -> list[TokenLogprobs] | None:
+        """The logprobs of `new_token_ids` (one entry per token), when logprobs were asked."""
+        if self.logprobs is None:
+            return None
+        return self.logprobs[len(self.logprobs) - len(self.new_token_ids) :]
+
 
 @dataclass
 class RequestOutput:

@@ -55,10 +55,6 @@ def make_requests(w: SchedWorkload) -> list[Request]:
     return requests
 
 
-def _summary(values_us: list[float]) -> dict[str, float]:
-    return summarize(values_us)
-
-
 def run(w: SchedWorkload) -> dict[str, object]:
     scheduler = Scheduler(
         SchedulerConfig(
@@ -92,9 +88,9 @@ def run(w: SchedWorkload) -> dict[str, object]:
         "benchmark": "sched",
         "workload": asdict(w),
         "steps": len(all_us),
-        "step_us": _summary(all_us),
+        "step_us": summarize(all_us),
         "steady_decode_steps": len(steady_us),
-        "steady_decode_step_us": _summary(steady_us),
+        "steady_decode_step_us": summarize(steady_us),
         "preemptions": scheduler.num_preemptions,
         "prefix_hit_rate": round(stats.hit_rate, 4),
         "free_blocks_at_end": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),

@@ -54,7 +54,7 @@ def make_flow(
     prefill_server, decode_server = servers
     tokenizer = decode_server.engine.tokenizer
     arch = decode_server.engine.core.arch
-    facts = ModelFacts("default", 128, arch.vocab_size, tuple(arch.eos_token_ids))
+    facts = ModelFacts("default", 128, arch.vocab_size)
     return Orchestrator(
         tokenizer,
         facts,
