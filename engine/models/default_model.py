@@ -25,12 +25,12 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.cache_dir import pdserve_cache_dir
 from engine.models.default_corpus import CORPUS as _CORPUS
 
 DEFAULT_SEED = 0
 # Bump the suffix whenever the generated files change, so old caches are not reused.
 DEFAULT_MODEL_DIRNAME = "default-model-v1"
-CACHE_DIR_ENV = "PDSERVE_CACHE_DIR"
 MARKER_FILE = "pdserve_default_model.json"
 MODEL_FILES = (
     "config.json",
@@ -71,8 +71,7 @@ CHAT_TEMPLATE = (
 
 def default_model_path() -> Path:
     """Where `ensure_default_model` keeps the default model: `$PDSERVE_CACHE_DIR` or ~/.cache."""
-    cache_dir = os.environ.get(CACHE_DIR_ENV) or str(Path.home() / ".cache" / "pdserve")
-    return Path(cache_dir).expanduser() / DEFAULT_MODEL_DIRNAME
+    return pdserve_cache_dir() / DEFAULT_MODEL_DIRNAME
 
 
 def ensure_default_model() -> Path:

@@ -62,18 +62,15 @@ def prepare_step_inputs(
         # Writable and contiguous: torch refuses to share read-only (broadcast) arrays.
         return torch.from_numpy(np.require(array, requirements=("C", "W"))).to(device)
 
-    decode_block, decode_offset, decode_mask = _decode_slots(
-        batch, rows[decode], seq_lens[decode], sliding_window
-    )
     metadata = AttentionMetadata(
         num_tokens=int(ends[-1]),
+        block_size=block_size,
         slot_block=t(slot_block),
         slot_offset=t(slot_offset),
         block_table=t(table),
         decode_token_indices=t(starts[decode]),
-        decode_slot_block=t(decode_block),
-        decode_slot_offset=t(decode_offset),
-        decode_mask=t(decode_mask),
+        decode_block_table=t(table[decode]),
+        decode_seq_lens=t(seq_lens[decode]),
         prefills=prefills,
         sliding_window=sliding_window,
     )
@@ -86,23 +83,3 @@ def prepare_step_inputs(
         logits_indices=t(ends - 1),
         completes_prompt=seq_lens >= batch.num_tokens[rows],
     )
-
-
-def _decode_slots(
-    batch: InputBatch, rows: np.ndarray, seq_lens: np.ndarray, sliding_window: int | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Slots of every context position of each decode, padded to the longest context.
-
-    Padding positions point at block 0 (the null block) and are masked out.
-    """
-    if len(rows) == 0:
-        empty = np.zeros((0, 0), dtype=np.int64)
-        return empty, empty, empty.astype(bool)
-    positions = np.arange(int(seq_lens.max()))[None, :]  # [1, S]
-    mask = positions < seq_lens[:, None]
-    if sliding_window is not None:
-        mask &= positions > (seq_lens[:, None] - 1) - sliding_window
-    block_size = batch.block_table.block_size
-    blocks = batch.block_table.table[rows[:, None], positions // block_size]
-    blocks = np.where(mask, blocks, 0)
-    return blocks, np.broadcast_to(positions % block_size, blocks.shape), mask

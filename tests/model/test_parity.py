@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from engine.layers.attention import TorchReferenceBackend
+from engine.layers.attention.cpu import CpuBackend
 from engine.layers.attention.cuda import CudaBackend
 from engine.llm import LLM
 from engine.request import SamplingParams
@@ -41,6 +43,7 @@ def check_against_hf(ref, llm: LLM, prompt_list, params=GREEDY) -> None:
 def test_batch_of_prompts_matches_hf(hf_refs, arch, prefix_caching):
     ref = hf_refs[arch]
     llm = make_llm(ref, enable_prefix_caching=prefix_caching)
+    assert isinstance(llm.engine.runner.attn_backend, CpuBackend)  # the CPU default
     check_against_hf(ref, llm, prompts())
     # A second round reuses the cached prefixes of the first (when caching is on).
     check_against_hf(ref, llm, prompts())
@@ -63,6 +66,15 @@ def test_preemption_with_a_tiny_pool_matches_hf(hf_refs, arch):
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     check_against_hf(ref, llm, prompts(2), params)
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "mistral"])
+def test_torch_reference_backend_matches_hf(hf_refs, arch):
+    """The oracle backend (CPUs default to the C++ decode kernel) gives the same tokens."""
+    ref = hf_refs[arch]
+    llm = make_llm(ref, attention_backend="torch")
+    assert type(llm.engine.runner.attn_backend) is TorchReferenceBackend
+    check_against_hf(ref, llm, prompts(4))
 
 
 def test_batched_prefill_backend_matches_hf(hf_refs):

@@ -2,20 +2,41 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.layers.attention.backend import AttentionBackend, AttentionMetadata, PrefillSlice
 from engine.layers.attention.torch_ref import TorchReferenceBackend
 
-BACKENDS = ("torch", "cuda")
+BACKENDS = ("torch", "cpu", "cuda")
+
+logger = logging.getLogger(__name__)
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`torch` runs anywhere; `cuda` (default on CUDA devices) batches prefills on the GPU."""
+    """`torch` runs anywhere; `cpu` (default on CPUs) decodes with a C++ paged kernel; `cuda`
+    (default on CUDA devices) batches prefills on the GPU. `auto` on a CPU falls back to
+    `torch`, with a warning, when the kernel cannot be built here."""
     if name == "auto":
-        name = "cuda" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return get_attention_backend("cuda", device)
+        try:
+            return get_attention_backend("cpu", device)
+        except ValueError as exc:
+            logger.warning("%s; using the torch reference attention", exc)
+            return TorchReferenceBackend()
     if name == "torch":
         return TorchReferenceBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("attention backend 'cpu' needs a CPU device")
+        from engine.layers.attention.cpu import CpuBackend, KernelBuildError
+
+        try:
+            return CpuBackend()
+        except KernelBuildError as exc:
+            raise ValueError(str(exc)) from exc
     if name == "cuda":
         if device.type != "cuda":
             raise ValueError("attention backend 'cuda' needs a CUDA device")

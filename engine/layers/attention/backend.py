@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -27,20 +28,40 @@ class AttentionMetadata:
     """
 
     num_tokens: int
+    block_size: int
     slot_block: torch.Tensor  # [T] int64: physical block of each new token
     slot_offset: torch.Tensor  # [T] int64: offset inside that block
     block_table: torch.Tensor  # [R, max_blocks] int64 (rows of the scheduled requests)
-    # Batched decodes: each reads the slots of its context, padded to the longest one.
+    # Batched decodes (one query token each, the last of its context).
     decode_token_indices: torch.Tensor  # [Bd] int64 positions in the flattened input
-    decode_slot_block: torch.Tensor  # [Bd, S] int64 block of each context position
-    decode_slot_offset: torch.Tensor  # [Bd, S] int64 offset inside it
-    decode_mask: torch.Tensor  # [Bd, S] bool: visible (inside the context and the window)
+    decode_block_table: torch.Tensor  # [Bd, max_blocks] int64 (contiguous rows)
+    decode_seq_lens: torch.Tensor  # [Bd] int64 context length, this step's token included
     prefills: list[PrefillSlice]
     sliding_window: int | None = None
 
     @property
     def num_decodes(self) -> int:
         return int(self.decode_token_indices.shape[0])
+
+    @functools.cached_property
+    def decode_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block, offset, visible) of every context position of each decode, [Bd, S] each,
+        padded to the longest context; padding points at block 0 (the null block), masked.
+        Built on first use and shared by every layer of the step.
+
+        # block_size 4, seq_lens [6, 3]  ->  block  = [[t0, t0, t0, t0, t1, t1],
+        #                                             [u0, u0, u0, 0,  0,  0 ]]
+        #                                    offset = [[0, 1, 2, 3, 0, 1]] * 2
+        """
+        seq_lens = self.decode_seq_lens
+        block_size = self.block_size
+        positions = torch.arange(int(seq_lens.max()), device=seq_lens.device).unsqueeze(0)
+        visible = positions < seq_lens.unsqueeze(1)
+        if self.sliding_window is not None:
+            visible &= positions > seq_lens.unsqueeze(1) - 1 - self.sliding_window
+        columns = (positions // block_size).expand(len(seq_lens), -1)
+        blocks = torch.where(visible, self.decode_block_table.gather(1, columns), 0)
+        return blocks, (positions % block_size).expand_as(blocks), visible
 
 
 class AttentionBackend(ABC):

@@ -97,13 +97,14 @@ class TorchReferenceBackend(AttentionBackend):
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        keys, values = gather_slots(kv_cache, md.decode_slot_block, md.decode_slot_offset)
+        slot_block, slot_offset, visible = md.decode_slots
+        keys, values = gather_slots(kv_cache, slot_block, slot_offset)
         queries = q[md.decode_token_indices].unsqueeze(2)  # [Bd, Hq, 1, D]
         attended = F.scaled_dot_product_attention(
             queries,
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=md.decode_mask[:, None, None, :],
+            attn_mask=visible[:, None, None, :],
             scale=scale,
             enable_gqa=True,
         )
