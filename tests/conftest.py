@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -19,7 +20,5 @@ def pytest_sessionstart(session) -> None:
     tests/unit/test_attention_backends.py says so)."""
     from engine.layers.attention.cpu import KernelBuildError, load_kernel
 
-    try:
+    with contextlib.suppress(KernelBuildError):
         load_kernel()
-    except KernelBuildError:
-        pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -13,7 +14,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # torch's fused kernel computes x * rsqrt(mean(x^2) + eps) in float32 with the same
+        # rounding as the unfused HF expression (several times faster on long prefills).
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        # Half precision: HF rounds the normalised value to x's dtype before the weight.
+        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,13 +59,22 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos/sin rows of this step's positions: looked up once per step, used by every
+        layer."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return RopeTables(cos, sin)
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    cos: torch.Tensor  # [T, 1, D]
+    sin: torch.Tensor  # [T, 1, D]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x: [T, H, D]. Query and key heads may come in one tensor (one pass)."""
+        return x * self.cos + _rotate_half(x) * self.sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

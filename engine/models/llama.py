@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.layers.attention import AttentionBackend, AttentionMetadata
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RopeTables, RotaryEmbedding
 from engine.models.config import ModelArchConfig
 
 
@@ -43,7 +43,7 @@ STACKED_PROJECTIONS = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -57,27 +57,36 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
-        self.rotary = rotary
         self.scale = self.head_dim**-0.5
 
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
+        rope: RopeTables,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k, v = self._rotated_qkv(hidden, rope)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj(out.reshape(hidden.shape[0], -1))
+
+    def _rotated_qkv(
+        self, hidden: torch.Tensor, rope: RopeTables
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D], q and k rotated (views into fresh tensors)."""
+        num_tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden)
+        qk_size = (heads + kv_heads) * self.head_dim
+        v = qkv[:, qk_size:].view(num_tokens, kv_heads, self.head_dim)
+        if not self.qk_norm:
+            # q and k side by side in the GEMM output: rotate both heads at once.
+            qk = rope.apply(qkv[:, :qk_size].view(num_tokens, heads + kv_heads, self.head_dim))
+            return qk[:, :heads], qk[:, heads:], v
+        q, k = qkv[:, :qk_size].split((heads * self.head_dim, kv_heads * self.head_dim), dim=-1)
+        q = self.q_norm(q.view(num_tokens, heads, self.head_dim))
+        k = self.k_norm(k.view(num_tokens, kv_heads, self.head_dim))
+        return rope.apply(q), rope.apply(k), v
 
 
 class LlamaMLP(nn.Module):
@@ -90,26 +99,26 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inner, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
+        rope: RopeTables,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), positions, kv_cache, metadata, backend)
+        attn = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata, backend)
         hidden = hidden + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -118,10 +127,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelArchConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
-        self.rotary = rotary  # shared by every layer, registered once
+        # One table for every layer: looked up once per step.
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -151,8 +160,9 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary.tables(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, kv_cache, metadata, backend)
+            hidden = layer(hidden, rope, kv_cache, metadata, backend)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
