@@ -7,7 +7,12 @@ import logging
 import pytest
 import torch
 
-from engine.layers.attention import AttentionMetadata, TorchReferenceBackend, get_attention_backend
+from engine.layers.attention import (
+    AttentionMetadata,
+    PrefillSlice,
+    TorchReferenceBackend,
+    get_attention_backend,
+)
 from engine.layers.attention import cpu as cpu_attention
 
 
@@ -127,3 +132,43 @@ def test_auto_falls_back_to_reference_when_the_kernel_cannot_build(monkeypatch, 
 def test_cpu_backend_needs_a_cpu_device():
     with pytest.raises(ValueError, match="needs a CPU device"):
         get_attention_backend("cpu", torch.device("meta"))
+
+
+def test_mixed_step_with_strided_queries_matches_reference():
+    """Decode, prefill chunk, decode in one step, q and k as views into one qk tensor (as the
+    model passes them): the kernel path gathers the decode queries and writes them back."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, block_size = 8, 2, 32, 4
+    cache = torch.randn(40, 2, 2, block_size, kv_heads, dim, generator=gen)[:, 0]
+    table = torch.tensor([[3, 7, 0], [12, 5, 9], [20, 21, 22]])
+    # Row 0 decodes at position 6, row 1 prefills positions 5..7 (5 cached), row 2 decodes at 9.
+    positions = torch.tensor([6, 5, 6, 7, 9])
+    rows = torch.tensor([0, 1, 1, 1, 2])
+    metadata = AttentionMetadata(
+        num_tokens=5,
+        block_size=block_size,
+        slot_block=table[rows, positions // block_size],
+        slot_offset=positions % block_size,
+        block_table=table,
+        decode_token_indices=torch.tensor([0, 4]),
+        decode_block_table=table[[0, 2]].contiguous(),
+        decode_seq_lens=torch.tensor([7, 10]),
+        prefills=[PrefillSlice(row=1, query_start=1, query_len=3, seq_len=8)],
+    )
+    qk = torch.randn(5, heads + kv_heads, dim, generator=gen)
+    q, k = qk[:, :heads], qk[:, heads:]
+    v = torch.randn(5, kv_heads, dim, generator=gen)
+    ref_cache, cpu_cache = cache.clone(), cache.clone()
+    expected = TorchReferenceBackend().forward(q, k, v, ref_cache, metadata, 0.2)
+    got = cpu_attention.CpuBackend().forward(q, k, v, cpu_cache, metadata, 0.2)
+    assert torch.equal(cpu_cache, ref_cache)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache():
+    q, k, v, layer, metadata = decode_batch([4, 8], (8, 4), 32, 4, torch.float32)
+    kernel = cpu_attention.load_kernel()
+    bad_block = metadata.slot_block.clone()
+    bad_block[1] = layer.shape[0]
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernel.write_kv(layer, k, v, bad_block, metadata.slot_offset)

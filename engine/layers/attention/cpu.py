@@ -94,6 +94,11 @@ class CpuBackend(TorchReferenceBackend):
     def __init__(self) -> None:
         self.kernel = load_kernel()
 
+    def _write_kv(
+        self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+    ) -> None:
+        self.kernel.write_kv(kv_cache, k, v, md.slot_block, md.slot_offset)
+
     def _decodes(
         self,
         q: torch.Tensor,
@@ -102,8 +107,9 @@ class CpuBackend(TorchReferenceBackend):
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        queries = q[md.decode_token_indices]
-        attended = torch.empty_like(queries)
+        only_decodes = md.num_decodes == md.num_tokens  # token i is decode i: no gather
+        queries = q if only_decodes else q[md.decode_token_indices]
+        attended = out if only_decodes else torch.empty_like(queries)
         self.kernel.paged_decode_attention(
             attended,
             queries,
@@ -113,4 +119,5 @@ class CpuBackend(TorchReferenceBackend):
             md.sliding_window or 0,
             scale,
         )
-        out[md.decode_token_indices] = attended
+        if not only_decodes:
+            out[md.decode_token_indices] = attended

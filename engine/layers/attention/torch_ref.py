@@ -67,13 +67,18 @@ class TorchReferenceBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, metadata)
+        self._write_kv(kv_cache, k, v, metadata)
         out = torch.empty_like(q)
         if metadata.num_decodes:
             self._decodes(q, kv_cache, metadata, scale, out)
         if metadata.prefills:
             self._prefills(q, k, v, kv_cache, metadata, scale, out)
         return out
+
+    def _write_kv(
+        self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+    ) -> None:
+        write_kv(kv_cache, k, v, md)
 
     def _prefills(
         self,
@@ -130,17 +135,21 @@ class TorchReferenceBackend(AttentionBackend):
             num_blocks = -(-p.seq_len // block_size)
             keys, values = gather_context(kv_cache, md.block_table[p.row, :num_blocks])
             keys, values = keys[: p.seq_len], values[: p.seq_len]  # [S, Hkv, D]
-        # Bottom-right alignment: the last query token sits at position seq_len - 1.
-        first = p.seq_len - p.query_len
-        query_pos = torch.arange(first, p.seq_len, device=q.device).unsqueeze(1)
-        key_pos = torch.arange(p.seq_len, device=q.device).unsqueeze(0)
-        mask = _visible(query_pos, key_pos, md.sliding_window)
+        mask = None
+        if p.seq_len != p.query_len or md.sliding_window is not None:
+            # Bottom-right alignment: the last query token sits at position seq_len - 1.
+            first = p.seq_len - p.query_len
+            query_pos = torch.arange(first, p.seq_len, device=q.device).unsqueeze(1)
+            key_pos = torch.arange(p.seq_len, device=q.device).unsqueeze(0)
+            mask = _visible(query_pos, key_pos, md.sliding_window)
         queries = q[p.query_start : p.query_start + p.query_len].transpose(0, 1)  # [Hq, Q, D]
         attended = F.scaled_dot_product_attention(
             queries.unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
+            # A whole prompt: plain causal (top-left = bottom-right), SDPA skips masked tiles.
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -28,7 +29,7 @@ struct Geometry {
 };
 
 template <typename T>
-inline float dot(const float* q, const T* k, int64_t n) {
+inline float dot(const float* __restrict q, const T* __restrict k, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t d = 0; d < n; ++d) sum += q[d] * static_cast<float>(k[d]);
@@ -36,7 +37,7 @@ inline float dot(const float* q, const T* k, int64_t n) {
 }
 
 template <typename T>
-inline void axpy(float a, const T* v, float* acc, int64_t n) {
+inline void axpy(float a, const T* __restrict v, float* __restrict acc, int64_t n) {
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) acc[d] += a * static_cast<float>(v[d]);
 }
@@ -52,32 +53,39 @@ inline void prefetch_rows(const T* row, int64_t bytes) {
 
 // Attention of one request over the context [first, len), for the kv heads [h0, h1) and their
 // query heads. Tokens are walked in order, each token's K (then V) row read once for all heads.
-template <typename T>
+template <typename T, int64_t kDim>
 void attend_one(const Geometry& g, const T* q, const T* cache, const int64_t* table,
                 int64_t first, int64_t len, int64_t h0, int64_t h1, float scale, T* out,
                 std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& acc) {
-  const int64_t n = len - first, D = g.head_dim, G = g.group, heads = (h1 - h0) * G;
+  // kDim > 0: the head size is a compile-time constant, so the dot products unroll fully.
+  const int64_t D = kDim > 0 ? kDim : g.head_dim;
+  const int64_t n = len - first, G = g.group, heads = (h1 - h0) * G;
   const int64_t row_bytes = g.token_stride * static_cast<int64_t>(sizeof(T));
   scores.resize(static_cast<size_t>(heads * n));
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < D; ++d)
       qf[h * D + d] = static_cast<float>(q[(h0 * G + h) * g.q_head_stride + d]) * scale;
 
-  // Pass over K: scores[h][t] = q_h . k_t (q pre-scaled).
-  for (int64_t t = first; t < len; ++t) {
-    const int64_t offset = t % g.block_size;
-    const T* row = cache + table[t / g.block_size] * g.block_stride + offset * g.token_stride;
-    const int64_t next = t / g.block_size + 1;
-    if (next * g.block_size < len) {
-      const T* ahead = cache + table[next] * g.block_stride + offset * g.token_stride;
-      prefetch_rows(ahead, row_bytes);
-      prefetch_rows(ahead + g.kv_stride, row_bytes);
-    }
-    for (int64_t kv = h0; kv < h1; ++kv)
-      for (int64_t j = 0; j < G; ++j) {
-        const int64_t h = (kv - h0) * G + j;
-        scores[h * n + (t - first)] = dot(&qf[h * D], row + kv * g.head_stride, D);
+  // Pass over K, a block at a time: scores[h][t] = q_h . k_t (q pre-scaled).
+  for (int64_t t0 = first; t0 < len;) {
+    const int64_t block = t0 / g.block_size, t1 = std::min(len, (block + 1) * g.block_size);
+    const T* base = cache + table[block] * g.block_stride;  // the block's token 0
+    const T* ahead = t1 < len ? cache + table[block + 1] * g.block_stride : nullptr;
+    for (int64_t t = t0; t < t1; ++t) {
+      if (ahead != nullptr) {
+        const T* next = ahead + (t - t0) * g.token_stride;
+        prefetch_rows(next, row_bytes);
+        prefetch_rows(next + g.kv_stride, row_bytes);
       }
+      const T* row = base + (t - block * g.block_size) * g.token_stride;
+      float* column = &scores[t - first];
+      for (int64_t kv = h0; kv < h1; ++kv)
+        for (int64_t j = 0; j < G; ++j) {
+          const int64_t h = (kv - h0) * G + j;
+          column[h * n] = dot(&qf[h * D], row + kv * g.head_stride, D);
+        }
+    }
+    t0 = t1;
   }
   for (int64_t h = 0; h < heads; ++h) {
     float* s = &scores[h * n];
@@ -92,20 +100,25 @@ void attend_one(const Geometry& g, const T* q, const T* cache, const int64_t* ta
   }
   // Pass over V: acc[h] = sum_t p[h][t] * v_t.
   std::fill(acc.begin(), acc.begin() + heads * D, 0.f);
-  for (int64_t t = first; t < len; ++t) {
-    const T* row = cache + table[t / g.block_size] * g.block_stride + g.kv_stride +
-                   (t % g.block_size) * g.token_stride;
-    for (int64_t kv = h0; kv < h1; ++kv)
-      for (int64_t j = 0; j < G; ++j) {
-        const int64_t h = (kv - h0) * G + j;
-        axpy(scores[h * n + (t - first)], row + kv * g.head_stride, &acc[h * D], D);
-      }
+  for (int64_t t0 = first; t0 < len;) {
+    const int64_t block = t0 / g.block_size, t1 = std::min(len, (block + 1) * g.block_size);
+    const T* base = cache + table[block] * g.block_stride + g.kv_stride;
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* row = base + (t - block * g.block_size) * g.token_stride;
+      const float* column = &scores[t - first];
+      for (int64_t kv = h0; kv < h1; ++kv)
+        for (int64_t j = 0; j < G; ++j) {
+          const int64_t h = (kv - h0) * G + j;
+          axpy(column[h * n], row + kv * g.head_stride, &acc[h * D], D);
+        }
+    }
+    t0 = t1;
   }
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<T>(acc[h * D + d]);
 }
 
-template <typename T>
+template <typename T, int64_t kDim>
 void run(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& cache,
          const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t window,
          double scale) {
@@ -131,7 +144,7 @@ void run(const torch::Tensor& out, const torch::Tensor& query, const torch::Tens
       const int64_t b = item / splits, h0 = (item % splits) * heads_per_item;
       const int64_t len = lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      attend_one<T>(g, q_ptr + b * g.q_batch_stride, cache_ptr, table_ptr + b * g.table_stride,
+      attend_one<T, kDim>(g, q_ptr + b * g.q_batch_stride, cache_ptr, table_ptr + b * g.table_stride,
                     first, len, h0, h0 + heads_per_item, static_cast<float>(scale),
                     out_ptr + (b * num_heads + h0 * g.group) * g.head_dim, scores, qf, acc);
     }
@@ -157,8 +170,55 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   TORCH_CHECK(block_table.size(0) == query.size(0) && seq_lens.size(0) == query.size(0),
               "one block-table row and one seq_len per query");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
-    run<scalar_t>(out, query, cache, block_table, seq_lens, window, scale);
+    switch (query.size(2)) {
+      case 32:
+        return run<scalar_t, 32>(out, query, cache, block_table, seq_lens, window, scale);
+      case 64:
+        return run<scalar_t, 64>(out, query, cache, block_table, seq_lens, window, scale);
+      case 128:
+        return run<scalar_t, 128>(out, query, cache, block_table, seq_lens, window, scale);
+      default:
+        return run<scalar_t, 0>(out, query, cache, block_table, seq_lens, window, scale);
+    }
   });
+}
+
+// Scatter this step's K and V ([T, Hkv, D], each token's heads contiguous) into their slots:
+// one memcpy per token and side instead of two advanced-indexing writes per layer.
+void write_kv(torch::Tensor cache, torch::Tensor key, torch::Tensor value,
+              torch::Tensor slot_block, torch::Tensor slot_offset) {
+  TORCH_CHECK(cache.dim() == 5 && key.dim() == 3 && value.dim() == 3, "cache, key, value ranks");
+  TORCH_CHECK(key.scalar_type() == cache.scalar_type() && value.scalar_type() == cache.scalar_type(),
+              "key, value and cache must share a dtype");
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(1) == cache.size(3) &&
+                  key.size(2) == cache.size(4),
+              "key and value must be [T, Hkv, D] of the cache's heads");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+                  value.stride(1) == value.size(2) && cache.stride(4) == 1 &&
+                  cache.stride(3) == cache.size(4),
+              "each token's heads must be contiguous");
+  TORCH_CHECK(slot_block.scalar_type() == torch::kInt64 && slot_offset.scalar_type() == torch::kInt64 &&
+                  slot_block.is_contiguous() && slot_offset.is_contiguous() &&
+                  slot_block.numel() == key.size(0) && slot_offset.numel() == key.size(0),
+              "one int64 slot (block, offset) per token");
+  const int64_t tokens = key.size(0), bytes = key.size(1) * key.size(2) * key.element_size();
+  const int64_t block_stride = cache.stride(0), kv_stride = cache.stride(1);
+  const int64_t token_stride = cache.stride(2), num_blocks = cache.size(0);
+  const int64_t block_size = cache.size(2);
+  const int64_t* blocks = slot_block.data_ptr<int64_t>();
+  const int64_t* offsets = slot_offset.data_ptr<int64_t>();
+  const int64_t elem = key.element_size();
+  char* base = static_cast<char*>(cache.data_ptr());
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  for (int64_t i = 0; i < tokens; ++i) {
+    TORCH_CHECK(blocks[i] >= 0 && blocks[i] < num_blocks && offsets[i] >= 0 &&
+                    offsets[i] < block_size,
+                "slot out of range");
+    char* row = base + (blocks[i] * block_stride + offsets[i] * token_stride) * elem;
+    std::memcpy(row, k + i * key.stride(0) * elem, bytes);
+    std::memcpy(row + kv_stride * elem, v + i * value.stride(0) * elem, bytes);
+  }
 }
 
 }  // namespace
@@ -166,4 +226,5 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (CPU)");
+  m.def("write_kv", &write_kv, "Write K/V rows into their paged slots (CPU)");
 }
