@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from connector.transport import BlockRead, KVTransport
+from engine.worker.host_memory import zeros_on_huge_pages
 
 DEFAULT_BLOCK_BYTES = 1 << 20  # an 8B model's 16-token block is 2 MiB; 1 MiB sits near it
 DEFAULT_TOTAL_BYTES = 256 << 20
@@ -228,7 +229,7 @@ def serve_prefill_cache(conn: Connection, spec: CacheSpec) -> None:
     it receives anything (or `spec.timeout_s` passes with nothing received), then exits."""
     _quiet_stdout()
     try:
-        cache = torch.empty((spec.num_blocks, spec.block_bytes), dtype=torch.uint8)
+        cache = zeros_on_huge_pages((spec.num_blocks, spec.block_bytes), torch.uint8)
         fill_cache(cache)
         peer, stop = _serve(spec, cache)
         conn.send(("ready", peer))
@@ -239,7 +240,8 @@ def serve_prefill_cache(conn: Connection, spec: CacheSpec) -> None:
 
 
 def _decode_reads(conn: Connection, spec: CacheSpec, config: KVBenchConfig) -> dict[str, Any]:
-    cache = torch.zeros((spec.num_blocks, spec.block_bytes), dtype=torch.uint8)  # pre-touched
+    # Pre-touched, on huge pages where available, as engines allocate their KV caches.
+    cache = zeros_on_huge_pages((spec.num_blocks, spec.block_bytes), torch.uint8)
     if not conn.poll(spec.timeout_s):
         raise TimeoutError("no word from the prefill process")
     peer: PeerInfo = conn.recv()[1]
@@ -371,9 +373,10 @@ def _torch_threads(num_threads: int) -> Iterator[None]:
 
 
 def memcpy_gbps(num_bytes: int, repeats: int) -> float:
-    """Single-thread copy of `num_bytes` between two pre-touched buffers, median GB/s."""
-    src = torch.full((num_bytes,), 7, dtype=torch.uint8)
-    dst = torch.zeros_like(src)
+    """Single-thread copy of `num_bytes` between two pre-touched buffers, median GB/s. The
+    buffers get the same (huge) pages as the caches, so the page size favours neither side."""
+    src = zeros_on_huge_pages((num_bytes,), torch.uint8).fill_(7)
+    dst = zeros_on_huge_pages((num_bytes,), torch.uint8)
     seconds = []
     with _torch_threads(1):
         dst.copy_(src)  # warm-up

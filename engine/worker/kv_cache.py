@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.worker.host_memory import zeros_on_huge_pages
+
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # Named in the transfer compatibility hash: engines with different layouts must not exchange.
 KV_CACHE_LAYOUT = "blocks-layers-kv-tokens-heads-dim/v1"
@@ -36,11 +38,10 @@ class KVCacheSpec:
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
     # Zeroed: slots that are read before written (padding inside a block) must not hold NaNs.
-    return torch.zeros(
-        (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim),
-        dtype=spec.dtype,
-        device=device,
-    )
+    shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    if device.type == "cpu":
+        return zeros_on_huge_pages(shape, spec.dtype)
+    return torch.zeros(shape, dtype=spec.dtype, device=device)
 
 
 def layer_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:

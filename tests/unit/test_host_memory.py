@@ -1,0 +1,51 @@
+"""CPU KV caches are allocated zeroed, on transparent huge pages where the kernel offers them."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.worker.host_memory import (
+    HUGE_PAGE_BYTES,
+    advise_huge_pages,
+    transparent_huge_pages_mode,
+    zeros_on_huge_pages,
+)
+from engine.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+
+
+def huge_page_kib(tensor: torch.Tensor) -> int:
+    """AnonHugePages of the mapping that holds the tensor's first aligned huge page."""
+    address = -(-tensor.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def test_kv_cache_is_zeroed_and_backed_by_huge_pages_when_available():
+    spec = KVCacheSpec(
+        num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32
+    )
+    cache = allocate_kv_cache(spec, num_blocks=256, device=torch.device("cpu"))  # 32 MiB
+    assert cache.shape == (256, 2, 2, 16, 4, 64)
+    assert not cache.any()
+    if transparent_huge_pages_mode() in ("always", "madvise"):
+        assert huge_page_kib(cache) >= HUGE_PAGE_BYTES // 1024
+    else:  # THP off: the advice is a no-op and the cache is plain memory
+        assert huge_page_kib(cache) == 0
+
+
+def test_advice_needs_a_whole_aligned_huge_page():
+    assert not advise_huge_pages(torch.empty(1024, dtype=torch.uint8))  # 1 KiB: none inside
+    assert advise_huge_pages(torch.empty(3 * HUGE_PAGE_BYTES, dtype=torch.uint8))
+
+
+def test_zeros_on_huge_pages_matches_torch_zeros():
+    tensor = zeros_on_huge_pages((5, HUGE_PAGE_BYTES // 4), torch.float32)
+    assert torch.equal(tensor, torch.zeros(5, HUGE_PAGE_BYTES // 4))
