@@ -9,7 +9,9 @@ connection). Every timed read lands in a zeroed cache and is checked byte for by
 The parent relays what a handshake would carry (NIXL: the transport metadata; gRPC: the side
 channel's port and a lease over every block) and keeps time limits, so a stuck transport fails
 the bench instead of hanging it. The reference is `dst.copy_(src)` of the same bytes between
-two pre-touched buffers on one thread.
+two pre-touched buffers on one thread. With gRPC in the run, the bench also measures raw TCP
+over loopback between two processes (`tcp_loopback_gbps`): the most any TCP transport can
+carry here, and gRPC's `ratio_to_tcp_loopback`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 from connector.transport import BlockRead, KVTransport
+from engine.benchmarks.tcp_ceiling import tcp_loopback_gbps
 from engine.worker.host_memory import zeros_on_huge_pages
 
 DEFAULT_BLOCK_BYTES = 1 << 20  # an 8B model's 16-token block is 2 MiB; 1 MiB sits near it
@@ -397,16 +400,19 @@ def run(config: KVBenchConfig) -> dict[str, Any]:
             continue
         results[name] = _bench_transport(name, config)
     # Measured after the children are gone, so that nothing competes for the cores.
-    reference = memcpy_gbps(config.total_bytes, max(3, config.repeats))
+    repeats = max(3, config.repeats)
+    reference = memcpy_gbps(config.total_bytes, repeats)
     for report in results.values():
         if "gbps" in report:
             report["ratio_to_memcpy"] = round(report["gbps"] / reference, 3)
-    return {
-        "benchmark": "kv",
-        "config": asdict(config),
-        "memcpy_gbps": round(reference, 3),
-        "transports": results,
-    }
+    summary = {"benchmark": "kv", "config": asdict(config), "memcpy_gbps": round(reference, 3)}
+    grpc = results.get("grpc", {})
+    if "gbps" in grpc:
+        # What the gRPC transport's wire can carry here at all (see tcp_ceiling).
+        tcp = tcp_loopback_gbps(config.total_bytes, repeats, config.timeout_s)
+        summary["tcp_loopback_gbps"] = round(tcp, 3)
+        grpc["ratio_to_tcp_loopback"] = round(grpc["gbps"] / tcp, 3)
+    return {**summary, "transports": results}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -303,6 +303,18 @@ def test_bench_kv_tiny_nixl_run() -> None:
     assert nixl["gbps"] > 0 and nixl["seconds"] > 0 and nixl["ratio_to_memcpy"] > 0
 
 
+@pytest.mark.integration
+def test_bench_kv_tiny_grpc_run_reports_the_tcp_ceiling() -> None:
+    config = kv.KVBenchConfig(
+        transports=("grpc",), num_blocks=16, block_bytes=256 << 10, repeats=2, timeout_s=60.0
+    )
+    report = kv.run(config)
+    grpc = report["transports"]["grpc"]
+    assert grpc["integrity"] == "ok" and grpc["bytes"] == 16 * (256 << 10)
+    assert report["tcp_loopback_gbps"] > 0
+    assert grpc["ratio_to_tcp_loopback"] == round(grpc["gbps"] / report["tcp_loopback_gbps"], 3)
+
+
 def test_bench_config_validation() -> None:
     with pytest.raises(ValueError):
         kv.KVBenchConfig(block_bytes=12)
