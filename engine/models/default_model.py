@@ -8,7 +8,6 @@ machines that build it get the same tensors and the same tokenizer.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import heapq
 import itertools
 import json
@@ -17,7 +16,6 @@ import shutil
 import tempfile
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.cache_dir import pdserve_cache_dir
+from engine.cache_dir import exclusive_lock, pdserve_cache_dir
 from engine.models.default_corpus import CORPUS as _CORPUS
 
 DEFAULT_SEED = 0
@@ -82,22 +80,12 @@ def ensure_default_model() -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     # One builder at a time: without the lock, a process repairing a broken cache could remove
     # the model another process has just published.
-    with _exclusive_lock(path.with_name(f".{path.name}.lock")):
+    with exclusive_lock(path.with_name(f".{path.name}.lock")):
         if is_complete_default_model(path):
             return path  # built by another process while we waited
         if path.exists():  # left incomplete (files deleted by hand); the cache is ours
             _discard(path)
         return make_default_model(path, seed=DEFAULT_SEED)
-
-
-@contextlib.contextmanager
-def _exclusive_lock(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 def make_default_model(path: str | Path, seed: int = DEFAULT_SEED) -> Path:

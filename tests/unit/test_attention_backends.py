@@ -172,3 +172,16 @@ def test_write_kv_refuses_a_slot_outside_the_cache():
     bad_block[1] = layer.shape[0]
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernel.write_kv(layer, k, v, bad_block, metadata.slot_offset)
+
+
+@pytest.mark.timeout(120)
+def test_a_stale_torch_build_lock_does_not_hang_the_load():
+    """A process killed mid-build leaves torch's lock file behind; loading must not wait on it."""
+    (cpu_attention.build_directory() / "lock").write_text("")
+    cpu_attention.load_kernel.cache_clear()
+    try:
+        kernel = cpu_attention.load_kernel()
+    finally:
+        cpu_attention.load_kernel.cache_clear()
+    assert hasattr(kernel, "paged_decode_attention")
+    assert not (cpu_attention.build_directory() / "lock").exists()

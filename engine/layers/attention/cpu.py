@@ -16,12 +16,13 @@ import logging
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from engine.cache_dir import pdserve_cache_dir
+from engine.cache_dir import exclusive_lock, pdserve_cache_dir
 from engine.layers.attention.backend import AttentionMetadata
 from engine.layers.attention.torch_ref import TorchReferenceBackend
 
@@ -64,16 +65,28 @@ def load_kernel() -> ModuleType:
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(
-            name="pdserve_paged_decode",
-            sources=[str(_SOURCE)],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            verbose=False,
-        )
+        with _build_lock(directory):
+            return cpp_extension.load(
+                name="pdserve_paged_decode",
+                sources=[str(_SOURCE)],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=False,
+            )
     except Exception as exc:  # compiler, ninja or loader errors all mean "not here"
         raise KernelBuildError(f"cannot build the CPU attention kernel: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One builder per directory across processes. torch's own lock is a file that a process
+    killed mid-build leaves behind, after which every later load waits forever; an flock dies
+    with its holder, and whoever holds it may clear torch's stale file."""
+    with exclusive_lock(directory / "pdserve.lock"):
+        with contextlib.suppress(FileNotFoundError):
+            (directory / "lock").unlink()  # torch's FileBaton file: stale, we hold the lock
+        yield
 
 
 def _put_ninja_on_path() -> None:
