@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import logging
 import os
 import platform
 import sys
@@ -25,8 +24,6 @@ import torch
 from engine.cache_dir import exclusive_lock, pdserve_cache_dir
 from engine.layers.attention.backend import AttentionMetadata
 from engine.layers.attention.torch_ref import TorchReferenceBackend
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]

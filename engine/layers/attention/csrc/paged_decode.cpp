@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -51,6 +50,29 @@ inline void prefetch_rows(const T* row, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
+// Calls visit(t, row) for t in [first, len), row = token t's K row (its V row is kv_stride
+// further), walking the request's blocks in order. With `prefetch`, the next block's K and V
+// rows are requested while the current block is read.
+template <typename T, typename Visit>
+inline void for_each_token(const Geometry& g, const T* cache, const int64_t* table,
+                           int64_t first, int64_t len, bool prefetch, Visit&& visit) {
+  const int64_t row_bytes = g.token_stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t t0 = first; t0 < len;) {
+    const int64_t block = t0 / g.block_size, t1 = std::min(len, (block + 1) * g.block_size);
+    const T* base = cache + table[block] * g.block_stride;  // the block's token 0
+    const T* ahead = prefetch && t1 < len ? cache + table[block + 1] * g.block_stride : nullptr;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t offset = t - block * g.block_size;
+      if (ahead != nullptr) {
+        prefetch_rows(ahead + offset * g.token_stride, row_bytes);
+        prefetch_rows(ahead + offset * g.token_stride + g.kv_stride, row_bytes);
+      }
+      visit(t, base + offset * g.token_stride);
+    }
+    t0 = t1;
+  }
+}
+
 // Attention of one request over the context [first, len), for the kv heads [h0, h1) and their
 // query heads. Tokens are walked in order, each token's K (then V) row read once for all heads.
 template <typename T, int64_t kDim>
@@ -60,33 +82,20 @@ void attend_one(const Geometry& g, const T* q, const T* cache, const int64_t* ta
   // kDim > 0: the head size is a compile-time constant, so the dot products unroll fully.
   const int64_t D = kDim > 0 ? kDim : g.head_dim;
   const int64_t n = len - first, G = g.group, heads = (h1 - h0) * G;
-  const int64_t row_bytes = g.token_stride * static_cast<int64_t>(sizeof(T));
   scores.resize(static_cast<size_t>(heads * n));
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < D; ++d)
       qf[h * D + d] = static_cast<float>(q[(h0 * G + h) * g.q_head_stride + d]) * scale;
 
-  // Pass over K, a block at a time: scores[h][t] = q_h . k_t (q pre-scaled).
-  for (int64_t t0 = first; t0 < len;) {
-    const int64_t block = t0 / g.block_size, t1 = std::min(len, (block + 1) * g.block_size);
-    const T* base = cache + table[block] * g.block_stride;  // the block's token 0
-    const T* ahead = t1 < len ? cache + table[block + 1] * g.block_stride : nullptr;
-    for (int64_t t = t0; t < t1; ++t) {
-      if (ahead != nullptr) {
-        const T* next = ahead + (t - t0) * g.token_stride;
-        prefetch_rows(next, row_bytes);
-        prefetch_rows(next + g.kv_stride, row_bytes);
+  // Pass over K: scores[h][t] = q_h . k_t (q pre-scaled).
+  for_each_token(g, cache, table, first, len, true, [&](int64_t t, const T* row) {
+    float* column = &scores[t - first];
+    for (int64_t kv = h0; kv < h1; ++kv)
+      for (int64_t j = 0; j < G; ++j) {
+        const int64_t h = (kv - h0) * G + j;
+        column[h * n] = dot(&qf[h * D], row + kv * g.head_stride, D);
       }
-      const T* row = base + (t - block * g.block_size) * g.token_stride;
-      float* column = &scores[t - first];
-      for (int64_t kv = h0; kv < h1; ++kv)
-        for (int64_t j = 0; j < G; ++j) {
-          const int64_t h = (kv - h0) * G + j;
-          column[h * n] = dot(&qf[h * D], row + kv * g.head_stride, D);
-        }
-    }
-    t0 = t1;
-  }
+  });
   for (int64_t h = 0; h < heads; ++h) {
     float* s = &scores[h * n];
     const float top = *std::max_element(s, s + n);
@@ -100,20 +109,14 @@ void attend_one(const Geometry& g, const T* q, const T* cache, const int64_t* ta
   }
   // Pass over V: acc[h] = sum_t p[h][t] * v_t.
   std::fill(acc.begin(), acc.begin() + heads * D, 0.f);
-  for (int64_t t0 = first; t0 < len;) {
-    const int64_t block = t0 / g.block_size, t1 = std::min(len, (block + 1) * g.block_size);
-    const T* base = cache + table[block] * g.block_stride + g.kv_stride;
-    for (int64_t t = t0; t < t1; ++t) {
-      const T* row = base + (t - block * g.block_size) * g.token_stride;
-      const float* column = &scores[t - first];
-      for (int64_t kv = h0; kv < h1; ++kv)
-        for (int64_t j = 0; j < G; ++j) {
-          const int64_t h = (kv - h0) * G + j;
-          axpy(column[h * n], row + kv * g.head_stride, &acc[h * D], D);
-        }
-    }
-    t0 = t1;
-  }
+  for_each_token(g, cache, table, first, len, false, [&](int64_t t, const T* row) {
+    const float* column = &scores[t - first];
+    for (int64_t kv = h0; kv < h1; ++kv)
+      for (int64_t j = 0; j < G; ++j) {
+        const int64_t h = (kv - h0) * G + j;
+        axpy(column[h * n], row + g.kv_stride + kv * g.head_stride, &acc[h * D], D);
+      }
+  });
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<T>(acc[h * D + d]);
 }
@@ -201,13 +204,13 @@ void write_kv(torch::Tensor cache, torch::Tensor key, torch::Tensor value,
                   slot_block.is_contiguous() && slot_offset.is_contiguous() &&
                   slot_block.numel() == key.size(0) && slot_offset.numel() == key.size(0),
               "one int64 slot (block, offset) per token");
-  const int64_t tokens = key.size(0), bytes = key.size(1) * key.size(2) * key.element_size();
+  const int64_t elem = key.element_size();
+  const int64_t tokens = key.size(0), bytes = key.size(1) * key.size(2) * elem;
   const int64_t block_stride = cache.stride(0), kv_stride = cache.stride(1);
   const int64_t token_stride = cache.stride(2), num_blocks = cache.size(0);
   const int64_t block_size = cache.size(2);
   const int64_t* blocks = slot_block.data_ptr<int64_t>();
   const int64_t* offsets = slot_offset.data_ptr<int64_t>();
-  const int64_t elem = key.element_size();
   char* base = static_cast<char*>(cache.data_ptr());
   const char* k = static_cast<const char*>(key.data_ptr());
   const char* v = static_cast<const char*>(value.data_ptr());
