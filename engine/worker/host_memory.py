@@ -4,40 +4,41 @@ Why: a KV cache is one large tensor read in scattered 2-16 KiB runs (attention) 
 whole to NIXL, whose intra-node UCX path pins and walks the source pages. With 4 KiB pages
 both pay per page (TLB misses, page-table walks); with 2 MiB pages a NIXL read of 256 MiB
 runs at memcpy speed on the 2-core CI machine instead of ~60% of it (`pdserve bench kv`).
-`madvise(MADV_HUGEPAGE)` is a hint: with THP set to "never", or off Linux, nothing changes.
+
+The buffer is a fresh anonymous mapping, 2 MiB-aligned, advised `MADV_HUGEPAGE` before its
+first touch. (Advising memory from torch's allocator is not enough: glibc may hand out heap
+memory that earlier tensors already faulted in as small pages.) The advice is a hint: with THP
+set to "never", or off Linux, the buffer is ordinary memory.
 """
 
 from __future__ import annotations
 
-import ctypes
-import sys
+import contextlib
+import mmap
 
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20
-_MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Ask the kernel to back the 2 MiB-aligned part of `tensor`'s memory with huge pages.
-    Call it before the memory is first touched. True when the advice was taken."""
-    if sys.platform != "linux" or tensor.device.type != "cpu":
-        return False
-    address = tensor.data_ptr()
-    start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    end = (address + tensor.numel() * tensor.element_size()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if end <= start:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return int(libc.madvise(start, end - start, _MADV_HUGEPAGE)) == 0
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros on the CPU, its pages advised huge before they are faulted in."""
-    tensor = torch.empty(shape, dtype=dtype)
-    advise_huge_pages(tensor)
-    return tensor.zero_()
+    """A zeroed, pre-touched CPU tensor whose pages were advised huge before first use. It
+    keeps its mapping alive (and unmapped once the last view is gone)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    num_bytes = max(element, torch.Size(shape).numel() * element)  # an empty shape still maps
+    # Private: an anonymous mmap is shared (shmem) by default, and THP for shmem is off here.
+    mapping = mmap.mmap(
+        -1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    )
+    # Start at the first 2 MiB boundary inside the mapping (mmap itself aligns to 4 KiB).
+    address = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+    offset = -address % HUGE_PAGE_BYTES
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # a hint: kernels without THP refuse it
+            mapping.madvise(mmap.MADV_HUGEPAGE, offset, num_bytes)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes, offset=offset)
+    # Anonymous memory reads as zeros; writing them faults every page in now, not mid-step.
+    return raw.zero_().view(dtype)[: torch.Size(shape).numel()].view(shape)
 
 
 def transparent_huge_pages_mode() -> str:

@@ -6,7 +6,6 @@ import torch
 
 from engine.worker.host_memory import (
     HUGE_PAGE_BYTES,
-    advise_huge_pages,
     transparent_huge_pages_mode,
     zeros_on_huge_pages,
 )
@@ -29,6 +28,10 @@ def huge_page_kib(tensor: torch.Tensor) -> int:
 
 
 def test_kv_cache_is_zeroed_and_backed_by_huge_pages_when_available():
+    # A large tensor freed first raises glibc's mmap threshold, so torch's allocator would hand
+    # the cache recycled heap memory already faulted in as small pages (the bug this guards).
+    del_me = torch.ones(40 << 20, dtype=torch.uint8)
+    del del_me
     spec = KVCacheSpec(
         num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32
     )
@@ -41,9 +44,12 @@ def test_kv_cache_is_zeroed_and_backed_by_huge_pages_when_available():
         assert huge_page_kib(cache) == 0
 
 
-def test_advice_needs_a_whole_aligned_huge_page():
-    assert not advise_huge_pages(torch.empty(1024, dtype=torch.uint8))  # 1 KiB: none inside
-    assert advise_huge_pages(torch.empty(3 * HUGE_PAGE_BYTES, dtype=torch.uint8))
+def test_buffers_start_on_a_huge_page_boundary_and_outlive_nothing_they_need():
+    tensor = zeros_on_huge_pages((3, 1000), torch.float16)
+    assert tensor.data_ptr() % HUGE_PAGE_BYTES == 0
+    tensor.fill_(2)  # the mapping stays alive as long as the tensor
+    assert tensor.sum().item() == 6000
+    assert zeros_on_huge_pages((0, 4), torch.float32).shape == (0, 4)
 
 
 def test_zeros_on_huge_pages_matches_torch_zeros():
