@@ -32,6 +32,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     logits_processors: tuple[str, ...] = ()
     kv_transfer_config: dict[str, Any] | None = None
 
@@ -71,6 +72,7 @@ class EngineArgs:
             device=device,
             seed=self.seed,
             attention_backend=self.attention_backend,
+            linear_backend=self.linear_backend,
             logits_processors=tuple(self.logits_processors),
         )
         cache = CacheConfig(

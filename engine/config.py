@@ -90,6 +90,7 @@ class ModelConfig:
     device: str = "cpu"  # resolved: cpu | cuda | cuda:N
     seed: int = 0
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     logits_processors: tuple[str, ...] = ()
 
 

@@ -16,6 +16,8 @@ from engine.core.sched_output import (
     TokenLogprobs,
 )
 from engine.layers.attention import get_attention_backend
+from engine.layers.linear import pack_linears
+from engine.layers.linear import warm_up as warm_up_linears
 from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model
@@ -87,6 +89,8 @@ class ModelRunner:
         self.model = load_model(
             self.config.model.model, self.arch, self.dtype, self.device, self.max_model_len + 1
         )
+        if pack_linears(self.model, self.config.model.linear_backend, self.device):
+            warm_up_linears(self.model, self.config.scheduler.max_num_seqs)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(

@@ -9,6 +9,7 @@ import pytest
 from engine.layers.attention import TorchReferenceBackend
 from engine.layers.attention.cpu import CpuBackend
 from engine.layers.attention.cuda import CudaBackend
+from engine.layers.linear import PackedLinear
 from engine.llm import LLM
 from engine.request import SamplingParams
 from tests.model.hf_models import ARCHITECTURES
@@ -43,7 +44,8 @@ def check_against_hf(ref, llm: LLM, prompt_list, params=GREEDY) -> None:
 def test_batch_of_prompts_matches_hf(hf_refs, arch, prefix_caching):
     ref = hf_refs[arch]
     llm = make_llm(ref, enable_prefix_caching=prefix_caching)
-    assert isinstance(llm.engine.runner.attn_backend, CpuBackend)  # the CPU default
+    assert isinstance(llm.engine.runner.attn_backend, CpuBackend)  # the CPU defaults
+    assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj, PackedLinear)
     check_against_hf(ref, llm, prompts())
     # A second round reuses the cached prefixes of the first (when caching is on).
     check_against_hf(ref, llm, prompts())
@@ -70,10 +72,12 @@ def test_preemption_with_a_tiny_pool_matches_hf(hf_refs, arch):
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "mistral"])
 def test_torch_reference_backend_matches_hf(hf_refs, arch):
-    """The oracle backend (CPUs default to the C++ decode kernel) gives the same tokens."""
+    """The oracle path (CPUs default to the C++ decode kernel and oneDNN-packed linears):
+    plain torch attention and torch linears give the same tokens."""
     ref = hf_refs[arch]
-    llm = make_llm(ref, attention_backend="torch")
+    llm = make_llm(ref, attention_backend="torch", linear_backend="torch")
     assert type(llm.engine.runner.attn_backend) is TorchReferenceBackend
+    assert not any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules())
     check_against_hf(ref, llm, prompts(4))
 
 

@@ -68,6 +68,7 @@ def run_both(q, k, v, layer, metadata, window=None):
         ([40], (4, 4), 64, 8),  # one request: split across kv heads
         ([3, 100, 7, 9, 250, 1, 16, 31], (12, 2), 128, 16),  # GQA 6, head_dim 128
         ([12, 13], (2, 1), 16, 4),  # MQA
+        ([37, 70, 5], (6, 3), 40, 4),  # head_dim not a multiple of 16, 16-token tiles span blocks
     ],
 )
 def test_decode_kernel_matches_reference(seq_lens, heads, head_dim, block_size):

@@ -7,19 +7,29 @@
 // its KV head (GQA), with no padding to the longest context.
 //
 // Work item = a request (all its heads: each token's K and V rows are read as one contiguous
-// run). Two passes over the context: scores (q . k), then softmax and the weighted sum of V.
-// Accumulation is in float32 for every dtype.
+// run), handed out longest first to whichever thread is free. Two passes over the context:
+// scores (q . k), 16 tokens at a time, then softmax and the weighted sum of V. Accumulation is
+// in float32 for every dtype.
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+// 16 floats: one AVX-512 register; the compiler splits it on narrower machines.
+constexpr int64_t kLanes = 16;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
 struct Geometry {
   int64_t num_kv_heads, group, head_dim, block_size;
@@ -27,12 +37,98 @@ struct Geometry {
   int64_t q_batch_stride, q_head_stride, table_stride;
 };
 
+// `count` (<= kLanes) elements from p as floats, the other lanes zero.
 template <typename T>
-inline float dot(const float* __restrict q, const T* __restrict k, int64_t n) {
+inline Vec load(const T* p, int64_t count = kLanes) {
+  Vec v = {};
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, static_cast<size_t>(count) * sizeof(float));
+  } else {
+    float tmp[kLanes] = {};
+    for (int64_t i = 0; i < count; ++i) tmp[i] = static_cast<float>(p[i]);
+    std::memcpy(&v, tmp, sizeof v);
+  }
+  return v;
+}
+
+#define PD_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+
+// Lane i of the result = the sum of the 16 lanes of v[i]: a transpose-and-add tree, 16 dot
+// products finished with 31 shuffles and 15 adds instead of 16 separate horizontal sums.
+inline Vec sum_lanes_16(const Vec* v) {
+  Vec a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = PD_SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                      22, 23) +
+           PD_SHUFFLE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                      29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = PD_SHUFFLE(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25,
+                      26, 27) +
+           PD_SHUFFLE(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29,
+                      30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = PD_SHUFFLE(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13,
+                      28, 29) +
+           PD_SHUFFLE(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
+                      30, 31);
+  const Vec d = PD_SHUFFLE(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                PD_SHUFFLE(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  // The tree leaves the sums in bit-reversed lane order.
+  return PD_SHUFFLE(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline Vec splat(float x) { return Vec{} + x; }
+
+// e^x, 16 lanes: 2^k * p(r) with k = round(x / ln2), r = x - k ln2 (|r| <= ln2/2), and a
+// degree-6 polynomial (Cephes' expf coefficients; relative error about 2e-7, like libm's).
+// Softmax only feeds it x <= 0; inputs below -87 give ~1e-38 instead of denormals.
+inline Vec exp_approx(Vec x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to nearest
+  const Vec k = (x * 1.44269504088896341f + kRound) - kRound;
+  const Vec r = x - k * 0.693359375f + k * 2.12194440e-4f;  // ln2 split in two for accuracy
+  Vec p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const IVec bits = (__builtin_convertvector(k, IVec) + 127) << 23;
+  Vec scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Softmax of s[0, n) in place; s has room for n rounded up to 16, the pad ends as zeros.
+inline void softmax_inplace(float* s, int64_t n) {
+  const int64_t chunks = (n + kLanes - 1) / kLanes;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::fill(s + n, s + chunks * kLanes, neg_inf);
+  Vec top = splat(neg_inf);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const Vec v = load(s + c * kLanes);
+    top = v > top ? v : top;
+  }
+  float m = top[0];
+  for (int64_t i = 1; i < kLanes; ++i) m = std::max(m, top[i]);
+  Vec total = {};
+  for (int64_t c = 0; c < chunks; ++c) {
+    const Vec v = load(s + c * kLanes);
+    const Vec e = v == neg_inf ? Vec{} : exp_approx(v - m);
+    std::memcpy(s + c * kLanes, &e, sizeof e);
+    total += e;
+  }
   float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < n; ++d) sum += q[d] * static_cast<float>(k[d]);
-  return sum;
+  for (int64_t i = 0; i < kLanes; ++i) sum += total[i];
+  const Vec inv = splat(1.f / sum);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const Vec e = load(s + c * kLanes) * inv;
+    std::memcpy(s + c * kLanes, &e, sizeof e);
+  }
 }
 
 template <typename T>
@@ -41,84 +137,95 @@ inline void axpy(float a, const T* __restrict v, float* __restrict acc, int64_t 
   for (int64_t d = 0; d < n; ++d) acc[d] += a * static_cast<float>(v[d]);
 }
 
-// Start pulling the next block's rows of this layer into cache while the current one is read:
-// a layer's slice of a block is one short contiguous run, the next one is far away in memory,
-// so the hardware prefetcher cannot see it coming.
-template <typename T>
-inline void prefetch_rows(const T* row, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+// Rows are requested this many tokens ahead. A block's rows are contiguous but the next block
+// is elsewhere, which the hardware prefetcher cannot guess; one tile ahead always covers the
+// next block boundary. Into L2, not L1: L2 tracks more misses in flight, and on a cold cache
+// (every decode step: the other layers and the weights went through since) the kernel is bound
+// by how many misses are outstanding, not by arithmetic (~1.6x faster than prefetching to L1).
+constexpr int64_t kPrefetchTokens = kLanes;
+
+inline void prefetch_to_l2(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
 }
 
-// Calls visit(t, row) for t in [first, len), row = token t's K row (its V row is kv_stride
-// further), walking the request's blocks in order. With `prefetch`, the next block's K and V
-// rows are requested while the current block is read.
-template <typename T, typename Visit>
-inline void for_each_token(const Geometry& g, const T* cache, const int64_t* table,
-                           int64_t first, int64_t len, bool prefetch, Visit&& visit) {
-  const int64_t row_bytes = g.token_stride * static_cast<int64_t>(sizeof(T));
-  for (int64_t t0 = first; t0 < len;) {
-    const int64_t block = t0 / g.block_size, t1 = std::min(len, (block + 1) * g.block_size);
-    const T* base = cache + table[block] * g.block_stride;  // the block's token 0
-    const T* ahead = prefetch && t1 < len ? cache + table[block + 1] * g.block_stride : nullptr;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t offset = t - block * g.block_size;
-      if (ahead != nullptr) {
-        prefetch_rows(ahead + offset * g.token_stride, row_bytes);
-        prefetch_rows(ahead + offset * g.token_stride + g.kv_stride, row_bytes);
-      }
-      visit(t, base + offset * g.token_stride);
-    }
-    t0 = t1;
-  }
-}
+// Per-thread buffers, reused across work items.
+struct Scratch {
+  std::vector<const void*> rows;  // token t's K row (all heads); its V row is kv_stride further
+  std::vector<float> scores, qf, acc;
+  std::vector<Vec> partial;
+};
 
 // Attention of one request over the context [first, len), for the kv heads [h0, h1) and their
-// query heads. Tokens are walked in order, each token's K (then V) row read once for all heads.
+// query heads.
 template <typename T, int64_t kDim>
 void attend_one(const Geometry& g, const T* q, const T* cache, const int64_t* table,
                 int64_t first, int64_t len, int64_t h0, int64_t h1, float scale, T* out,
-                std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& acc) {
-  // kDim > 0: the head size is a compile-time constant, so the dot products unroll fully.
+                Scratch& s) {
+  // kDim > 0: the head size is a compile-time constant, so the chunk loops unroll fully.
   const int64_t D = kDim > 0 ? kDim : g.head_dim;
-  const int64_t n = len - first, G = g.group, heads = (h1 - h0) * G;
-  scores.resize(static_cast<size_t>(heads * n));
+  const int64_t chunks = (D + kLanes - 1) / kLanes, tail = D - (chunks - 1) * kLanes;
+  const int64_t n = len - first, n_pad = (n + kLanes - 1) / kLanes * kLanes;
+  const int64_t G = g.group, heads = (h1 - h0) * G, q_width = chunks * kLanes;
+  s.rows.resize(static_cast<size_t>(n));
+  s.scores.resize(static_cast<size_t>(heads * n_pad));
+  s.qf.assign(static_cast<size_t>(heads * q_width), 0.f);  // zero past D: the tail lanes
+  s.acc.assign(static_cast<size_t>(heads * D), 0.f);
+  s.partial.resize(static_cast<size_t>(heads * kLanes));
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < D; ++d)
-      qf[h * D + d] = static_cast<float>(q[(h0 * G + h) * g.q_head_stride + d]) * scale;
-
-  // Pass over K: scores[h][t] = q_h . k_t (q pre-scaled).
-  for_each_token(g, cache, table, first, len, true, [&](int64_t t, const T* row) {
-    float* column = &scores[t - first];
-    for (int64_t kv = h0; kv < h1; ++kv)
-      for (int64_t j = 0; j < G; ++j) {
-        const int64_t h = (kv - h0) * G + j;
-        column[h * n] = dot(&qf[h * D], row + kv * g.head_stride, D);
-      }
-  });
-  for (int64_t h = 0; h < heads; ++h) {
-    float* s = &scores[h * n];
-    const float top = *std::max_element(s, s + n);
-    float total = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      s[i] = std::exp(s[i] - top);
-      total += s[i];
-    }
-    const float inv = 1.f / total;
-    for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+      s.qf[h * q_width + d] = static_cast<float>(q[(h0 * G + h) * g.q_head_stride + d]) * scale;
+  for (int64_t t = first, b = first / g.block_size; t < len; ++b) {
+    const T* base = cache + table[b] * g.block_stride;
+    for (int64_t o = t - b * g.block_size; o < g.block_size && t < len; ++o, ++t)
+      s.rows[t - first] = base + o * g.token_stride;
   }
-  // Pass over V: acc[h] = sum_t p[h][t] * v_t.
-  std::fill(acc.begin(), acc.begin() + heads * D, 0.f);
-  for_each_token(g, cache, table, first, len, false, [&](int64_t t, const T* row) {
-    const float* column = &scores[t - first];
-    for (int64_t kv = h0; kv < h1; ++kv)
-      for (int64_t j = 0; j < G; ++j) {
-        const int64_t h = (kv - h0) * G + j;
-        axpy(column[h * n], row + g.kv_stride + kv * g.head_stride, &acc[h * D], D);
+  const auto row = [&](int64_t i) { return static_cast<const T*>(s.rows[i]) + h0 * g.head_stride; };
+  const int64_t slice_bytes = (h1 - h0) * g.head_stride * static_cast<int64_t>(sizeof(T));
+
+  // Pass over K, 16 tokens at a time: partial[h][j] holds q_h * k_j lane-wise, then one tree
+  // turns the 16 vectors into 16 scores.
+  for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+    const int64_t count = std::min(kLanes, n - i0);
+    for (int64_t j = 0; j < count; ++j) {
+      if (i0 + j + kPrefetchTokens < n) prefetch_to_l2(row(i0 + j + kPrefetchTokens), slice_bytes);
+      const T* k_row = row(i0 + j);
+      for (int64_t kv = 0; kv < h1 - h0; ++kv) {
+        const T* k = k_row + kv * g.head_stride;
+        for (int64_t m = 0; m < G; ++m) {
+          const int64_t h = kv * G + m;
+          const float* qh = &s.qf[h * q_width];
+          Vec sum = {};
+          for (int64_t c = 0; c < chunks; ++c) {
+            Vec qc;
+            std::memcpy(&qc, qh + c * kLanes, sizeof qc);
+            sum += qc * load(k + c * kLanes, c + 1 < chunks ? kLanes : tail);
+          }
+          s.partial[h * kLanes + j] = sum;
+        }
       }
-  });
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      Vec* p = &s.partial[h * kLanes];
+      for (int64_t j = count; j < kLanes; ++j) p[j] = Vec{};
+      const Vec sums = sum_lanes_16(p);
+      std::memcpy(&s.scores[h * n_pad + i0], &sums, sizeof sums);
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) softmax_inplace(&s.scores[h * n_pad], n);
+
+  // Pass over V: acc[h] = sum_t p[h][t] * v_t.
+  for (int64_t i = 0; i < n; ++i) {
+    const T* v_row = row(i) + g.kv_stride;
+    if (i + kPrefetchTokens < n) prefetch_to_l2(row(i + kPrefetchTokens) + g.kv_stride, slice_bytes);
+    for (int64_t kv = 0; kv < h1 - h0; ++kv)
+      for (int64_t m = 0; m < G; ++m) {
+        const int64_t h = kv * G + m;
+        axpy(s.scores[h * n_pad + i], v_row + kv * g.head_stride, &s.acc[h * D], D);
+      }
+  }
   for (int64_t h = 0; h < heads; ++h)
-    for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<T>(acc[h * D + d]);
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<T>(s.acc[h * D + d]);
 }
 
 template <typename T, int64_t kDim>
@@ -137,19 +244,30 @@ void run(const torch::Tensor& out, const torch::Tensor& query, const torch::Tens
   T* out_ptr = out.data_ptr<T>();
   const int64_t* table_ptr = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const auto context = [&](int64_t b) {
+    return window > 0 ? std::min(lens[b], window) : lens[b];
+  };
   // A work item is a request, or a (request, kv head) pair when there are too few requests
-  // to keep every thread busy.
-  const int64_t splits = batch < 2 * at::get_num_threads() ? num_kv_heads : 1;
+  // to keep every thread busy. Longest first, each thread taking the next free item: static
+  // ranges would leave one thread idle while another works through the long contexts.
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = batch < 2 * threads ? num_kv_heads : 1;
   const int64_t heads_per_item = num_kv_heads / splits;
-  at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(num_heads * g.head_dim), acc(num_heads * g.head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / splits, h0 = (item % splits) * heads_per_item;
-      const int64_t len = lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      attend_one<T, kDim>(g, q_ptr + b * g.q_batch_stride, cache_ptr, table_ptr + b * g.table_stride,
-                    first, len, h0, h0 + heads_per_item, static_cast<float>(scale),
-                    out_ptr + (b * num_heads + h0 * g.group) * g.head_dim, scores, qf, acc);
+  std::vector<int64_t> order(static_cast<size_t>(batch));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return context(x) > context(y); });
+  std::atomic<int64_t> next{0};
+  const int64_t items = batch * splits;
+  at::parallel_for(0, std::min(threads, items), 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t item = next++; item < items; item = next++) {
+      const int64_t b = order[item / splits], h0 = (item % splits) * heads_per_item;
+      const int64_t len = lens[b], first = len - context(b);
+      attend_one<T, kDim>(g, q_ptr + b * g.q_batch_stride, cache_ptr,
+                          table_ptr + b * g.table_stride, first, len, h0, h0 + heads_per_item,
+                          static_cast<float>(scale),
+                          out_ptr + (b * num_heads + h0 * g.group) * g.head_dim, scratch);
     }
   });
 }

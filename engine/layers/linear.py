@@ -1,0 +1,122 @@
+"""Linear layers on CPUs: weights packed once for oneDNN instead of re-packed by MKL per call.
+
+torch's CPU linear goes to MKL's sgemm, which copies the weight matrix into its blocked layout
+on every call — at decode batch sizes the copy costs as much as the multiply — and on non-Intel
+CPUs picks a code path without AVX-512. oneDNN packs the weight once into its own layout and
+JIT-compiles for the instruction set it finds. On the 2-core AMD EPYC of CI, a decode step's
+linears (default model, 32 rows) run ~1.5x faster. vLLM's CPU backend packs for oneDNN too.
+
+The packed weight is an opaque oneDNN tensor: packing happens after the checkpoint is loaded,
+and the dense weight is released. A tied output head keeps its dense weight (it is the
+embedding table; a packed copy would double the largest matrix of small models).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LINEAR_BACKENDS = ("auto", "torch", "onednn")
+_EXACT_ROWS = 64
+_WARM_UP_MAX_ELEMENTS = 1 << 23
+
+logger = logging.getLogger(__name__)
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W in oneDNN's blocked layout (any number of rows, any leading dims)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach()
+        # The batch-size hint only picks the blocking; any row count is accepted afterwards.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        x = x.reshape(-1, self.in_features)
+        rows = x.shape[0]
+        padded = row_bucket(rows)
+        if padded != rows:
+            x = F.pad(x, (0, 0, 0, padded - rows))
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out[:rows].view(*leading, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a GEMM runs with. oneDNN builds (JIT-compiles) one primitive per shape,
+    ~0.5 ms each, and caches 1,024: decode batches keep their exact size, longer inputs are
+    padded to one of 8 sizes per power of two (at most 12.5% padding), so a server sees a few
+    hundred shapes, not one per prompt length."""
+    if rows <= _EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 4)  # 8 steps per octave
+    return -(-rows // step) * step
+
+
+def warm_up(model: nn.Module, max_rows: int) -> None:
+    """Build the primitives of every decode-sized bucket now, not on the first requests.
+    Only for small matrices: where one GEMM takes far longer than building its primitive,
+    warming would cost seconds to save nothing noticeable."""
+    by_shape: dict[tuple[int, int, bool], PackedLinear] = {}
+    for module in model.modules():
+        if not isinstance(module, PackedLinear):
+            continue
+        if module.in_features * module.out_features <= _WARM_UP_MAX_ELEMENTS:
+            key = (module.in_features, module.out_features, module.bias is not None)
+            by_shape.setdefault(key, module)
+    sizes = sorted({row_bucket(n) for n in range(1, max_rows + 1)})
+    with torch.inference_mode():
+        for module in by_shape.values():
+            for rows in sizes:
+                module(torch.zeros(rows, module.in_features, dtype=module.packed.dtype))
+
+
+def pack_linears(model: nn.Module, backend: str, device: torch.device) -> int:
+    """Swap the model's nn.Linear layers for PackedLinear where `backend` says so; returns how
+    many were packed. `auto` packs float32 weights on a CPU with oneDNN, else leaves them;
+    `onednn` insists (ValueError where it cannot); `torch` leaves every layer alone."""
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"unknown linear backend {backend!r}; choose from {LINEAR_BACKENDS}")
+    if backend == "torch" or (device.type != "cpu" and backend == "auto"):
+        return 0
+    if device.type != "cpu":
+        raise ValueError("linear backend 'onednn' needs a CPU device")
+    if not torch.backends.mkldnn.is_available():
+        if backend == "onednn":
+            raise ValueError("linear backend 'onednn': this torch build has no oneDNN")
+        return 0
+    tied = _tied_output_heads(model)
+    packed = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            if id(child) in tied or (backend == "auto" and child.weight.dtype != torch.float32):
+                continue
+            try:
+                setattr(parent, name, PackedLinear(child))
+            except RuntimeError as exc:  # e.g. bf16 on a CPU without bf16 support
+                if backend == "onednn":
+                    raise ValueError(f"linear backend 'onednn' cannot pack {name}: {exc}") from exc
+                logger.warning("oneDNN cannot pack %s (%s); keeping torch's linears", name, exc)
+                return packed  # the others would fail the same way
+            packed += 1
+    return packed
+
+
+def _tied_output_heads(model: nn.Module) -> set[int]:
+    """Linear layers whose weight is also an embedding table."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {
+        id(m) for m in model.modules() if isinstance(m, nn.Linear) and id(m.weight) in embeddings
+    }
