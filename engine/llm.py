@@ -60,7 +60,7 @@ class LLM:
         kv_list = _as_kv_params_list(kv_transfer_params, len(prompt_list))
         if any(kv_list) and self.engine.connector is None:
             raise ValueError("kv_transfer_params need LLM(..., kv_transfer_config={...})")
-        processor = OutputProcessor(self.tokenizer)
+        processor = OutputProcessor(self.tokenizer, final_only=True)
         order = [
             self._add(processor, prompt, params, kv)
             for prompt, params, kv in zip(prompt_list, params_list, kv_list, strict=True)
