@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -30,6 +29,7 @@ namespace {
 // 16 floats: one AVX-512 register; the compiler splits it on narrower machines.
 constexpr int64_t kLanes = 16;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 struct Geometry {
   int64_t num_kv_heads, group, head_dim, block_size;
@@ -51,7 +51,11 @@ inline Vec load(const T* p, int64_t count = kLanes) {
   return v;
 }
 
+#if defined(__clang__) || __GNUC__ >= 12
 #define PD_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else  // GCC 11 and older (Ubuntu 22.04's default compiler): the older builtin, same lanes
+#define PD_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, IVec{__VA_ARGS__})
+#endif
 
 // Lane i of the result = the sum of the 16 lanes of v[i]: a transpose-and-add tree, 16 dot
 // products finished with 31 shuffles and 15 adds instead of 16 separate horizontal sums.
@@ -77,8 +81,6 @@ inline Vec sum_lanes_16(const Vec* v) {
   // The tree leaves the sums in bit-reversed lane order.
   return PD_SHUFFLE(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
-
-typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 inline Vec splat(float x) { return Vec{} + x; }
 
