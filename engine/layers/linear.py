@@ -90,9 +90,11 @@ def pack_linears(model: nn.Module, backend: str, device: torch.device) -> int:
     `onednn` insists (ValueError where it cannot); `torch` leaves every layer alone."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear backend {backend!r}; choose from {LINEAR_BACKENDS}")
-    if backend == "torch" or (device.type != "cpu" and backend == "auto"):
+    if backend == "torch":
         return 0
     if device.type != "cpu":
+        if backend == "auto":
+            return 0
         raise ValueError("linear backend 'onednn' needs a CPU device")
     if not torch.backends.mkldnn.is_available():
         if backend == "onednn":

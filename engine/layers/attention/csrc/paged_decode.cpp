@@ -32,7 +32,7 @@ typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 struct Geometry {
-  int64_t num_kv_heads, group, head_dim, block_size;
+  int64_t group, head_dim, block_size;
   int64_t block_stride, kv_stride, token_stride, head_stride;  // cache strides, in elements
   int64_t q_batch_stride, q_head_stride, table_stride;
 };
@@ -235,11 +235,9 @@ void run(const torch::Tensor& out, const torch::Tensor& query, const torch::Tens
          const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t window,
          double scale) {
   const int64_t batch = query.size(0), num_heads = query.size(1), num_kv_heads = cache.size(3);
-  const Geometry g{num_kv_heads,      num_heads / num_kv_heads,
-                   query.size(2),     cache.size(2),
-                   cache.stride(0),   cache.stride(1),
-                   cache.stride(2),   cache.stride(3),
-                   query.stride(0),   query.stride(1),
+  const Geometry g{num_heads / num_kv_heads, query.size(2),   cache.size(2),
+                   cache.stride(0),          cache.stride(1), cache.stride(2),
+                   cache.stride(3),          query.stride(0), query.stride(1),
                    block_table.stride(0)};
   const T* q_ptr = query.data_ptr<T>();
   const T* cache_ptr = cache.data_ptr<T>();
