@@ -114,10 +114,12 @@ class GrpcTransport(KVTransport):
 
     # ------------------------------------------------------------------ testing
 
-    def inject_failure_after_blocks(self, num_blocks: int) -> None:
-        """The next read started fails once `num_blocks` of its blocks have been written."""
+    def inject_failure(self, after: int) -> None:
+        """The next read started fails once `after` of its blocks have been written."""
+        if after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
         with self._lock:
-            self._fail_next_after = num_blocks
+            self._fail_next_after = after
 
     # ------------------------------------------------------------------ the read thread
 

@@ -5,7 +5,7 @@ block ids on both sides (`contiguous_runs`), so the blocks of one prompt usually
 descriptor. On one host UCX serves the READ with CMA (`process_vm_readv`): zero-copy, performed
 by the reader's thread inside `transfer`; the peer's CPU does nothing once connected.
 
-Fault injection (tests): `inject_failure(after_descriptors=n)`, or the environment variable
+Fault injection (tests): `inject_failure(n)`, or the environment variable
 PDSERVE_NIXL_FAIL_AFTER_DESCRIPTORS=n read when the transport is built, arms a one-shot failure:
 the next read with at least one block posts only its first n descriptors (runs) and is then
 reported failed by `poll`, like a read broken mid-way (some blocks written, the rest not).
@@ -154,7 +154,27 @@ def _fail_after_from_env() -> int | None:
     return int(raw)
 
 
+def _import_nixl() -> None:
+    """Import NIXL's wrapper, undoing what its import does to the process's logging.
+
+    The wrapper configures a "nixl" logger that writes INFO lines to stdout and does not
+    propagate ("NIXL INFO _api.py:281 Initialized NIXL agent ..."), which breaks any program
+    whose stdout is its output (JSON from a benchmark, a CLI's answer). Its records go
+    through the application's logging instead (stderr unless configured otherwise). It also
+    sets the global `logging.raiseExceptions`; the application's value is kept.
+    """
+    raise_exceptions = logging.raiseExceptions
+    import nixl._api  # noqa: F401 - configures the "nixl" logger on first import
+
+    logging.raiseExceptions = raise_exceptions
+    nixl_logger = logging.getLogger("nixl")
+    for handler in list(nixl_logger.handlers):
+        nixl_logger.removeHandler(handler)
+    nixl_logger.propagate = True
+
+
 def _create_agent(name: str) -> nixl_agent:
+    _import_nixl()
     from nixl import _bindings
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -257,12 +277,12 @@ class NixlTransport(KVTransport):
 
     # -- reads --------------------------------------------------------------------------------
 
-    def inject_failure(self, after_descriptors: int = 0) -> None:
-        """Make the next non-empty read post only `after_descriptors` descriptors, then fail."""
-        if after_descriptors < 0:
-            raise ValueError(f"after_descriptors must be >= 0, got {after_descriptors}")
+    def inject_failure(self, after: int) -> None:
+        """Make the next non-empty read post only `after` descriptors (runs), then fail."""
+        if after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
         with self._lock:
-            self._fail_after = after_descriptors
+            self._fail_after = after
 
     def start_read(self, read: BlockRead) -> None:
         with self._lock:

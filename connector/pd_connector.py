@@ -1,4 +1,4 @@
-"""PDConnector: prefill -> decode KV transfer (ARCHITECTURE.md §4), scheduler side.
+"""PDConnector: prefill -> decode KV transfer (docs/ARCHITECTURE.md, "The KV flow").
 
 Prefill side: a request sent with {"do_remote_decode": true} finishes holding its blocks under
 a lease; its kv_transfer_params say where and which. Decode side: a request sent with those
@@ -8,16 +8,24 @@ side (PDWorker) owns the side channel, the transport and the reads.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import torch
 
-from connector.base import KVConnectorBase
-from connector.config import KVTransferConfig
-from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV, tokens_hash
+from connector.metadata import (
+    ConnectorMetadata,
+    LoadSpec,
+    RemoteKV,
+    compatibility_hash,
+    tokens_hash,
+)
 from connector.pd_worker import PDWorker
+from engine.config import EngineConfig, KVTransferConfig
 from engine.core.kv_cache_utils import KVCacheBlock, cdiv
 from engine.core.sched_output import SchedulerOutput
+from engine.kv_connector import KVConnectorBase
+from engine.models import ModelArchConfig
 from engine.request import Request, RequestStatus
 
 _HANDED_OFF = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -38,6 +46,25 @@ class PDConnector(KVConnectorBase):
         self._reading: set[str] = set()  # loads started and not yet reported finished
         # Decode-side counters (tests and metrics): what was asked, what the cache spared.
         self._stats = {"loads_requested": 0, "blocks_requested": 0, "releases_without_read": 0}
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, arch: ModelArchConfig) -> PDConnector:
+        """The connector of an engine built from `config` (its kv_transfer part is set)."""
+        kv = config.kv_transfer
+        if kv is None:
+            raise ValueError("PDConnector needs an engine config with kv_transfer set")
+        compat = compatibility_hash(
+            model=arch.architecture,
+            vocab_size=arch.vocab_size,
+            hidden_size=arch.hidden_size,
+            dtype=config.model.dtype,
+            num_layers=arch.num_hidden_layers,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            block_size=config.cache.block_size,
+        )
+        engine_id = kv.engine_id or f"engine-{uuid.uuid4().hex[:12]}"
+        return cls(kv, engine_id, compat, config.cache.block_size)
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -144,6 +171,9 @@ class PDConnector(KVConnectorBase):
     @property
     def side_channel_port(self) -> int:
         return self.worker.port
+
+    def inject_load_failure(self, after: int) -> None:
+        self.worker.transport.inject_failure(after)
 
     def close(self) -> None:
         self.worker.close()

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from connector.config import KVTransferConfig
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV, tokens_hash
 from connector.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 from connector.transport import BlockRead, KVTransport
+from engine.config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ import grpc
 import torch
 
 from connector.block_data import BlockChunk, decode_block_data, encode_block_data
-from connector.config import KVTransferConfig
 from connector.leases import (
     LeaseError,
     LeaseTable,
 )
+from engine.config import KVTransferConfig
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
 

@@ -79,5 +79,10 @@ class KVTransport(ABC):
     def cancel(self, transfer_id: str) -> None:
         """Stop a read if possible; it is still reported by `poll` once it has stopped."""
 
+    def inject_failure(self, after: int) -> None:
+        """Tests: the next read fails part-way, after `after` units of it were written (blocks,
+        or descriptors where the transport moves runs of blocks as one)."""
+        raise ValueError(f"the {self.name} transport cannot inject failures")
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release transport resources."""

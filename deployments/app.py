@@ -10,10 +10,11 @@ NIXL or gRPC. `colocated=true`: Router -> one EngineServer deployment doing both
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from deployments.orchestrator import FlowConfig
+from engine.config import check_known_keys, check_transport
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -24,7 +25,7 @@ class AppConfig:
     model: str = "default"
     served_model_name: str = ""
     colocated: bool = False
-    transport: str = "nixl"  # "nixl" or "grpc"
+    transport: str = "nixl"  # one of engine.config.KV_TRANSPORTS
     prefill_replicas: int = 1
     decode_replicas: int = 1
     # Serve autoscaling_config dicts; when set they replace the fixed replica counts.
@@ -51,10 +52,7 @@ class AppConfig:
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
         """From `serve run` key=value strings or a serve config's typed `args` (ValueError)."""
         args = dict(args or {})
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(args) - set(known))
-        if unknown:
-            raise ValueError(f"unknown app argument(s) {unknown}; known: {sorted(known)}")
+        check_known_keys("app argument(s)", args, cls)
         defaults = cls()
         values = {
             name: _coerce(name, value, getattr(defaults, name)) for name, value in args.items()
@@ -64,8 +62,7 @@ class AppConfig:
         return config
 
     def validate(self) -> None:
-        if self.transport not in ("nixl", "grpc"):
-            raise ValueError(f"transport must be 'nixl' or 'grpc', got {self.transport!r}")
+        check_transport(self.transport)
         for name in ("prefill_replicas", "decode_replicas", "router_replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -94,8 +91,11 @@ class AppConfig:
 
 def build_app(args: dict[str, Any] | None = None) -> Any:
     """The Serve Application (Router ingress bound to its engine deployments)."""
-    from deployments.decode import ColocatedDeployment, DecodeDeployment
-    from deployments.prefill import PrefillDeployment
+    from deployments.engine_server import (
+        ColocatedDeployment,
+        DecodeDeployment,
+        PrefillDeployment,
+    )
     from deployments.router import RouterDeployment, RouterSettings
 
     config = AppConfig.from_args(args)

@@ -1,8 +1,11 @@
 """One engine per Serve replica: the async engine with its KV connector, spoken to in tokens.
 
 The router tokenizes and detokenizes (once, for both legs of a disaggregated request); an
-engine replica only sees token ids and streams back token ids. `EngineRequest` and
-`EngineChunk` are what travels between the router and the replicas (pickled by Ray).
+engine replica only sees token ids and streams back token ids: an `EngineRequest` in
+(deployments/protocol.py), `EngineCoreOutput`s out (engine/outputs.py), pickled by Ray.
+
+PrefillServer, DecodeServer and ColocatedServer are this one class under three names: every
+engine can produce and consume KV, and the role only names the replica in stats and traces.
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ import logging
 import os
 import threading
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 from typing import Any
 
+from ray import serve
+
+from deployments.protocol import EngineRequest
 from deployments.telemetry import (
     EngineMetrics,
     Tracing,
@@ -21,50 +26,10 @@ from deployments.telemetry import (
     request_attributes,
 )
 from engine.async_engine import AsyncEngine
-from engine.core.sched_output import TokenLogprobs
-from engine.outputs import RequestOutput
-from engine.request import RequestTiming, SamplingParams
+from engine.outputs import EngineCoreOutput
+from engine.request import RequestTiming
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    cache_salt: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    trace_context: dict[str, str] | None = None  # W3C carrier: the router's span
-
-
-@dataclass
-class EngineChunk:
-    """What one engine step added to a request."""
-
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None
-    new_logprobs: list[TokenLogprobs] | None = None
-    timing: RequestTiming | None = None  # the last chunk only
-
-    @classmethod
-    def from_output(cls, output: RequestOutput) -> EngineChunk:
-        completion = output.outputs[0]
-        return cls(
-            new_token_ids=list(completion.new_token_ids),
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-            kv_transfer_params=output.kv_transfer_params,
-            num_cached_tokens=output.num_cached_tokens,
-            error=output.error,
-            new_logprobs=completion.new_logprobs,
-            timing=output.timing,
-        )
 
 
 def node_ip() -> str:
@@ -78,11 +43,7 @@ def node_ip() -> str:
 
 
 class EngineServer:
-    """The body of PrefillServer, DecodeServer and the colocated EngineServer deployment.
-
-    Every engine can produce and consume KV; the role only names the replica in stats and
-    decides nothing else (the router decides which kv_transfer_params each leg gets).
-    """
+    """The body of the prefill, decode and colocated engine deployments."""
 
     role = "colocated"
 
@@ -98,26 +59,23 @@ class EngineServer:
             kv.setdefault("side_channel_host", node_ip())
             kv.setdefault("side_channel_port", 0)
         self.engine = AsyncEngine(model, **engine_args, kv_transfer_config=kv)
+        core = self.engine.core
         self.model_name = model
-        self.transport = kv["connector"] if kv else ""
-        kv_cache = self.engine.core.runner.kv_cache
-        self.block_bytes = kv_cache[0].nbytes if kv_cache is not None else 0
+        self.transport = core.kv_transport
+        self.block_bytes = core.kv_block_bytes
         self.replica_id = replica_name()
         self.tracing = Tracing(self.role, self.replica_id, otlp_endpoint)
         self.metrics = _engine_metrics()
         self._sampler = _start_sampler(self) if self.metrics is not None else None
         logger.info(
-            "%s engine %s ready (%d KV blocks)", self.role, self.replica_id, self.num_blocks
+            "%s engine %s ready (%d KV blocks)", self.role, self.replica_id, core.num_kv_blocks
         )
 
-    @property
-    def num_blocks(self) -> int:
-        return self.engine.core.num_blocks - 1  # block 0 is the null block
-
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
-        """Stream a request's tokens. Bad input raises ValueError before anything runs; a
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
+        """Stream a request's token ids. Bad input raises ValueError before anything runs; a
         caller that stops listening (cancelled by Serve) aborts the request."""
-        async for output in self.engine.generate(
+        num_output = 0
+        async for output in self.engine.generate_tokens(
             request.prompt_token_ids,
             request.params,
             request.request_id,
@@ -126,13 +84,17 @@ class EngineServer:
             kv_transfer_params=request.kv_transfer_params,
             coalesce=True,  # a router that falls behind gets tokens in batches, not one by one
         ):
-            chunk = EngineChunk.from_output(output)
-            if chunk.timing is not None:
-                self._observe(request, chunk, chunk.timing, len(output.outputs[0].token_ids))
-            yield chunk
+            num_output += len(output.new_token_ids)
+            if output.timing is not None:
+                self._observe(request, output, output.timing, num_output)
+            yield output
 
     def _observe(
-        self, request: EngineRequest, chunk: EngineChunk, timing: RequestTiming, num_output: int
+        self,
+        request: EngineRequest,
+        output: EngineCoreOutput,
+        timing: RequestTiming,
+        num_output: int,
     ) -> None:
         """A finished request: its spans (with the engine's own timestamps) and metrics."""
         if self.metrics is not None:
@@ -143,8 +105,8 @@ class EngineServer:
             **request_attributes(self.model_name, request.params),
             "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
             "gen_ai.usage.output_tokens": num_output,
-            "gen_ai.response.finish_reasons": [chunk.finish_reason or ""],
-            "pdserve.cached_tokens": chunk.num_cached_tokens,
+            "gen_ai.response.finish_reasons": [output.finish_reason or ""],
+            "pdserve.cached_tokens": output.num_cached_tokens,
             "pdserve.replica_id": self.replica_id,
         }
         kv = {"transport": self.transport, "block_bytes": self.block_bytes}
@@ -154,41 +116,33 @@ class EngineServer:
             request.trace_context,
             timing,
             attributes,
-            error=chunk.error,
+            error=output.error,
             kv=kv,
         )
 
-    def inject_kv_failure(self, after_descriptors: int = 0) -> None:
-        """Tests: the next KV read of this engine fails part-way (NIXL transport only)."""
-        connector = self.engine.core.connector
-        transport = getattr(getattr(connector, "worker", None), "transport", None)
-        inject = getattr(transport, "inject_failure", None)
-        if inject is None:
-            raise ValueError("this engine's transport cannot inject failures (NIXL only)")
-        inject(after_descriptors)
+    def inject_kv_failure(self, after: int = 0) -> None:
+        """Tests: the next KV read of this engine fails part-way (ValueError if it cannot)."""
+        self.engine.core.inject_kv_load_failure(after)
 
     def sample_metrics(self) -> None:
         if self.metrics is None:
             return
-        scheduler = self.engine.core.scheduler
-        prefix = scheduler.kv_cache_manager.take_prefix_cache_stats()
-        self.metrics.sample(self.stats(), prefix, scheduler.num_preemptions)
+        core = self.engine.core
+        stats = core.stats()
+        self.metrics.sample(stats, core.take_prefix_cache_stats())
 
     def stats(self) -> dict[str, Any]:
-        """KV blocks and queues, read from the loop thread's state (a snapshot, may lag a step)."""
-        scheduler = self.engine.core.scheduler
-        pool = scheduler.kv_cache_manager.block_pool
-        free = pool.get_num_free_blocks()
-        unfinished = scheduler.get_num_unfinished_requests()
+        """KV blocks and queues (pdserve.v1.EngineStats), a snapshot that may lag a step."""
+        stats = self.engine.core.stats()
         return {
             "role": self.role,
             "replica_id": self.replica_id,
-            "num_blocks": self.num_blocks,
-            "num_free_blocks": free,
-            "num_running": len(scheduler.running),
-            "num_waiting": unfinished - len(scheduler.running),
-            "num_held_requests": max(0, len(scheduler.requests) - unfinished),
-            "kv_cache_usage": 1.0 - free / max(1, self.num_blocks),
+            "num_blocks": stats.num_blocks,
+            "num_free_blocks": stats.num_free_blocks,
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "num_held_requests": stats.num_held_requests,
+            "kv_cache_usage": stats.kv_cache_usage,
         }
 
     def check_health(self) -> None:
@@ -243,3 +197,26 @@ def serve_replica_id() -> str | None:
 def replica_name() -> str:
     """The replica id, or the process id where there is no replica (names spans and stats)."""
     return serve_replica_id() or f"pid-{os.getpid()}"
+
+
+class PrefillServer(EngineServer):
+    """Runs prompts (max_tokens=1) and holds their KV blocks for a decode replica."""
+
+    role = "prefill"
+
+
+class DecodeServer(EngineServer):
+    """Reads a prompt's KV from a prefill replica, then generates the rest."""
+
+    role = "decode"
+
+
+class ColocatedServer(EngineServer):
+    """One engine doing both (the colocated mode, for comparison)."""
+
+    role = "colocated"
+
+
+PrefillDeployment = serve.deployment(name="PrefillServer")(PrefillServer)
+DecodeDeployment = serve.deployment(name="DecodeServer")(DecodeServer)
+ColocatedDeployment = serve.deployment(name="EngineServer")(ColocatedServer)

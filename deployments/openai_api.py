@@ -7,6 +7,7 @@ JSON, wrong types, out-of-range sampling values, an unknown model, a prompt too 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import aclosing
 from typing import Any
@@ -16,10 +17,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.errors import DeadlineExceeded, EngineFailure, public_message
 from deployments.openai_format import ChatFormat, CompletionFormat, ResponseFormat, sse_events
-from deployments.orchestrator import DeadlineExceeded, Orchestrator
+from deployments.orchestrator import Orchestrator
 from deployments.protocol import GenerateInput
 from engine.request import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -192,8 +196,11 @@ def build_openai_app(
             return _error(400, str(exc))
         except DeadlineExceeded as exc:
             return _error(504, str(exc), "timeout")
-        except Exception as exc:  # an engine failed or a replica died mid-request
-            return _error(500, f"generation failed: {exc}", "server_error")
+        except EngineFailure as exc:  # a replica died or an engine failed mid-request
+            return _error(503, public_message(exc), "server_error")
+        except Exception as exc:
+            logger.exception("request failed")
+            return _error(500, public_message(exc), "server_error")
 
     return app
 

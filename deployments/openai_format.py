@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
-from deployments.orchestrator import DeadlineExceeded
+from deployments.errors import DeadlineExceeded, public_message
 from deployments.protocol import ResponseChunk
-from engine.core.sched_output import TokenLogprobs
+from engine.outputs import TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 TokenText = Callable[[int], str]
 
@@ -150,7 +153,8 @@ async def sse_events(
                 chunk = await anext(rest)
         except Exception as exc:  # headers are sent: say it in the stream, then end it
             kind = "timeout" if isinstance(exc, DeadlineExceeded) else "server_error"
-            yield _event({"error": {"message": str(exc), "type": kind}})
+            logger.warning("stream ended with an error", exc_info=True)
+            yield _event({"error": {"message": public_message(exc), "type": kind}})
         else:
             if include_usage:
                 usage_event = fmt.envelope(chunk, [])

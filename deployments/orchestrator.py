@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import secrets
 import time
@@ -21,28 +22,26 @@ from typing import Any
 
 from connector.metadata import RemoteKV
 from connector.side_channel import SideChannelClient
-from deployments.engine_server import EngineChunk, EngineRequest
+from deployments.errors import DeadlineExceeded, EngineFailure
 from deployments.protocol import (
     ROUTE_COLOCATED,
     ROUTE_DECODE_ONLY,
     ROUTE_DISAGGREGATED,
     ROUTE_FALLBACK,
+    EngineRequest,
     GenerateInput,
     ResponseChunk,
 )
 from deployments.response_stream import PreparedRequest, ResponseStream
 from deployments.telemetry import RouterTelemetry
+from engine.outputs import EngineCoreOutput, merge_outputs
 from engine.request import FinishReason, SamplingParams
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-StreamFn = Callable[[EngineRequest], AsyncGenerator[EngineChunk, None]]
+StreamFn = Callable[[EngineRequest], AsyncGenerator[EngineCoreOutput, None]]
 ReleaseFn = Callable[[dict[str, Any]], Awaitable[None]]
-
-
-class DeadlineExceeded(TimeoutError):
-    """The request ran past its deadline; it was aborted on the engines."""
 
 
 @dataclass(frozen=True)
@@ -238,7 +237,7 @@ class Orchestrator:
             if handed_off is not None and decode_chunks == 0:
                 self._release_soon(handed_off)
 
-    async def _prefill_leg(self, prepared: PreparedRequest) -> EngineChunk | None:
+    async def _prefill_leg(self, prepared: PreparedRequest) -> EngineCoreOutput | None:
         """The prefill's single chunk (first token + kv_transfer_params), or None on failure."""
         assert self.prefill is not None
         max_tokens = prepared.params.max_tokens
@@ -248,7 +247,7 @@ class Orchestrator:
         kv = {"do_remote_decode": True} if max_tokens > 1 else None
         request = self._engine_request(prepared, params, kv)
         timeout = min(self.config.prefill_timeout_s, prepared.deadline - time.monotonic())
-        chunks: list[EngineChunk] = []
+        chunks: list[EngineCoreOutput] = []
         completed = False
         try:
             async with asyncio.timeout(timeout), aclosing(self.prefill(request)) as stream:
@@ -268,7 +267,7 @@ class Orchestrator:
         if not chunks or chunks[-1].error is not None or not chunks[-1].new_token_ids:
             logger.warning("prefill of %s ended without a token; decode-only", prepared.request_id)
             return None
-        return _merge(chunks)
+        return functools.reduce(merge_outputs, chunks)
 
     async def _decode_leg(
         self, prepared: PreparedRequest, stream: ResponseStream, route: str
@@ -298,8 +297,8 @@ class Orchestrator:
         )
 
     async def _bounded(
-        self, chunks: AsyncGenerator[EngineChunk, None], prepared: PreparedRequest
-    ) -> AsyncGenerator[EngineChunk, None]:
+        self, chunks: AsyncGenerator[EngineCoreOutput, None], prepared: PreparedRequest
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
         """`chunks` until the request's deadline; closing it aborts the engine request."""
         iterator = aiter(chunks)
         try:
@@ -344,25 +343,14 @@ class Orchestrator:
             logger.info("releasing prefill blocks: %r", exc)
 
 
-def _merge(chunks: list[EngineChunk]) -> EngineChunk:
-    """One chunk for a whole (short) engine stream: tokens concatenated, the last's ending."""
-    last = chunks[-1]
-    if len(chunks) == 1:
-        return last
-    merged = dataclasses.replace(last, new_token_ids=[t for c in chunks for t in c.new_token_ids])
-    logprobs = [lp for c in chunks for lp in (c.new_logprobs or ())]
-    merged.new_logprobs = logprobs or None
-    return merged
-
-
-def _drop_repeat(chunk: EngineChunk, pending: list[int]) -> EngineChunk:
+def _drop_repeat(chunk: EngineCoreOutput, pending: list[int]) -> EngineCoreOutput:
     """Drop from the decode stream the tokens the prefill leg sent (`pending`, consumed)."""
     if not pending:
         return chunk
     dropped = min(len(pending), len(chunk.new_token_ids))
     if chunk.new_token_ids[:dropped] != pending[:dropped]:
         # Forced tokens cannot differ; if they do, the text would silently fork: refuse.
-        raise RuntimeError(
+        raise EngineFailure(
             f"decode engine returned {chunk.new_token_ids[:dropped]} where the prefill "
             f"engine had sent {pending[:dropped]}"
         )

@@ -1,7 +1,9 @@
-"""The router's request and response types, and their gRPC (pdserve.v1) forms.
+"""What travels through the app, and the gRPC (pdserve.v1) forms of the client side.
 
-A `GenerateInput` is a validated client request before tokenization; every edge (gRPC,
-OpenAI HTTP, the CLI) builds one and gets `ValueError` with a message for bad input.
+Client <-> router: a `GenerateInput` is a validated client request before tokenization (every
+edge - gRPC, OpenAI HTTP, the CLI - builds one and gets `ValueError` with a message for bad
+input); `ResponseChunk`s go back. Router <-> engine replica: an `EngineRequest` (token ids)
+goes out, `engine.outputs.EngineCoreOutput`s (token ids) come back.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.sched_output import TokenLogprobs
+from engine.outputs import TokenLogprobs
 from engine.request import SamplingParams
 from protos.pdserve.v1 import generate_pb2 as pb
 
@@ -29,6 +31,19 @@ class GenerateInput:
     priority: int = 0
     cache_salt: str | None = None
     timeout_s: float | None = None  # None: the router's default deadline
+
+
+@dataclass
+class EngineRequest:
+    """One leg of a request, as an engine replica gets it: token ids, no stop strings."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    trace_context: dict[str, str] | None = None  # W3C carrier: the router's span
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The text side of a request: engine chunks (tokens) in, client chunks (text) out.
+"""The text side of a request: engine outputs (token ids) in, client chunks (text) out.
 
 One detokenizer and the stop strings per request, over the tokens of both legs of a
 disaggregated request, so its text is exactly the colocated text; plus usage and timing.
@@ -6,16 +6,15 @@ disaggregated request, so its text is exactly the colocated text; plus usage and
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
 
-from deployments.engine_server import EngineChunk
+from deployments.errors import EngineFailure
 from deployments.protocol import ResponseChunk, Usage
-from engine.core.sched_output import EngineCoreOutput
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.request import FinishReason, SamplingParams
+from engine.outputs import EngineCoreOutput, RequestOutput, TokenLogprobs
+from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer
 
 
@@ -36,13 +35,17 @@ class PreparedRequest:
 
 
 class ResponseStream:
-    """Engine chunks -> client chunks: detokenization, stop strings, usage and timing."""
+    """Engine outputs -> client chunks: detokenization, stop strings, usage and timing."""
 
     def __init__(self, tokenizer: Tokenizer | None, prepared: PreparedRequest) -> None:
         self.prepared = prepared
         self.processor = OutputProcessor(tokenizer)
+        # Keyed by the engine request id: both legs' outputs carry it.
         self.processor.add_request(
-            prepared.request_id, prepared.prompt, prepared.prompt_token_ids, prepared.params
+            prepared.engine_request_id,
+            prepared.prompt,
+            prepared.prompt_token_ids,
+            prepared.params,
         )
         self.route = ""
         self.num_cached_tokens = 0
@@ -50,51 +53,37 @@ class ResponseStream:
         self._ttft_s = 0.0
         self._sent_first = False
 
-    def feed(self, engine_chunk: EngineChunk, final: bool = True) -> list[ResponseChunk]:
-        """The client chunk (at most one) for one engine chunk. `final=False` keeps a finish
+    def feed(self, output: EngineCoreOutput, final: bool = True) -> list[ResponseChunk]:
+        """The client chunk (at most one) for one engine output. `final=False` keeps a finish
         reason of the engine (the prefill leg's max_tokens=1) from ending the request."""
-        if engine_chunk.error is not None:
-            raise RuntimeError(f"engine error: {engine_chunk.error}")
-        finish = engine_chunk.finish_reason if final else None
-        if not engine_chunk.new_token_ids and finish is None:
+        if output.error is not None:
+            raise EngineFailure(f"engine error: {output.error}")
+        if not final and output.finish_reason is not None:
+            output = dataclasses.replace(output, finish_reason=None, stop_reason=None)
+        if not output.new_token_ids and output.finish_reason is None:
             return []  # nothing new (the decode leg's repeat of the first token, dropped)
-        token_ids: list[int] = []
-        text: list[str] = []
-        logprobs: list[Any] = []
-        last: RequestOutput | None = None
-        # Token by token, as the engine made them: a stop string ends the request at the
-        # token that completed it even when the engine sent several tokens in one chunk.
-        for output in self._per_token(engine_chunk, finish):
-            results, _stopped = self.processor.process([output])
-            for result in results:  # read now: the processor reuses its CompletionOutput
-                completion = result.outputs[0]
-                token_ids.extend(completion.new_token_ids)
-                text.append(completion.delta_text)
-                logprobs.extend(completion.new_logprobs or ())
-                last = result
-            if last is not None and last.finished:
-                break
-        if last is None:
+        # The processor ends a request at the token that completed a stop string, even when
+        # the engine sent several tokens in one output.
+        results, _stopped = self.processor.process([output])
+        if not results:
             return []
-        return [self._client_chunk(last, token_ids, "".join(text), logprobs or None)]
-
-    def _per_token(self, chunk: EngineChunk, finish: str | None) -> list[EngineCoreOutput]:
-        ids, logprobs = chunk.new_token_ids, chunk.new_logprobs
-        outputs = [
-            EngineCoreOutput(
-                request_id=self.prepared.request_id,
-                new_token_ids=[token_id],
-                new_logprobs=[logprobs[i]] if logprobs else None,
+        result = results[0]
+        completion = result.outputs[0]
+        return [
+            self._client_chunk(
+                result,
+                list(completion.new_token_ids),
+                completion.delta_text,
+                completion.new_logprobs or None,
             )
-            for i, token_id in enumerate(ids)
-        ] or [EngineCoreOutput(request_id=self.prepared.request_id, new_token_ids=[])]
-        if finish:
-            outputs[-1].finish_reason = FinishReason(finish)
-            outputs[-1].stop_reason = chunk.stop_reason
-        return outputs
+        ]
 
     def _client_chunk(
-        self, result: RequestOutput, token_ids: list[int], text: str, logprobs: list[Any] | None
+        self,
+        result: RequestOutput,
+        token_ids: list[int],
+        text: str,
+        logprobs: list[TokenLogprobs] | None,
     ) -> ResponseChunk:
         completion = result.outputs[0]
         now = time.monotonic() - self.prepared.started

@@ -19,20 +19,21 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
-from deployments.engine_server import EngineChunk, EngineRequest, replica_name
+from deployments.engine_server import replica_name
+from deployments.errors import DeadlineExceeded, EngineFailure, engine_failure, public_message
 from deployments.openai_api import build_openai_app
 from deployments.orchestrator import (
-    DeadlineExceeded,
     FlowConfig,
     LeaseReleaser,
     ModelFacts,
     Orchestrator,
     StreamFn,
 )
-from deployments.protocol import ResponseChunk, chunk_to_proto, input_from_proto
+from deployments.protocol import EngineRequest, ResponseChunk, chunk_to_proto, input_from_proto
 from deployments.telemetry import RouterMetrics, RouterTelemetry, Tracing
 from engine.arg_utils import EngineArgs
 from engine.llm import load_tokenizer
+from engine.outputs import EngineCoreOutput
 from protos.pdserve.v1 import generate_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,8 @@ class Router:
             self.tokenizer,
             self.facts,
             settings.flow,
-            decode=_stream_fn(decode),
-            prefill=_stream_fn(prefill) if prefill is not None else None,
+            decode=_stream_fn(decode, "decode" if prefill is not None else "colocated"),
+            prefill=_stream_fn(prefill, "prefill") if prefill is not None else None,
             release=LeaseReleaser(settings.kv_secret),
             telemetry=RouterTelemetry(self.tracing.tracer, RouterMetrics()),
         )
@@ -118,6 +119,11 @@ class Router:
             _refuse(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
         except DeadlineExceeded as exc:
             _refuse(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, exc)
+        except EngineFailure as exc:
+            _refuse(grpc_context, grpc.StatusCode.UNAVAILABLE, exc)
+        except Exception as exc:
+            logger.exception("request %s failed", gen_input.request_id)
+            _refuse(grpc_context, grpc.StatusCode.INTERNAL, exc)
         except asyncio.CancelledError:
             if not record.aborted:
                 raise
@@ -153,10 +159,12 @@ class Router:
         )
 
 
-def _stream_fn(handle: DeploymentHandle) -> StreamFn:
+def _stream_fn(handle: DeploymentHandle, role: str) -> StreamFn:
+    """Calls to an engine deployment: its ValueErrors come back as ValueErrors, and any other
+    failure as an EngineFailure whose message carries nothing of Ray's."""
     streaming = handle.options(stream=True)
 
-    async def stream(request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
+    async def stream(request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         response: Any = streaming.generate.remote(request)  # a DeploymentResponseGenerator
         done = False
         try:
@@ -167,7 +175,8 @@ def _stream_fn(handle: DeploymentHandle) -> StreamFn:
             cause = getattr(exc, "cause", None)  # RayTaskError: the replica's own exception
             if isinstance(cause, ValueError):
                 raise ValueError(str(cause)) from None
-            raise
+            logger.warning("the %s leg failed", role, exc_info=True)
+            raise engine_failure(role, exc) from None
         finally:
             if not done:
                 response.cancel()  # aborts the request on the engine replica
@@ -178,7 +187,7 @@ def _stream_fn(handle: DeploymentHandle) -> StreamFn:
 def _refuse(context: RayServegRPCContext, code: grpc.StatusCode, exc: BaseException) -> NoReturn:
     """End the call with `code` (Serve's proxy keeps a code set before raising)."""
     context.set_code(code)
-    context.set_details(str(exc))
+    context.set_details(public_message(exc))
     raise exc
 
 

@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from engine.request import RequestTiming, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.core.kv_cache_manager import PrefixCacheStats
+    from engine.engine_core import EngineStats
 
 OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -330,15 +334,16 @@ class EngineMetrics:
         )
         self._preemptions_seen = 0
 
-    def sample(self, stats: dict[str, Any], prefix: Any, preemptions: int) -> None:
+    def sample(self, stats: EngineStats, prefix: PrefixCacheStats) -> None:
         """Periodic: gauges from a stats snapshot, counters from the deltas since last time."""
-        self.running.set(stats["num_running"])
-        self.waiting.set(stats["num_waiting"])
-        self.kv_usage.set(stats["kv_cache_usage"])
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
         if prefix.queries:
             self.prefix_queries.inc(prefix.queries)
             self.prefix_hits.inc(prefix.hits)
             self.prefix_hit_rate.set(prefix.hit_rate)
+        preemptions = stats.num_preemptions
         if preemptions > self._preemptions_seen:
             self.preemptions.inc(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions

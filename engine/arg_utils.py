@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    check_known_keys,
+    config_from_dict,
+)
 from engine.models import ModelArchConfig
 
 DEFAULT_MODEL = "default"
@@ -38,10 +46,7 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        check_known_keys("engine argument(s)", kwargs, cls)
         return cls(model=model, **kwargs)
 
     def model_path(self) -> Path:
@@ -91,9 +96,9 @@ class EngineArgs:
         )
         kv_transfer = None
         if self.kv_transfer_config is not None:
-            from connector.config import KVTransferConfig
-
-            kv_transfer = KVTransferConfig.from_any(self.kv_transfer_config)
+            kv_transfer = config_from_dict(
+                "kv_transfer_config", self.kv_transfer_config, KVTransferConfig
+            )
         config = EngineConfig(
             model,
             cache,

@@ -1,8 +1,10 @@
 """AsyncEngine: the step loop in a background thread, requests streamed to asyncio callers.
 
 The engine thread owns EngineCore (torch and the scheduler are not thread-safe); callers talk
-to it through a command queue, and results come back to each request's asyncio.Queue through
-`loop.call_soon_threadsafe`. A Serve replica embeds one of these.
+to it through a command queue, and each step's EngineCoreOutputs come back to each request's
+asyncio.Queue through `loop.call_soon_threadsafe`. The engine thread handles token ids only:
+`generate_tokens` streams them as they are (what a Serve replica sends its router), and
+`generate` detokenizes them in the caller's thread, with the same OutputProcessor as `LLM`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +30,8 @@ from engine.llm import (
     reasoning_tokens,
 )
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.request import RequestStatus, SamplingParams
+from engine.outputs import EngineCoreOutput, RequestOutput, merge_outputs
+from engine.request import FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +43,6 @@ class EngineDeadError(RuntimeError):
 @dataclass
 class _Add:
     request_id: str
-    prompt: str | None
     token_ids: list[int]
     params: SamplingParams
     request_kwargs: dict[str, Any]
@@ -52,9 +54,9 @@ class _Sink:
     """Where one request's outputs go: an asyncio.Queue living in the caller's loop."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[EngineCoreOutput | BaseException] = field(default_factory=asyncio.Queue)
 
-    def put(self, item: RequestOutput | BaseException) -> bool:
+    def put(self, item: EngineCoreOutput | BaseException) -> bool:
         """False when the caller's event loop is gone: nobody is listening any more."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -64,8 +66,8 @@ class _Sink:
 
 
 def _snapshot(result: RequestOutput) -> RequestOutput:
-    """A copy the caller's thread may read while the loop thread goes on: the output
-    processor updates one CompletionOutput per request in place, step after step."""
+    """A copy the caller may keep: the output processor updates one CompletionOutput per
+    request in place, output after output."""
     completion = result.outputs[0]
     copy = dataclasses.replace(
         completion,
@@ -76,22 +78,12 @@ def _snapshot(result: RequestOutput) -> RequestOutput:
     return dataclasses.replace(result, outputs=[copy])
 
 
-def _merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output for two consecutive ones of a request (snapshots: `later` is cumulative)."""
-    a, b = earlier.outputs[0], later.outputs[0]
-    merged = dataclasses.replace(
-        b, new_token_ids=a.new_token_ids + b.new_token_ids, delta_text=a.delta_text + b.delta_text
-    )
-    return dataclasses.replace(later, outputs=[merged])
-
-
 class AsyncEngine:
     def __init__(self, model: str = "default", **engine_args: Any) -> None:
         config, arch = EngineArgs.from_kwargs(model, **engine_args).create_engine_config()
         self.tokenizer = load_tokenizer(config.model.model)
         self.core = EngineCore(config, arch, reasoning_tokens(self.tokenizer))
         self.max_model_len = config.scheduler.max_model_len
-        self._processor = OutputProcessor(self.tokenizer)
         self._sinks: dict[str, _Sink] = {}
         self._commands: queue.Queue[_Add | str | None] = queue.Queue()
         self._ids = itertools.count()
@@ -110,45 +102,93 @@ class AsyncEngine:
         coalesce: bool = False,
         **request_kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput per step that produced tokens; the last has finished=True.
+        """Yield a RequestOutput (with text) per engine output; the last has finished=True.
+
+        Stop strings are matched here, on the text; the request ends at the token that
+        completed one. Otherwise as `generate_tokens`.
+        """
+        params = sampling_params or SamplingParams()
+        text, token_ids = encode_prompt(self.tokenizer, prompt, self.max_model_len)
+        request_id = request_id or self._new_request_id()
+        processor = OutputProcessor(self.tokenizer)
+        processor.add_request(request_id, text, token_ids, params)
+        # The engine matches tokens only; leaving the strings out keeps it from refusing them.
+        tokens = self.generate_tokens(
+            token_ids,
+            dataclasses.replace(params, stop=()),
+            request_id,
+            coalesce=coalesce,
+            **request_kwargs,
+        )
+        async with aclosing(tokens) as outputs:
+            async for output in outputs:
+                results, stopped = processor.process([output])
+                for result in results:
+                    yield _snapshot(result)
+                    if result.finished:
+                        return  # closing the token stream ends a string-stopped request
+                if stopped:
+                    return
+
+    async def generate_tokens(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        coalesce: bool = False,
+        **request_kwargs: Any,
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
+        """Yield an EngineCoreOutput (token ids, no text) per step that produced tokens; the
+        last has a finish_reason.
 
         With `coalesce`, the outputs of steps that ran while the caller was busy come as one
         (their new tokens together): a caller that forwards each output over a network pays
         its per-message cost once per batch when it falls behind, and catches up.
 
-        Bad input raises ValueError before anything is queued. A caller that stops iterating
-        (a client gone) aborts the request, so its KV blocks come back.
+        Bad input raises ValueError before anything is queued (stop strings too: they need
+        text, see `generate`). A caller that stops iterating (a client gone) aborts the
+        request, so its KV blocks come back.
         """
         if self._dead is not None:
             raise EngineDeadError(f"engine loop has stopped: {self._dead}")
         params = sampling_params or SamplingParams()
-        text, token_ids = encode_prompt(self.tokenizer, prompt, self.max_model_len)
-        request_id = request_id or f"req-{next(self._ids)}"
+        if params.stop:
+            raise ValueError("stop strings need text: use generate(), not generate_tokens()")
+        _, token_ids = encode_prompt(None, prompt_token_ids, self.max_model_len)
+        request_id = request_id or self._new_request_id()
         sink = _Sink(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, text, token_ids, params, request_kwargs, sink))
+        self._commands.put(_Add(request_id, token_ids, params, request_kwargs, sink))
         if self._dead is not None:  # died meanwhile: the loop may never read that command
             raise EngineDeadError(f"engine loop has stopped: {self._dead}")
         finished = False
-        held: RequestOutput | BaseException | None = None
         try:
-            while True:
-                item = held if held is not None else await sink.queue.get()
-                held = None
-                if isinstance(item, BaseException):
-                    raise item
-                while coalesce and not item.finished and not sink.queue.empty():
-                    later = sink.queue.get_nowait()
-                    if isinstance(later, BaseException):
-                        held = later  # after what came before it
-                        break
-                    item = _merge_outputs(item, later)
-                finished = item.finished
-                yield item
+            async for output in self._outputs(sink, coalesce):
+                finished = output.finished
+                yield output
                 if finished:
                     return
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def _outputs(self, sink: _Sink, coalesce: bool) -> AsyncIterator[EngineCoreOutput]:
+        held: EngineCoreOutput | BaseException | None = None
+        while True:
+            item = held if held is not None else await sink.queue.get()
+            held = None
+            if isinstance(item, BaseException):
+                raise item
+            while coalesce and not item.finished and not sink.queue.empty():
+                later = sink.queue.get_nowait()
+                if isinstance(later, BaseException):
+                    held = later  # after what came before it
+                    break
+                item = merge_outputs(item, later)
+            yield item
+
+    def _new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
 
     def abort(self, request_id: str) -> None:
         self._commands.put(request_id)
@@ -213,6 +253,8 @@ class AsyncEngine:
 
     def _add(self, add: _Add) -> None:
         try:
+            if add.request_id in self._sinks:
+                raise ValueError(f"duplicate request id {add.request_id!r}")
             request = make_request(
                 add.request_id,
                 add.token_ids,
@@ -220,14 +262,7 @@ class AsyncEngine:
                 self.core.arch.eos_token_ids,
                 **add.request_kwargs,
             )
-            if add.request_id in self._sinks:
-                raise ValueError(f"duplicate request id {add.request_id!r}")
-            self._processor.add_request(add.request_id, add.prompt, add.token_ids, add.params)
-            try:
-                self.core.add_request(request)
-            except ValueError:
-                self._processor.abort(add.request_id)
-                raise
+            self.core.add_request(request)
         except ValueError as exc:
             add.sink.put(exc)
             return
@@ -235,20 +270,16 @@ class AsyncEngine:
 
     def _abort(self, request_id: str) -> None:
         self.core.abort_requests([request_id])
-        final = self._processor.abort(request_id)
         sink = self._sinks.pop(request_id, None)
-        if sink is not None and final is not None:
-            sink.put(final)
+        if sink is not None:  # a caller still listening hears how its request ended
+            sink.put(EngineCoreOutput(request_id, [], FinishReason.ABORT))
 
     def _step(self) -> None:
-        results, stopped = self._processor.process(self.core.step())
-        if stopped:
-            self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        for result in results:
-            sink = self._sinks.get(result.request_id)
+        for output in self.core.step():
+            sink = self._sinks.get(output.request_id)
             if sink is None:
                 continue
-            if not sink.put(_snapshot(result)):
-                self._abort(result.request_id)  # one caller gone; the engine serves on
-            elif result.finished:
-                del self._sinks[result.request_id]
+            if not sink.put(output):
+                self._abort(output.request_id)  # one caller gone; the engine serves on
+            elif output.finished:
+                del self._sinks[output.request_id]

@@ -2,12 +2,38 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, fields
+from typing import Any, Literal, TypeVar
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 _POLICIES = ("fcfs", "priority")
 _HASH_ALGOS = ("sha256",)
+# The KV transports (connector/): the one list every edge (CLI, app, bench) checks against.
+TransportName = Literal["nixl", "grpc"]
+KV_TRANSPORTS: tuple[TransportName, ...] = ("nixl", "grpc")
+KVLoadFailurePolicy = Literal["recompute", "fail"]
+KV_LOAD_FAILURE_POLICIES: tuple[KVLoadFailurePolicy, ...] = ("recompute", "fail")
+
+_Config = TypeVar("_Config")
+
+
+def check_known_keys(what: str, given: Any, config_class: type) -> None:
+    """ValueError naming the keys of `given` that are not fields of the dataclass."""
+    known = {f.name for f in fields(config_class)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; known: {sorted(known)}")
+
+
+def config_from_dict(what: str, value: Any, config_class: type[_Config]) -> _Config:
+    """A config dataclass from a dict of its fields (or the dataclass itself), ValueError
+    for anything else or for unknown keys."""
+    if isinstance(value, config_class):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a dict, got {type(value).__name__}")
+    check_known_keys(f"{what} keys", value, config_class)
+    return config_class(**value)
 
 
 def _require_int(name: str, value: object, minimum: int) -> None:
@@ -95,6 +121,44 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """How an engine takes part in KV transfer (the `kv_transfer_config` engine argument).
+
+    `connector` names the transport, as vLLM's `kv_connector` names a connector: every engine
+    runs the same PDConnector (connector/) and can both produce and consume KV.
+    """
+
+    connector: TransportName = "nixl"
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0  # 0: pick a free port
+    secret: str = ""
+    lease_seconds: float = 30.0
+    kv_load_failure_policy: KVLoadFailurePolicy = "recompute"
+    # A stable name for this engine in handshakes and kv_transfer_params ("" = random).
+    engine_id: str = ""
+
+    def __post_init__(self) -> None:
+        check_transport(self.connector, "connector")
+        port = self.side_channel_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"side_channel_port must be in [0, 65535], got {port!r}")
+        if not isinstance(self.lease_seconds, (int, float)) or self.lease_seconds <= 0:
+            raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
+                f"got {self.kv_load_failure_policy!r}"
+            )
+        if not isinstance(self.secret, str):
+            raise ValueError("secret must be a string")
+
+
+def check_transport(name: object, what: str = "transport") -> None:
+    if name not in KV_TRANSPORTS:
+        raise ValueError(f"{what} must be one of {KV_TRANSPORTS}, got {name!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an EngineCore is built from. `cache.num_blocks` may stay None: the worker
     then sizes the KV cache from `kv_cache_memory_bytes` (CPU) or `gpu_memory_utilization`."""
@@ -104,4 +168,4 @@ class EngineConfig:
     scheduler: SchedulerConfig
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    kv_transfer: Any = None  # connector.config.KVTransferConfig (engine/ does not import it)
+    kv_transfer: KVTransferConfig | None = None

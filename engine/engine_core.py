@@ -1,21 +1,39 @@
-"""EngineCore: the step loop (schedule -> execute -> update) over one model and one KV pool."""
+"""EngineCore: the step loop (schedule -> execute -> update) over one model and one KV pool.
+
+It is also the engine's facade: `LLM`, `AsyncEngine` and the Serve replica ask it what they
+need (KV cache size, transport, stats, failure injection for tests) instead of reaching into
+the scheduler, the runner or the connector.
+"""
 
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from connector.base import KVConnectorBase
 from engine.config import EngineConfig
-from engine.core.sched_output import EngineCoreOutput
+from engine.core.kv_cache_manager import PrefixCacheStats
 from engine.core.scheduler import Scheduler
+from engine.kv_connector import KVConnectorBase, create_kv_connector
 from engine.models import ModelArchConfig
+from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
 from engine.worker.model_runner import ModelRunner, ReasoningTokens
 
 _IDLE_POLL_S = 0.002
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the KV pool and the queues (read from another thread it may lag a step)."""
+
+    num_blocks: int  # usable KV blocks (the null block is not counted)
+    num_free_blocks: int  # free or only cached (evictable)
+    num_running: int
+    num_waiting: int
+    num_held_requests: int  # finished, blocks held for a remote reader
+    kv_cache_usage: float
+    num_preemptions: int
 
 
 class EngineCore:
@@ -33,13 +51,15 @@ class EngineCore:
         num_blocks = self.runner.determine_num_blocks()
         cache = replace(config.cache, num_blocks=num_blocks)
         if connector is None and config.kv_transfer is not None:
-            connector = make_connector(config, arch)
+            connector = create_kv_connector(config, arch)
         self.connector = connector
         # The scheduler refuses a pool too small for one max_model_len sequence.
         self.scheduler = Scheduler(config.scheduler, cache, connector)
         self.runner.connector = connector
         self.runner.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+
+    # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
         """Validate against the model, then queue. Raises ValueError on bad input."""
@@ -77,30 +97,67 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_requests(self) -> bool:
+        """Anything to step for: requests, outputs not handed out, transfers in flight."""
         return self.scheduler.has_requests() or self._waiting_on_transfers()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
 
     def _waiting_on_transfers(self) -> bool:
         return self.connector is not None and self.connector.has_pending_transfers()
 
+    # ------------------------------------------------------------------ what callers ask
+
+    @property
+    def supports_kv_transfer(self) -> bool:
+        return self.connector is not None
+
+    @property
+    def kv_transport(self) -> str:
+        """The KV transport's name ("nixl", "grpc"), "" without KV transfer."""
+        kv = self.config.kv_transfer
+        return kv.connector if kv is not None else ""
+
+    @property
+    def side_channel_port(self) -> int | None:
+        return self.connector.side_channel_port if self.connector is not None else None
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Usable KV blocks (block 0 is the null block)."""
+        return self.num_blocks - 1
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block, all layers, K and V: what a transfer moves per block."""
+        kv_cache = self.runner.kv_cache
+        return kv_cache[0].nbytes if kv_cache is not None else 0
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        unfinished = scheduler.get_num_unfinished_requests()
+        num_running = len(scheduler.running)
+        return EngineStats(
+            num_blocks=self.num_kv_blocks,
+            num_free_blocks=free,
+            num_running=num_running,
+            num_waiting=unfinished - num_running,
+            num_held_requests=max(0, len(scheduler.requests) - unfinished),
+            kv_cache_usage=1.0 - free / max(1, self.num_kv_blocks),
+            num_preemptions=scheduler.num_preemptions,
+        )
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache lookups since the last call."""
+        return self.scheduler.kv_cache_manager.take_prefix_cache_stats()
+
+    def inject_kv_load_failure(self, after: int) -> None:
+        """Tests: the next KV load of this engine fails part-way (ValueError if it cannot)."""
+        if self.connector is None:
+            raise ValueError("this engine has no KV connector")
+        self.connector.inject_load_failure(after)
+
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
-
-
-def make_connector(config: EngineConfig, arch: ModelArchConfig) -> KVConnectorBase:
-    from connector.metadata import compatibility_hash
-    from connector.pd_connector import PDConnector
-
-    kv = config.kv_transfer
-    compat = compatibility_hash(
-        model=arch.architecture,
-        vocab_size=arch.vocab_size,
-        hidden_size=arch.hidden_size,
-        dtype=config.model.dtype,
-        num_layers=arch.num_hidden_layers,
-        num_kv_heads=arch.num_key_value_heads,
-        head_dim=arch.head_dim,
-        block_size=config.cache.block_size,
-    )
-    engine_id = kv.engine_id or f"engine-{uuid.uuid4().hex[:12]}"
-    return PDConnector(kv, engine_id, compat, config.cache.block_size)

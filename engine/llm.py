@@ -58,7 +58,7 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         kv_list = _as_kv_params_list(kv_transfer_params, len(prompt_list))
-        if any(kv_list) and self.engine.connector is None:
+        if any(kv_list) and not self.engine.supports_kv_transfer:
             raise ValueError("kv_transfer_params need LLM(..., kv_transfer_config={...})")
         processor = OutputProcessor(self.tokenizer, final_only=True)
         order = [
@@ -72,7 +72,7 @@ class LLM:
             if stopped:
                 self.engine.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
             finals.update((r.request_id, r) for r in results if r.finished)
-        if not self.engine.scheduler.has_unfinished_requests():
+        if not self.engine.has_unfinished_requests():
             self.engine.step()  # let the worker drop the finished requests' state now
         return [finals[request_id] for request_id in order]
 

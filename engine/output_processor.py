@@ -1,11 +1,14 @@
-"""Turns EngineCoreOutputs into RequestOutputs: detokenizes and applies stop strings."""
+"""Turns EngineCoreOutputs into RequestOutputs: detokenizes and applies stop strings.
+
+The one place token ids become text: `LLM.generate`, `AsyncEngine.generate` and the router's
+ResponseStream all use it, so a request reads the same whichever way it was served.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.sched_output import EngineCoreOutput
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
 from engine.request import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -77,7 +80,7 @@ class OutputProcessor:
             state = self._states.get(output.request_id)
             if state is None:
                 continue  # aborted by the caller meanwhile
-            if self._apply(state, output):
+            if self._apply_exactly(state, output):
                 stopped_by_string.append(output.request_id)
             finished = state.completion.finish_reason is not None
             if finished or not self.final_only:
@@ -96,6 +99,35 @@ class OutputProcessor:
         return RequestOutput(
             request_id, state.prompt, state.prompt_token_ids, [state.completion], finished=True
         )
+
+    def _apply_exactly(self, state: _RequestState, output: EngineCoreOutput) -> bool:
+        """`_apply`, token by token when a stop string may end the request inside `output`
+        (several tokens of one step, or of coalesced steps): the request then ends at the
+        token that completed the string, and what followed it is never reported."""
+        ids = output.new_token_ids
+        if len(ids) <= 1 or not state.params.stop or state.deferred:
+            return self._apply(state, output)
+        completion = state.completion
+        new_token_ids: list[int] = []
+        delta_text: list[str] = []
+        stopped_by_string = False
+        for i, token_id in enumerate(ids):
+            last = i == len(ids) - 1
+            piece = EngineCoreOutput(
+                output.request_id,
+                [token_id],
+                output.finish_reason if last else None,
+                output.stop_reason if last else None,
+                new_logprobs=[output.new_logprobs[i]] if output.new_logprobs else None,
+            )
+            stopped_by_string = self._apply(state, piece)
+            new_token_ids.append(token_id)
+            delta_text.append(completion.delta_text)
+            if completion.finish_reason is not None:
+                break
+        completion.new_token_ids = new_token_ids
+        completion.delta_text = "".join(delta_text)
+        return stopped_by_string
 
     def _apply(self, state: _RequestState, output: EngineCoreOutput) -> bool:
         completion = state.completion

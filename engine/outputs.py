@@ -1,12 +1,53 @@
-"""What callers get back: RequestOutput with one CompletionOutput (vLLM's shapes)."""
+"""Every output type of an engine, in the order a token meets them.
+
+EngineCoreOutput: what one step added to one request (token ids, logprobs, how it ended). It is
+what the engine core returns, what `AsyncEngine.generate_tokens` streams, and what an engine
+replica sends the router: token ids only, never text.
+
+RequestOutput / CompletionOutput (vLLM's shapes): the same request with its text, built by
+the OutputProcessor (engine/output_processor.py) wherever the caller wants text - `LLM.generate`,
+`AsyncEngine.generate`, and the router, which detokenizes once for both legs of a request.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.sched_output import TokenLogprobs
-from engine.request import RequestTiming
+from engine.request import FinishReason, RequestTiming
+
+# Per sampled token: (token ids: the sampled one then the top-n, their logprobs, the rank of
+# the sampled token).
+TokenLogprobs = tuple[list[int], list[float], int]
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """Per-request result of one step: new tokens, and how it ended if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    timing: RequestTiming | None = None  # on the last output only
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def merge_outputs(earlier: EngineCoreOutput, later: EngineCoreOutput) -> EngineCoreOutput:
+    """One output for two consecutive ones of a request: tokens (and logprobs) together,
+    the later one's ending."""
+    merged = dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids)
+    if earlier.new_logprobs or later.new_logprobs:
+        merged.new_logprobs = (earlier.new_logprobs or []) + (later.new_logprobs or [])
+    return merged
 
 
 @dataclass

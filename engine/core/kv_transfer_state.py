@@ -13,19 +13,40 @@ request with FINISHED_ERROR. Either way no invalid block enters the prefix cache
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+from engine.config import KVLoadFailurePolicy
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_cache_utils import cdiv
 from engine.core.sched_output import KVConnectorOutput
 from engine.request import Request, RequestStatus
 
-if TYPE_CHECKING:
-    from engine.core.scheduler import Scheduler
+
+@dataclass
+class InvalidBlocksOutcome:
+    """What the scheduler must do about blocks whose load failed."""
+
+    # Requests whose sampled tokens of this step are dropped (computed over bad KV).
+    discarded: set[str] = field(default_factory=set)
+    # Requests to end with FINISHED_ERROR (policy "fail"), with the message.
+    failed: list[tuple[Request, str]] = field(default_factory=list)
 
 
 class KVTransferState:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
+    """The scheduler's requests are read, never owned: the scheduler acts on what this
+    returns (requests to fail, requests whose blocks may be freed)."""
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        requests: Mapping[str, Request],
+        load_failure_policy: KVLoadFailurePolicy,
+    ) -> None:
+        self._kv_cache_manager = kv_cache_manager
+        self._requests = requests
+        self._block_size = kv_cache_manager.block_size
+        self._policy = load_failure_policy
         # req_id -> num_computed_tokens the request will have once its load has landed.
         self._load_targets: dict[str, int] = {}
         self._finished_recving: set[str] = set()
@@ -38,7 +59,7 @@ class KVTransferState:
         request.num_computed_tokens = num_local_computed_tokens
         target = num_local_computed_tokens + request.num_external_computed_tokens
         self._load_targets[request.request_id] = target
-        block_size = self._scheduler.block_size
+        block_size = self._block_size
         request.timing.kv_load_start = time.time()
         request.timing.kv_load_blocks = (
             cdiv(target, block_size) - num_local_computed_tokens // block_size
@@ -61,56 +82,56 @@ class KVTransferState:
         else:
             request.num_computed_tokens = target
             request.timing.kv_load_outcome = "ok"
-        self._scheduler.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        self._kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.WAITING
         return True
 
-    def handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
-        """Apply the load-failure policy. Returns requests whose sampled tokens of this step
-        must be dropped (they were computed over bad KV)."""
-        scheduler = self._scheduler
-        connector = scheduler.connector
-        policy = connector.load_failure_policy if connector is not None else "recompute"
-        affected: set[str] = set()
+    def handle_invalid_blocks(self, invalid_block_ids: set[int]) -> InvalidBlocksOutcome:
+        """Apply the load-failure policy: rewind the requests that loaded an invalid block
+        ("recompute"), or say which ones to fail ("fail")."""
+        outcome = InvalidBlocksOutcome()
         for req_id, target in self._loads_to_check():
-            request = scheduler.requests.get(req_id)
+            request = self._requests.get(req_id)
             if request is None or request.is_finished:
                 continue
             valid = self._valid_prefix(req_id, target, invalid_block_ids)
             if valid is None:
                 continue
-            affected.add(req_id)
-            if policy == "fail":
+            outcome.discarded.add(req_id)
+            if self._policy == "fail":
                 request.timing.kv_load_end = time.time()
                 request.timing.kv_load_outcome = "failed"
                 bad = sorted(invalid_block_ids)
-                scheduler.fail_request(request, f"loading remote KV failed (invalid blocks {bad})")
+                outcome.failed.append((request, f"loading remote KV failed (invalid blocks {bad})"))
                 continue
             if req_id in self._load_targets:  # asynchronous: takes effect at promotion
                 request.num_computed_tokens = valid
                 self._failed_recving.add(req_id)
             else:  # synchronous: this step computed over the bad blocks
                 request.num_computed_tokens = min(request.num_computed_tokens, valid)
-        return affected
+        return outcome
 
     def end_step(self) -> None:
         self._sync_loads.clear()
 
-    def update_from_xfer_finished(self, kv_output: KVConnectorOutput) -> None:
-        scheduler = self._scheduler
+    def update_from_xfer_finished(self, kv_output: KVConnectorOutput) -> list[Request]:
+        """Note the loads that ended; returns the finished requests whose blocks no transfer
+        needs any more (the scheduler frees them)."""
+        releasable: list[Request] = []
         for req_id in kv_output.finished_recving:
-            request = scheduler.requests.get(req_id)
+            request = self._requests.get(req_id)
             if request is None:
                 continue
             if request.is_finished:
                 # Aborted while its read was in flight: the blocks are safe to reuse only now.
-                scheduler.free_request_blocks(request)
+                releasable.append(request)
             else:
                 self._finished_recving.add(req_id)
         for req_id in kv_output.finished_sending:
-            request = scheduler.requests.get(req_id)
+            request = self._requests.get(req_id)
             if request is not None and request.is_finished:
-                scheduler.free_request_blocks(request)
+                releasable.append(request)
+        return releasable
 
     def forget(self, req_id: str) -> None:
         self._load_targets.pop(req_id, None)
@@ -119,9 +140,8 @@ class KVTransferState:
 
     def _loads_to_check(self) -> list[tuple[str, int]]:
         loads = list(self._load_targets.items())
-        requests = self._scheduler.requests
         for req_id in self._sync_loads:
-            request = requests.get(req_id)
+            request = self._requests.get(req_id)
             if request is not None:
                 loads.append((req_id, request.num_computed_tokens))
         return loads
@@ -129,8 +149,8 @@ class KVTransferState:
     def _valid_prefix(self, req_id: str, target: int, invalid: set[int]) -> int | None:
         """Tokens before the first invalid block among the first `target` tokens, or None
         if none of the request's loaded blocks is invalid."""
-        block_size = self._scheduler.block_size
-        block_ids = self._scheduler.kv_cache_manager.get_block_ids(req_id)
+        block_size = self._block_size
+        block_ids = self._kv_cache_manager.get_block_ids(req_id)
         for index, block_id in enumerate(block_ids[: cdiv(target, block_size)]):
             if block_id in invalid:
                 return min(index * block_size, target)

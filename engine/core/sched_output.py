@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.request import FinishReason, Request, RequestTiming, SamplingParams
+from engine.outputs import TokenLogprobs
+from engine.request import Request, SamplingParams
 
 
 @dataclass
@@ -82,11 +83,6 @@ class KVConnectorOutput:
     invalid_block_ids: set[int] = field(default_factory=set)
 
 
-# Per sampled token: (token ids: the sampled one then the top-n, their logprobs, the rank of
-# the sampled token).
-TokenLogprobs = tuple[list[int], list[float], int]
-
-
 @dataclass
 class ModelRunnerOutput:
     """Sampled tokens in `req_ids` order; an empty list for a request still in prefill."""
@@ -99,22 +95,3 @@ class ModelRunnerOutput:
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    """Per-request result of one step: new tokens, and how it ended if it did."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None
-    new_logprobs: list[TokenLogprobs] | None = None
-    timing: RequestTiming | None = None  # on the last output only
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

@@ -10,15 +10,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from connector.base import KVConnectorBase
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_cache_utils import KVCacheBlock, cdiv
 from engine.core.kv_transfer_state import KVTransferState
 from engine.core.request_queue import RequestQueue, create_request_queue
-from engine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.sched_step import Step, build_scheduler_output
 from engine.core.stop import check_stop
+from engine.kv_connector import KVConnectorBase
+from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason, Request, RequestStatus, finish_reason_of
 
 _WAITING = RequestStatus.WAITING
@@ -49,7 +50,11 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished since the last schedule(): the worker drops their state.
         self.finished_req_ids: set[str] = set()
-        self.kv_transfers = KVTransferState(self)
+        self.kv_transfers = KVTransferState(
+            self.kv_cache_manager,
+            self.requests,
+            connector.load_failure_policy if connector is not None else "recompute",
+        )
         # Outputs produced outside a step (e.g. rejected on arrival), sent with the next one.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
@@ -308,7 +313,10 @@ class Scheduler:
         kv_output = model_runner_output.kv_connector_output
         discarded: set[str] = set()
         if kv_output is not None and kv_output.invalid_block_ids:
-            discarded = self.kv_transfers.handle_invalid_blocks(kv_output.invalid_block_ids)
+            outcome = self.kv_transfers.handle_invalid_blocks(kv_output.invalid_block_ids)
+            discarded = outcome.discarded
+            for failed, error in outcome.failed:
+                self.fail_request(failed, error)
         self.kv_transfers.end_step()
         requests = self.requests
         max_model_len = self.max_model_len
@@ -342,7 +350,8 @@ class Scheduler:
         outputs.extend(self._pending_outputs)
         self._pending_outputs = []
         if kv_output is not None:
-            self.kv_transfers.update_from_xfer_finished(kv_output)
+            for done in self.kv_transfers.update_from_xfer_finished(kv_output):
+                self.free_request_blocks(done)
             if self.connector is not None:
                 self.connector.update_connector_output(kv_output)
         return outputs

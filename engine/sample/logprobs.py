@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sample.outputs import LogprobsOutput
+from engine.sample.sampler_output import LogprobsOutput
 
 
 def gather_logprobs(

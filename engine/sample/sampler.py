@@ -7,8 +7,8 @@ import torch
 from engine.sample.counter_rng import sample_seeded, sample_unseeded
 from engine.sample.logprobs import gather_logprobs
 from engine.sample.metadata import SAMPLING_EPS, SamplingMetadata
-from engine.sample.outputs import LogprobsOutput, SamplerOutput
 from engine.sample.penalties import apply_penalties
+from engine.sample.sampler_output import LogprobsOutput, SamplerOutput
 from engine.sample.top_k_top_p import apply_top_k_top_p
 
 __all__ = ["LogprobsOutput", "Sampler", "SamplerOutput"]

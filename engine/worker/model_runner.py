@@ -6,21 +6,21 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from connector.base import KVConnectorBase
 from engine.config import EngineConfig
 from engine.core.sched_output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     KVConnectorOutput,
     ModelRunnerOutput,
     SchedulerOutput,
-    TokenLogprobs,
 )
+from engine.kv_connector import KVConnectorBase
 from engine.layers.attention import get_attention_backend
 from engine.layers.linear import pack_linears
 from engine.layers.linear import warm_up as warm_up_linears
 from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model
+from engine.outputs import TokenLogprobs
 from engine.request import SamplingParams
 from engine.sample import LogprobsOutput, Sampler, SamplingMetadata
 from engine.sample.logits_processor import LogitsProcessorConfig, build_logits_processors

@@ -35,7 +35,7 @@ def _state(llm: Any) -> dict[str, Any]:
     return {
         "integrity": integrity,
         "free_blocks": manager.block_pool.get_num_free_blocks(),
-        "usable_blocks": engine.num_blocks - 1,
+        "usable_blocks": engine.num_kv_blocks,
         "unfinished": engine.scheduler.get_num_unfinished_requests(),
         "held_requests": len(engine.scheduler.requests),
         "stats": dict(connector.stats) if connector is not None else {},
@@ -47,7 +47,7 @@ def _serve(conn: Any, model: str, engine_kwargs: dict[str, Any]) -> None:
 
     llm = LLM(model, **engine_kwargs)
     connector = llm.engine.connector
-    conn.send(("ready", connector.side_channel_port if connector is not None else None))
+    conn.send(("ready", llm.engine.side_channel_port))
     while True:
         command, args = conn.recv()
         try:
@@ -61,11 +61,7 @@ def _serve(conn: Any, model: str, engine_kwargs: dict[str, Any]) -> None:
                 llm.engine.abort_requests(args[0])
                 reply = None
             elif command == "inject_failure":
-                transport = connector.worker.transport
-                if hasattr(transport, "inject_failure_after_blocks"):
-                    transport.inject_failure_after_blocks(args[0])
-                else:
-                    transport.inject_failure(args[0])
+                llm.engine.inject_kv_load_failure(args[0])
                 reply = None
             elif command == "slow_reads":
                 _slow_down_side_channel(connector, args[0])

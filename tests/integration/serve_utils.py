@@ -27,13 +27,14 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, period_s: float 
         time.sleep(period_s)
 
 
-def prefill_replica_actors(app_name: str = "pdserve") -> list[str]:
-    """Names of the live PrefillServer replica actors of `app_name` (namespace "serve")."""
+def replica_actors(deployment: str, app_name: str = "pdserve") -> list[str]:
+    """Names of the live replica actors of a deployment (e.g. "PrefillServer") of `app_name`
+    (namespace "serve")."""
     import ray
 
     return sorted(
         actor["name"]
         for actor in ray.util.list_named_actors(all_namespaces=True)
         if actor["namespace"] == "serve"
-        and actor["name"].startswith(f"SERVE_REPLICA::{app_name}#PrefillServer#")
+        and actor["name"].startswith(f"SERVE_REPLICA::{app_name}#{deployment}#")
     )

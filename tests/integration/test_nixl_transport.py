@@ -1,5 +1,5 @@
 """NixlTransport between real processes: a spawned prefill process serves a patterned cache
-(engine.benchmarks.kv.serve_prefill_cache), this process reads from it over real NIXL/UCX.
+(connector.testing.serve_prefill_cache), this process reads from it over real NIXL/UCX.
 
 Every wait has a deadline (wait_for / expect raise TimeoutError), so a broken transport fails
 a test instead of hanging it.
@@ -21,14 +21,15 @@ from multiprocessing.process import BaseProcess
 import pytest
 import torch
 
+from connector import testing
 from connector.nixl_transport import (
     FAIL_AFTER_DESCRIPTORS_ENV,
     NixlTransport,
     PeerMetadata,
 )
+from connector.testing import CacheSpec, PeerInfo, expect, holds_blocks, reap, wait_for
 from connector.transport import BlockRead, contiguous_runs
-from engine.benchmarks import kv
-from engine.benchmarks.kv import CacheSpec, PeerInfo, expect, holds_blocks, reap, wait_for
+from pdserve.bench import kv
 
 NUM_BLOCKS = 64
 BLOCK_BYTES = 4096
@@ -63,7 +64,7 @@ def start_prefill() -> Prefill:
     ctx = mp.get_context("spawn")
     conn, child_end = ctx.Pipe()
     spec = CacheSpec("nixl", _unique("prefill"), NUM_BLOCKS, BLOCK_BYTES, timeout_s=120.0)
-    process = ctx.Process(target=kv.serve_prefill_cache, args=(child_end, spec), daemon=True)
+    process = ctx.Process(target=testing.serve_prefill_cache, args=(child_end, spec), daemon=True)
     process.start()
     child_end.close()
     try:
@@ -184,7 +185,7 @@ def test_duplicate_transfer_id_in_flight_raises(decode: Decode) -> None:
 @pytest.mark.integration
 def test_injected_failure_mid_read_is_reported_once(decode: Decode) -> None:
     decode.cache.zero_()
-    decode.transport.inject_failure(after_descriptors=1)
+    decode.transport.inject_failure(1)
     decode.transport.start_read(read("broken", [0, 1, 5], [10, 11, 30]))
     reason = wait_for(decode.transport, "broken", STEP_TIMEOUT_S)
     assert reason is not None and "injected" in reason

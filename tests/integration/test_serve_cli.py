@@ -20,7 +20,7 @@ from tests.integration.serve_utils import free_port
 
 pytestmark = pytest.mark.integration
 
-PDSERVE = [sys.executable, "-m", "deployments.cli"]
+PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
 
 class _Lines:

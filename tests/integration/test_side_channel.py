@@ -3,6 +3,9 @@
 The prefill side (a SideChannelServer over a small CPU cache filled with a seeded pattern) runs
 in a spawned process driven through a pipe; a few tests that need to slow the stream down use
 an in-process server instead.
+
+Why this file is long: the tests share that spawned server process (the module fixture), and a
+module of their own would spawn another.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import pytest
 import torch
 
 from connector.block_data import decode_block_data, encode_block_data
-from connector.config import KVTransferConfig
 from connector.grpc_transport import GrpcTransport
 from connector.leases import LeaseExpired, LeaseNotFound, LeaseTable
 from connector.metadata import compatibility_hash
@@ -32,6 +34,7 @@ from connector.side_channel import (
     block_bytes_view,
 )
 from connector.transport import BlockRead
+from engine.config import KVTransferConfig
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -376,7 +379,7 @@ def test_grpc_transport_reads_runs_exactly(server: ServerProcess) -> None:
 def test_grpc_transport_injected_failure(server: ServerProcess) -> None:
     lease_id = server.lease("req-inject", [1, 2, 3, 4])
     transport = transport_for(server.port)
-    transport.inject_failure_after_blocks(2)
+    transport.inject_failure(2)
     transport.start_read(BlockRead("t-inject", ENGINE_ID, [5, 6, 7, 8], [1, 2, 3, 4], lease_id))
     assert finish(transport, "t-inject") == "injected failure after 2 blocks"
     transport.start_read(BlockRead("t-again", ENGINE_ID, [5, 6, 7, 8], [1, 2, 3, 4], lease_id))

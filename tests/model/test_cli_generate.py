@@ -11,7 +11,7 @@ import pytest
 
 def pdserve(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "deployments.cli", *args],
+        [sys.executable, "-m", "pdserve.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

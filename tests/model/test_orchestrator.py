@@ -11,16 +11,17 @@ from typing import Any
 
 import pytest
 
-from deployments.engine_server import EngineChunk, EngineRequest, EngineServer
+from deployments.engine_server import EngineServer
+from deployments.errors import DeadlineExceeded
 from deployments.orchestrator import (
-    DeadlineExceeded,
     FlowConfig,
     LeaseReleaser,
     ModelFacts,
     Orchestrator,
 )
-from deployments.protocol import GenerateInput, ResponseChunk
+from deployments.protocol import EngineRequest, GenerateInput, ResponseChunk
 from engine.llm import LLM
+from engine.outputs import EngineCoreOutput
 from engine.request import SamplingParams
 
 ENGINE_ARGS = {"max_model_len": 128, "kv_cache_memory_bytes": 8 << 20}
@@ -129,7 +130,7 @@ def test_decode_continues_the_token_the_prefill_sent_even_if_it_would_pick_anoth
     greedy_first = offline.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0))[0]
     other = (greedy_first.outputs[0].token_ids[0] + 1) % 2000
 
-    async def diverging(request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
+    async def diverging(request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         async for chunk in prefill_server.generate(request):
             yield dataclasses.replace(chunk, new_token_ids=[other])
 
@@ -145,7 +146,7 @@ def test_stop_string_inside_a_coalesced_decode_chunk(servers, offline):
     at the token that completed it, exactly as offline."""
     decode_server = servers[1]
 
-    async def all_at_once(request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
+    async def all_at_once(request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         chunks = [chunk async for chunk in decode_server.generate(request)]
         yield dataclasses.replace(
             chunks[-1], new_token_ids=[t for c in chunks for t in c.new_token_ids]
@@ -197,7 +198,7 @@ def test_stop_string_in_the_first_token_text(servers, offline):
 
 
 def test_failed_prefill_leg_falls_back_to_decode_only(servers, offline):
-    async def broken(request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
+    async def broken(request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         raise RuntimeError("prefill replica died")
         yield  # pragma: no cover (makes this an async generator)
 
@@ -216,7 +217,7 @@ def test_short_prompts_skip_the_prefill_leg(servers, offline):
 
 
 def test_decode_leg_that_fails_before_reading_releases_the_prefill_blocks(servers):
-    async def broken(request: EngineRequest) -> AsyncGenerator[EngineChunk, None]:
+    async def broken(request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         raise RuntimeError("decode replica died")
         yield  # pragma: no cover
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from connector.base import KVConnectorBase, KVLoadFailurePolicy
+from engine.config import KVLoadFailurePolicy
 from engine.core.kv_cache_utils import KVCacheBlock
 from engine.core.sched_output import SchedulerOutput
+from engine.kv_connector import KVConnectorBase
 from engine.request import Request, RequestStatus
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import zlib
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.scheduler import Scheduler
+from engine.outputs import EngineCoreOutput
 from engine.request import Request, SamplingParams
 from engine.testing.fake_runner import FakeModelRunner
 

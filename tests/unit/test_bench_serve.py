@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.bench_serve import (
+from pdserve.bench.serve import (
     RequestResult,
     ServeBenchConfig,
     make_prompts,

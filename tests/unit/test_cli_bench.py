@@ -9,7 +9,7 @@ import sys
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "deployments.cli", *args],
+        [sys.executable, "-m", "pdserve.cli", *args],
         capture_output=True,
         text=True,
         timeout=300,

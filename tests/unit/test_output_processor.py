@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.sched_output import EngineCoreOutput
 from engine.models.default_model import make_default_model
 from engine.output_processor import OutputProcessor
+from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason, SamplingParams
 from engine.tokenizer import Tokenizer
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from connector.config import KVTransferConfig
 from connector.metadata import RemoteKV, tokens_hash
 from connector.pd_connector import PDConnector
+from engine.config import KVTransferConfig
 from engine.core.kv_cache_utils import KVCacheBlock
 from engine.request import Request, RequestStatus, SamplingParams
 

@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from engine.config import KV_TRANSPORTS
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line and exit status 2 (no usage dump)."""
@@ -59,7 +61,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default="default", help="model directory, or 'default'")
     parser.add_argument("--prefill-replicas", type=int, default=1)
     parser.add_argument("--decode-replicas", type=int, default=1)
-    parser.add_argument("--transport", choices=("nixl", "grpc"), default="nixl")
+    parser.add_argument("--transport", choices=KV_TRANSPORTS, default="nixl")
     parser.add_argument("--colocated", action="store_true", help="one engine does both")
     parser.add_argument(
         "--with-colocated",
@@ -153,8 +155,8 @@ def _build_parser() -> argparse.ArgumentParser:
     make_model.add_argument("--seed", type=int, default=None)
     bench = commands.add_parser("bench", help="benchmarks; each prints one JSON object")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    from deployments import bench_serve
-    from engine.benchmarks import kv, offline, sched
+    from pdserve.bench import kv, offline, sched
+    from pdserve.bench import serve as bench_serve
 
     bench_serve.add_arguments(benches.add_parser("serve", help="a running endpoint, streaming"))
     sched.add_arguments(benches.add_parser("sched", help="scheduler cost per step (no model)"))
@@ -288,7 +290,7 @@ def _run_client(args: argparse.Namespace) -> int:
 
 
 def _run_trace_sink(args: argparse.Namespace) -> int:
-    from deployments import trace_sink
+    from pdserve import trace_sink
 
     trace_sink.run(args.host, args.port, args.quiet)
     return 0
@@ -309,10 +311,10 @@ def _run_make_model(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from engine.benchmarks import kv, offline, sched
+    from pdserve.bench import kv, offline, sched
 
     if args.bench == "serve":
-        from deployments import bench_serve
+        from pdserve.bench import serve as bench_serve
 
         report = bench_serve.run(bench_serve.config_from_args(args))
     elif args.bench == "sched":

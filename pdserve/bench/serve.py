@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from deployments.client import APP_METADATA_KEY, generate_request
-from engine.benchmarks.stats import summarize
+from pdserve.bench.stats import summarize
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
 

@@ -11,11 +11,11 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
-from engine.benchmarks.stats import summarize
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.scheduler import Scheduler
 from engine.request import Request, SamplingParams
 from engine.testing.fake_runner import FakeModelRunner
+from pdserve.bench.stats import summarize
 
 
 @dataclass(frozen=True)

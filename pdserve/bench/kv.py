@@ -1,9 +1,9 @@
 """`pdserve bench kv`: KV block transfer between two processes, against a single-thread memcpy.
 
-A "prefill" process fills a [num_blocks, block_bytes] cache with a pattern derived from each
-block id and registers it; a "decode" process registers its own cache, adds the prefill side as
-a remote and reads every block, timed (one warm-up read of one block first: it pays for the
-connection). Every timed read lands in a zeroed cache and is checked byte for byte. Layouts:
+Over the harness of connector/testing.py: a "prefill" process serves a patterned cache; a
+"decode" process registers its own cache, adds the prefill side as a remote and reads every
+block, timed (one warm-up read of one block first: it pays for the connection). Every timed
+read lands in a zeroed cache and is checked byte for byte. Layouts:
 - contiguous: local block i <- remote block i, one run, so NIXL needs one descriptor;
 - scattered: local ids a seeded permutation, about one descriptor per block.
 The parent relays what a handshake would carry (NIXL: the transport metadata; gRPC: the side
@@ -18,32 +18,38 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import multiprocessing as mp
-import os
 import statistics
 import time
-import traceback
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
+from connector.testing import (
+    REMOTE_ENGINE_ID,
+    CacheSpec,
+    PeerInfo,
+    connect,
+    expect,
+    holds_blocks,
+    reap,
+    send_error,
+    serve_prefill_cache,
+    wait_for,
+)
 from connector.transport import BlockRead, KVTransport
-from engine.benchmarks.tcp_ceiling import tcp_loopback_gbps
+from engine.config import KV_TRANSPORTS
 from engine.worker.host_memory import zeros_on_huge_pages
+from pdserve.bench.tcp_ceiling import tcp_loopback_gbps
 
 DEFAULT_BLOCK_BYTES = 1 << 20  # an 8B model's 16-token block is 2 MiB; 1 MiB sits near it
 DEFAULT_TOTAL_BYTES = 256 << 20
-TRANSPORTS = ("nixl", "grpc")
+TRANSPORTS = KV_TRANSPORTS
 LAYOUTS = ("contiguous", "scattered")
-_VERIFY_CHUNK_BYTES = 32 << 20  # pattern checks and fills work in chunks of this size
-_REMOTE_ENGINE_ID = "bench-prefill"
-_SECRET = "kv-bench"
-_COMPAT_HASH = "kv-bench"
 
 
 @dataclass(frozen=True)
@@ -78,52 +84,6 @@ class KVBenchConfig:
         return self.num_blocks * self.block_bytes
 
 
-@dataclass(frozen=True)
-class CacheSpec:
-    """One side of the bench: which transport, under which agent name, over which cache."""
-
-    transport: str
-    agent_name: str
-    num_blocks: int
-    block_bytes: int
-    timeout_s: float
-
-
-# -- block contents ---------------------------------------------------------------------------
-
-
-def block_pattern(block_ids: torch.Tensor, block_bytes: int) -> torch.Tensor:
-    """[len(block_ids), block_bytes] uint8 whose int64 word w of block b is ((b + 1) << 32) + w.
-
-    Distinct per block and per offset, never all zero: a misplaced or missing block shows.
-    """
-    words = torch.arange(block_bytes // 8, dtype=torch.int64)
-    values = ((block_ids.to(torch.int64) + 1) << 32).unsqueeze(1) + words
-    return values.view(torch.uint8)
-
-
-def _chunks(num_blocks: int, block_bytes: int) -> Iterator[tuple[int, int]]:
-    step = max(1, _VERIFY_CHUNK_BYTES // block_bytes)
-    for start in range(0, num_blocks, step):
-        yield start, min(num_blocks, start + step)
-
-
-def fill_cache(cache: torch.Tensor) -> None:
-    """Block b of `cache` [num_blocks, block_bytes] uint8 <- block_pattern(b)."""
-    for start, end in _chunks(cache.shape[0], cache.shape[1]):
-        cache[start:end] = block_pattern(torch.arange(start, end), cache.shape[1])
-
-
-def holds_blocks(cache: torch.Tensor, local_ids: list[int], remote_ids: list[int]) -> bool:
-    """Whether local block local_ids[i] holds the pattern of remote block remote_ids[i], all i."""
-    local, remote = torch.tensor(local_ids), torch.tensor(remote_ids)
-    for start, end in _chunks(len(local_ids), cache.shape[1]):
-        expected = block_pattern(remote[start:end], cache.shape[1])
-        if not torch.equal(cache[local[start:end]], expected):
-            return False
-    return True
-
-
 def block_ids(config: KVBenchConfig) -> tuple[list[int], list[int]]:
     """(local ids, remote ids) of the read, per layout."""
     remote = list(range(config.num_blocks))
@@ -133,113 +93,7 @@ def block_ids(config: KVBenchConfig) -> tuple[list[int], list[int]]:
     return torch.randperm(config.num_blocks, generator=generator).tolist(), remote
 
 
-# -- transports -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PeerInfo:
-    """What the prefill process tells the decode process: the Handshake's part of the story."""
-
-    transport_metadata: bytes
-    side_channel_port: int = 0  # grpc: where ReadBlocks is served
-    lease_id: str = "bench"  # grpc: the lease over every block
-
-
-def grpc_available() -> bool:
-    try:
-        for module in ("connector.grpc_transport", "connector.side_channel"):
-            importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
-
-
-def _serve(spec: CacheSpec, cache: torch.Tensor) -> tuple[PeerInfo, Callable[[], None]]:
-    """Make `cache` readable over `spec.transport`: (what a reader needs, how to stop)."""
-    if spec.transport == "nixl":
-        from connector.nixl_transport import NixlTransport
-
-        transport = NixlTransport(spec.agent_name)
-        transport.register(cache)
-        return PeerInfo(transport.local_metadata()), transport.close
-    from connector.config import KVTransferConfig
-    from connector.side_channel import SideChannelServer
-
-    config = KVTransferConfig(connector="grpc", secret=_SECRET)
-    server = SideChannelServer(config, _REMOTE_ENGINE_ID, _COMPAT_HASH, cache, b"", "grpc")
-    port = server.start()
-    lease = server.leases.add("bench", range(spec.num_blocks), lease_seconds=spec.timeout_s)
-    return PeerInfo(b"", port, lease.lease_id), server.stop
-
-
-def _connect(
-    spec: CacheSpec, cache: torch.Tensor, peer: PeerInfo
-) -> tuple[KVTransport, Callable[[], None]]:
-    """A transport over `cache` that can read from the prefill process: (it, how to close)."""
-    if spec.transport == "nixl":
-        from connector.nixl_transport import NixlTransport
-
-        nixl = NixlTransport(spec.agent_name)
-        nixl.register(cache)
-        nixl.add_remote(_REMOTE_ENGINE_ID, peer.transport_metadata)
-        return nixl, nixl.close
-    from connector.grpc_transport import GrpcTransport
-    from connector.side_channel import SideChannelClient
-
-    grpc = GrpcTransport()
-    grpc.register(cache)
-    client = SideChannelClient("127.0.0.1", peer.side_channel_port, _SECRET)
-    client.handshake(spec.agent_name, _COMPAT_HASH, "grpc")
-    grpc.set_remote_client(_REMOTE_ENGINE_ID, client)
-    grpc.add_remote(_REMOTE_ENGINE_ID, peer.transport_metadata)
-
-    def close() -> None:
-        grpc.close()
-        client.close()
-
-    return grpc, close
-
-
-def wait_for(transport: KVTransport, transfer_id: str, timeout_s: float) -> str | None:
-    """Poll until `transfer_id` ends: None when done, the reason when it failed."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        results = transport.poll()
-        if transfer_id in results.done:
-            return None
-        if transfer_id in results.failed:
-            return results.failed[transfer_id]
-        time.sleep(50e-6)  # leaves the GIL to transports that move bytes on their own threads
-    transport.cancel(transfer_id)
-    raise TimeoutError(f"read {transfer_id} did not finish within {timeout_s:g} s")
-
-
 # -- the two processes ------------------------------------------------------------------------
-
-
-def _quiet_stdout() -> None:
-    # NIXL logs to stdout; in a bench child that would interleave with the JSON report.
-    os.dup2(2, 1)
-
-
-def _send_error(conn: Connection) -> None:
-    with contextlib.suppress(OSError):
-        conn.send(("error", traceback.format_exc()))
-
-
-def serve_prefill_cache(conn: Connection, spec: CacheSpec) -> None:
-    """Child process: a filled, registered cache. Sends ("ready", PeerInfo), serves reads until
-    it receives anything (or `spec.timeout_s` passes with nothing received), then exits."""
-    _quiet_stdout()
-    try:
-        cache = zeros_on_huge_pages((spec.num_blocks, spec.block_bytes), torch.uint8)
-        fill_cache(cache)
-        peer, stop = _serve(spec, cache)
-        conn.send(("ready", peer))
-        conn.poll(spec.timeout_s)
-        stop()
-    except Exception:
-        _send_error(conn)
 
 
 def _decode_reads(conn: Connection, spec: CacheSpec, config: KVBenchConfig) -> dict[str, Any]:
@@ -248,7 +102,7 @@ def _decode_reads(conn: Connection, spec: CacheSpec, config: KVBenchConfig) -> d
     if not conn.poll(spec.timeout_s):
         raise TimeoutError("no word from the prefill process")
     peer: PeerInfo = conn.recv()[1]
-    transport, close = _connect(spec, cache, peer)
+    transport, close = connect(spec, cache, peer)
     local, remote = block_ids(config)
     lease = peer.lease_id
     t0 = time.perf_counter()
@@ -273,7 +127,7 @@ def _read(
     lease_id: str,
     timeout_s: float,
 ) -> None:
-    transport.start_read(BlockRead(transfer_id, _REMOTE_ENGINE_ID, ids[0], ids[1], lease_id))
+    transport.start_read(BlockRead(transfer_id, REMOTE_ENGINE_ID, ids[0], ids[1], lease_id))
     failure = wait_for(transport, transfer_id, timeout_s)
     if failure is not None:
         raise RuntimeError(f"read {transfer_id} failed: {failure}")
@@ -303,39 +157,13 @@ def _report(
 
 def decode_worker(conn: Connection, spec: CacheSpec, config: KVBenchConfig) -> None:
     """Child process: waits for ("remote", PeerInfo), reads, sends ("result", report)."""
-    _quiet_stdout()
     try:
         conn.send(("result", _decode_reads(conn, spec, config)))
     except Exception:
-        _send_error(conn)
+        send_error(conn)
 
 
 # -- the parent -------------------------------------------------------------------------------
-
-
-def expect(conn: Connection, kind: str, timeout_s: float, who: str) -> Any:
-    """The payload of the next message from a child, which must be of `kind`."""
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"{who}: no {kind!r} within {timeout_s:g} s")
-    try:
-        got, payload = conn.recv()
-    except EOFError:
-        raise RuntimeError(f"{who} exited before sending {kind!r}") from None
-    if got == "error":
-        raise RuntimeError(f"{who} failed:\n{payload}")
-    if got != kind:
-        raise RuntimeError(f"{who} sent {got!r}, expected {kind!r}")
-    return payload
-
-
-def reap(process: mp.process.BaseProcess, timeout_s: float = 10.0) -> None:
-    """Join a child; kill it if it does not exit in time."""
-    if process.pid is None:
-        return  # never started
-    process.join(timeout_s)
-    if process.is_alive():
-        process.kill()
-        process.join(timeout_s)
 
 
 def _bench_transport(name: str, config: KVBenchConfig) -> dict[str, Any]:
@@ -391,14 +219,7 @@ def memcpy_gbps(num_bytes: int, repeats: int) -> float:
 
 
 def run(config: KVBenchConfig) -> dict[str, Any]:
-    if config.transports == ("grpc",) and not grpc_available():
-        raise ValueError("grpc transport not available")
-    results: dict[str, Any] = {}
-    for name in config.transports:
-        if name == "grpc" and not grpc_available():
-            results[name] = {"skipped": "grpc transport not available"}
-            continue
-        results[name] = _bench_transport(name, config)
+    results = {name: _bench_transport(name, config) for name in config.transports}
     # Measured after the children are gone, so that nothing competes for the cores.
     repeats = max(3, config.repeats)
     reference = memcpy_gbps(config.total_bytes, repeats)

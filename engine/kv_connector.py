@@ -1,4 +1,8 @@
-"""The KV connector contract: a scheduler side and a worker side.
+"""The KV connector contract the engine drives: a scheduler side and a worker side.
+
+The engine defines the contract and connector/ implements it (PDConnector). engine/ never
+imports connector/: it names the implementation (`CONNECTOR_CLASS`) and imports it only
+when a configuration asks for KV transfer (docs/ARCHITECTURE.md, "Layers").
 
 The scheduler calls its hooks at fixed points of a step; a connector decides where KV comes
 from (a remote prefill engine) and how long finished requests keep their blocks (until a remote
@@ -8,16 +12,24 @@ through `KVConnectorOutput` in the model runner's output.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from engine.config import KV_LOAD_FAILURE_POLICIES, KVLoadFailurePolicy
 from engine.core.kv_cache_utils import KVCacheBlock
 from engine.core.sched_output import KVConnectorOutput, SchedulerOutput
 from engine.request import Request
 
-KVLoadFailurePolicy = Literal["recompute", "fail"]
+if TYPE_CHECKING:
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.models import ModelArchConfig
+
+# Where the connector lives, by name: resolved at run time, like vLLM's KVConnectorFactory,
+# so that the layer below (engine/) needs no import of the layer above (connector/).
+CONNECTOR_CLASS = "connector.pd_connector:PDConnector"
 
 
 class KVConnectorBase(ABC):
@@ -26,9 +38,10 @@ class KVConnectorBase(ABC):
     connector (tests) needs no transport."""
 
     def __init__(self, load_failure_policy: KVLoadFailurePolicy = "recompute") -> None:
-        if load_failure_policy not in ("recompute", "fail"):
+        if load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(
-                f"load_failure_policy must be 'recompute' or 'fail', got {load_failure_policy!r}"
+                f"load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
+                f"got {load_failure_policy!r}"
             )
         self.load_failure_policy: KVLoadFailurePolicy = load_failure_policy
 
@@ -99,5 +112,27 @@ class KVConnectorBase(ABC):
         """An abort reached a request whose blocks the connector holds (read or lease)."""
         return None
 
+    def inject_load_failure(self, after: int) -> None:
+        """Tests: the next load fails part-way (see KVTransport.inject_failure)."""
+        raise ValueError("this engine's connector cannot inject load failures")
+
+    @property
+    def side_channel_port(self) -> int | None:
+        """Where peers reach this engine for KV, if it serves a side channel."""
+        return None
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters of this connector (tests, metrics)."""
+        return {}
+
     def close(self) -> None:
         return None
+
+
+def create_kv_connector(config: EngineConfig, arch: ModelArchConfig) -> KVConnectorBase:
+    """The connector `config.kv_transfer` asks for (the caller checked it is set)."""
+    module_name, _, class_name = CONNECTOR_CLASS.partition(":")
+    connector_class = getattr(importlib.import_module(module_name), class_name)
+    connector: KVConnectorBase = connector_class.from_engine_config(config, arch)
+    return connector

@@ -1,1 +1,0 @@
-"""Benchmarks behind `pdserve bench …`: each prints one JSON object."""

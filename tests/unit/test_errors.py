@@ -1,0 +1,48 @@
+"""What a client may read of an error: our own messages, never Ray's internals."""
+
+from __future__ import annotations
+
+import pytest
+from ray.exceptions import ActorDiedError, RayTaskError
+
+from deployments.errors import (
+    INTERNAL_ERROR,
+    DeadlineExceeded,
+    EngineFailure,
+    engine_failure,
+    public_message,
+)
+from engine.async_engine import EngineDeadError
+
+
+def test_a_dead_replica_is_named_without_ray_text() -> None:
+    failure = engine_failure("decode", ActorDiedError())
+    assert str(failure) == (
+        "the decode engine failed mid-request: its replica died or became unreachable"
+    )
+    assert "actor" not in public_message(failure).lower()
+
+
+def test_an_engine_whose_loop_stopped_says_so() -> None:
+    cause = EngineDeadError("engine loop failed: boom at /home/me/secret.py")
+    wrapped = RayTaskError("generate", "Traceback (most recent call last): ...", cause)
+    message = public_message(engine_failure("prefill", wrapped))
+    assert message == "the prefill engine failed mid-request: its engine loop stopped"
+
+
+def test_anything_not_ours_is_a_generic_line() -> None:
+    ray_text = "\x1b[36mray::ServeReplica\x1b[39m actor_id=ab12 Traceback ..."
+    assert public_message(RuntimeError(ray_text)) == INTERNAL_ERROR
+    assert public_message(KeyError("internal")) == INTERNAL_ERROR
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ValueError("bad \x1b[31mtoken\x1b[0m"),
+        DeadlineExceeded("bad token"),
+        EngineFailure("bad token"),
+    ],
+)
+def test_our_own_messages_pass_without_colour_codes(exc: Exception) -> None:
+    assert public_message(exc) == "bad token"
