@@ -1,4 +1,4 @@
-"""The KVTransfer side channel (ARCHITECTURE.md §4, §6): handshake, leases, block reads.
+"""The KVTransfer side channel (docs/ARCHITECTURE.md, "The KV flow"): handshake, leases, reads.
 
 Every engine serves one. A finished prefill request's blocks stay held under a lease in the
 `LeaseTable` until the reader releases it, the lease expires, or the request is cancelled; the

@@ -421,9 +421,9 @@ def test_bad_http_requests_are_400_and_service_keeps_serving(app: App) -> None:
 
 
 def test_killing_the_prefill_replica_keeps_requests_completing(app: App, offline: LLM) -> None:
-    """Next to last in the module: it kills a replica. Under steady traffic, requests in flight at the
-    kill and requests sent after it all complete with the right tokens (fallback to decode-only,
-    or recompute of a failed KV read), and Serve brings a new prefill replica up."""
+    """Next to last in the module: it kills a replica. Under steady traffic, requests in flight
+    at the kill and requests sent after it all complete with the right tokens (fallback to
+    decode-only, or recompute of a failed KV read), and Serve brings a new prefill replica up."""
     import ray
 
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} again {i}" for i in range(40)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -180,3 +181,57 @@ def test_shutdown_ends_every_waiting_caller_with_an_error(hf_refs):
 
     asyncio.run(asyncio.wait_for(stream_then_shutdown(), 30))
     engine.core.close()
+
+
+def test_generate_tokens_streams_token_ids_only(engine, hf_refs):
+    """What an engine replica sends its router: EngineCoreOutputs, no text anywhere."""
+    from engine.outputs import EngineCoreOutput
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+
+    async def go():
+        return [out async for out in engine.generate_tokens(prompt, GREEDY)]
+
+    outs = asyncio.run(go())
+    assert all(isinstance(o, EngineCoreOutput) for o in outs)
+    assert not any(hasattr(o, "text") for o in outs)
+    assert [t for o in outs for t in o.new_token_ids] == hf_refs["llama_gqa"].greedy(prompt, 12)
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert outs[-1].timing is not None and outs[-1].finish_reason == "length"
+
+
+def test_generate_tokens_refuses_stop_strings(engine):
+    async def go():
+        async for _ in engine.generate_tokens([1, 2, 3], SamplingParams(stop=["x"])):
+            pass
+
+    with pytest.raises(ValueError, match="stop strings need text"):
+        asyncio.run(go())
+
+
+def test_stop_string_is_matched_by_the_caller_and_ends_the_engine_request():
+    """AsyncEngine.generate detokenizes in the caller's thread (the engine thread sees token
+    ids only); a stop string ends the stream where offline generation ends it, and the engine
+    request is ended too: its blocks come back."""
+    llm = LLM("default", max_model_len=128, num_gpu_blocks_override=64)
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    text = llm.generate(["Once upon"], free)[0].outputs[0].text
+    stop = text[5:8]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+    expected = llm.generate(["Once upon"], params)[0].outputs[0]
+    llm.close()
+    engine = AsyncEngine("default", max_model_len=128, num_gpu_blocks_override=64)
+    try:
+        outs = asyncio.run(collect(engine, "Once upon", params, coalesce=True))
+        last = outs[-1].outputs[0]
+        assert last.finish_reason == "stop" and last.stop_reason == stop
+        assert last.text == expected.text and last.token_ids == expected.token_ids
+        assert len(last.token_ids) < 40
+        pool = engine.core.scheduler.kv_cache_manager.block_pool
+        deadline = time.monotonic() + 10
+        while pool.get_num_free_blocks() != 63 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pool.get_num_free_blocks() == 63
+        assert engine.core.stats().num_running == 0
+    finally:
+        engine.shutdown()

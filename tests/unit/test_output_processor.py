@@ -60,3 +60,29 @@ def test_final_only_still_stops_on_stop_strings_as_they_appear(tokenizer: Tokeni
             break
     assert stopped_at is not None and stopped_at < len(ids) - 1  # before the stream ended
     assert results[0].finished and results[0].outputs[0].text == "naïve "
+
+
+def test_several_tokens_in_one_output_stop_at_the_token_that_completed_the_string(
+    tokenizer: Tokenizer,
+) -> None:
+    """A coalesced output (an engine replica's batch of steps) ends exactly where a token-by-
+    token stream would: the tokens after the stop string are neither reported nor counted."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    params = SamplingParams(stop=["café"], logprobs=0)
+    one_by_one = OutputProcessor(tokenizer)
+    one_by_one.add_request("r", None, [5], params)
+    for token in ids:
+        results, stopped = one_by_one.process([EngineCoreOutput("r", [token])])
+        if stopped:
+            break
+    expected = results[0].outputs[0]
+    batched = OutputProcessor(tokenizer)
+    batched.add_request("r", None, [5], params)
+    logprobs = [([t], [-0.5], 1) for t in ids]
+    results, stopped = batched.process([EngineCoreOutput("r", ids, new_logprobs=logprobs)])
+    got = results[0].outputs[0]
+    assert stopped == ["r"] and got.finish_reason == "stop" and got.stop_reason == "café"
+    assert got.token_ids == got.new_token_ids == expected.token_ids
+    assert len(got.token_ids) < len(ids)
+    assert got.text == got.delta_text == expected.text == "naïve "
+    assert got.new_logprobs == logprobs[: len(got.token_ids)]
