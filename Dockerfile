@@ -6,6 +6,7 @@ COPY --chown=ray:users engine ./engine
 COPY --chown=ray:users connector ./connector
 COPY --chown=ray:users deployments ./deployments
 COPY --chown=ray:users protos ./protos
+COPY --chown=ray:users pdserve ./pdserve
 # torch==2.13.0 with CUDA from PyPI's default wheel, then pdserve (NIXL, gRPC, OpenTelemetry).
 RUN pip install --no-cache-dir torch==2.13.0 && pip install --no-cache-dir -e .
 ENV PYTHONPATH=/app

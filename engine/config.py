@@ -144,11 +144,7 @@ class KVTransferConfig:
             raise ValueError(f"side_channel_port must be in [0, 65535], got {port!r}")
         if not isinstance(self.lease_seconds, (int, float)) or self.lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds!r}")
-        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise ValueError(
-                f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
-                f"got {self.kv_load_failure_policy!r}"
-            )
+        check_load_failure_policy(self.kv_load_failure_policy, "kv_load_failure_policy")
         if not isinstance(self.secret, str):
             raise ValueError("secret must be a string")
 
@@ -156,6 +152,11 @@ class KVTransferConfig:
 def check_transport(name: object, what: str = "transport") -> None:
     if name not in KV_TRANSPORTS:
         raise ValueError(f"{what} must be one of {KV_TRANSPORTS}, got {name!r}")
+
+
+def check_load_failure_policy(policy: object, what: str = "load_failure_policy") -> None:
+    if policy not in KV_LOAD_FAILURE_POLICIES:
+        raise ValueError(f"{what} must be one of {KV_LOAD_FAILURE_POLICIES}, got {policy!r}")
 
 
 @dataclass(frozen=True)

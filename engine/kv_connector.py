@@ -16,7 +16,7 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
-from engine.config import KV_LOAD_FAILURE_POLICIES, KVLoadFailurePolicy
+from engine.config import KVLoadFailurePolicy, check_load_failure_policy
 from engine.core.kv_cache_utils import KVCacheBlock
 from engine.core.sched_output import KVConnectorOutput, SchedulerOutput
 from engine.request import Request
@@ -38,11 +38,7 @@ class KVConnectorBase(ABC):
     connector (tests) needs no transport."""
 
     def __init__(self, load_failure_policy: KVLoadFailurePolicy = "recompute") -> None:
-        if load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise ValueError(
-                f"load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
-                f"got {load_failure_policy!r}"
-            )
+        check_load_failure_policy(load_failure_policy)
         self.load_failure_policy: KVLoadFailurePolicy = load_failure_policy
 
     # ------------------------------------------------------------------ scheduler side

@@ -42,7 +42,7 @@ from connector.testing import (
     wait_for,
 )
 from connector.transport import BlockRead, KVTransport
-from engine.config import KV_TRANSPORTS
+from engine.config import KV_TRANSPORTS, check_transport
 from engine.worker.host_memory import zeros_on_huge_pages
 from pdserve.bench.tcp_ceiling import tcp_loopback_gbps
 
@@ -73,9 +73,10 @@ class KVBenchConfig:
             )
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS}")
-        unknown = [t for t in self.transports if t not in TRANSPORTS]
-        if unknown or not self.transports:
-            raise ValueError(f"transports must be among {TRANSPORTS}, got {self.transports}")
+        if not self.transports:
+            raise ValueError(f"transports must be among {TRANSPORTS}, got none")
+        for name in self.transports:
+            check_transport(name)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 

@@ -105,3 +105,17 @@ def test_long_files_say_why_at_their_top(folder: str) -> None:
         ):
             unexplained.append(str(path.relative_to(ROOT)))
     assert unexplained == []
+
+
+def _packages() -> set[str]:
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return {p.rstrip("*") for p in config["tool"]["setuptools"]["packages"]["find"]["include"]}
+
+
+def test_every_installed_package_is_a_layer_and_ships_in_the_image() -> None:
+    assert _packages() == set(ALLOWED)
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    missing = [p for p in sorted(_packages()) if f" {p} ./{p}\n" not in dockerfile]
+    assert missing == []

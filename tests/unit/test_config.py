@@ -1,0 +1,77 @@
+"""One validation per idea: transport names, load-failure policies and unknown keys are
+checked by one function each, whichever edge the value comes from."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.app import AppConfig
+from engine.arg_utils import EngineArgs
+from engine.config import KV_TRANSPORTS, KVTransferConfig, config_from_dict
+from pdserve.bench.kv import KVBenchConfig
+from tests.unit.fake_connector import FakeConnector
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: KVTransferConfig(connector="carrier-pigeon"),  # type: ignore[arg-type]
+        lambda: AppConfig.from_args({"transport": "carrier-pigeon"}),
+        lambda: KVBenchConfig(transports=("nixl", "carrier-pigeon")),
+    ],
+)
+def test_a_transport_outside_the_one_list_is_refused_everywhere(make) -> None:
+    with pytest.raises(
+        ValueError, match=r"must be one of \('nixl', 'grpc'\), got 'carrier-pigeon'"
+    ):
+        make()
+
+
+def test_every_listed_transport_is_accepted_everywhere() -> None:
+    for name in KV_TRANSPORTS:
+        assert KVTransferConfig(connector=name).connector == name
+        assert AppConfig.from_args({"transport": name}).transport == name
+        assert KVBenchConfig(transports=(name,)).transports == (name,)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: KVTransferConfig(kv_load_failure_policy="retry"),  # type: ignore[arg-type]
+        lambda: FakeConnector(load_failure_policy="retry"),  # type: ignore[arg-type]
+    ],
+)
+def test_an_unknown_load_failure_policy_is_refused(make) -> None:
+    with pytest.raises(ValueError, match=r"one of \('recompute', 'fail'\), got 'retry'"):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: EngineArgs.from_kwargs("default", max_num_seq=4),
+            "unknown engine argument(s) ['max_num_seq']; known: [",
+        ),
+        (
+            lambda: AppConfig.from_args({"decode_replica": 2}),
+            "unknown app argument(s) ['decode_replica']; known: [",
+        ),
+        (
+            lambda: config_from_dict("kv_transfer_config", {"lease": 3}, KVTransferConfig),
+            "unknown kv_transfer_config keys ['lease']; known: [",
+        ),
+    ],
+)
+def test_unknown_keys_are_named_with_the_known_ones(make, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        make()
+    assert str(info.value).startswith(message)
+
+
+def test_config_from_dict_takes_the_dataclass_itself_and_refuses_other_types() -> None:
+    config = KVTransferConfig(secret="s")
+    assert config_from_dict("kv_transfer_config", config, KVTransferConfig) is config
+    assert config_from_dict("kv", {"secret": "t"}, KVTransferConfig).secret == "t"
+    with pytest.raises(ValueError, match="kv_transfer_config must be a dict, got list"):
+        config_from_dict("kv_transfer_config", ["nixl"], KVTransferConfig)
