@@ -160,8 +160,9 @@ def _import_nixl() -> None:
     The wrapper configures a "nixl" logger that writes INFO lines to stdout and does not
     propagate ("NIXL INFO _api.py:281 Initialized NIXL agent ..."), which breaks any program
     whose stdout is its output (JSON from a benchmark, a CLI's answer). Its records go
-    through the application's logging instead (stderr unless configured otherwise). It also
-    sets the global `logging.raiseExceptions`; the application's value is kept.
+    through the application's logging instead, at the application's level (stderr unless
+    configured otherwise). It also sets the global `logging.raiseExceptions`; the
+    application's value is kept.
     """
     raise_exceptions = logging.raiseExceptions
     import nixl._api  # noqa: F401 - configures the "nixl" logger on first import
@@ -171,6 +172,8 @@ def _import_nixl() -> None:
     for handler in list(nixl_logger.handlers):
         nixl_logger.removeHandler(handler)
     nixl_logger.propagate = True
+    if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL's own knob still works when set
+        nixl_logger.setLevel(logging.NOTSET)  # the application's level decides
 
 
 def _create_agent(name: str) -> nixl_agent:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deployments.orchestrator import FlowConfig
-from engine.config import check_known_keys, check_transport
+from engine.config import check_known_keys, check_load_failure_policy, check_transport
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -63,6 +63,7 @@ class AppConfig:
 
     def validate(self) -> None:
         check_transport(self.transport)
+        check_load_failure_policy(self.kv_load_failure_policy, "kv_load_failure_policy")
         for name in ("prefill_replicas", "decode_replicas", "router_replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

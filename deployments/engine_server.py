@@ -10,6 +10,7 @@ engine can produce and consume KV, and the role only names the replica in stats 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -133,17 +134,9 @@ class EngineServer:
 
     def stats(self) -> dict[str, Any]:
         """KV blocks and queues (pdserve.v1.EngineStats), a snapshot that may lag a step."""
-        stats = self.engine.core.stats()
-        return {
-            "role": self.role,
-            "replica_id": self.replica_id,
-            "num_blocks": stats.num_blocks,
-            "num_free_blocks": stats.num_free_blocks,
-            "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting,
-            "num_held_requests": stats.num_held_requests,
-            "kv_cache_usage": stats.kv_cache_usage,
-        }
+        stats = dataclasses.asdict(self.engine.core.stats())
+        del stats["num_preemptions"]  # a counter, sampled into metrics, not a health figure
+        return {"role": self.role, "replica_id": self.replica_id, **stats}
 
     def check_health(self) -> None:
         """Serve's health probe: a dead engine loop restarts the replica."""
@@ -158,7 +151,6 @@ class EngineServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-            engine.core.close()
         tracing = getattr(self, "tracing", None)
         if tracing is not None:
             tracing.shutdown()

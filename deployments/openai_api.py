@@ -178,7 +178,7 @@ def build_openai_app(
             gen_input = to_input(body, flow)
         except ValueError as exc:
             flow.telemetry.rejected(carrier, str(exc))  # refused before the flow saw it
-            return _error(400, str(exc))
+            return _error(400, public_message(exc))
         gen_input.request_id = request.headers.get("x-request-id", "")
         chunks = flow.generate(gen_input, carrier)
         try:
@@ -193,7 +193,7 @@ def build_openai_app(
                 collected = [first] + [chunk async for chunk in chunks]
             return fmt.whole(collected, body.return_token_ids)
         except ValueError as exc:
-            return _error(400, str(exc))
+            return _error(400, public_message(exc))
         except DeadlineExceeded as exc:
             return _error(504, str(exc), "timeout")
         except EngineFailure as exc:  # a replica died or an engine failed mid-request

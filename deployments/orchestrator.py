@@ -22,7 +22,7 @@ from typing import Any
 
 from connector.metadata import RemoteKV
 from connector.side_channel import SideChannelClient
-from deployments.errors import DeadlineExceeded, EngineFailure
+from deployments.errors import DeadlineExceeded
 from deployments.protocol import (
     ROUTE_COLOCATED,
     ROUTE_DECODE_ONLY,
@@ -211,7 +211,7 @@ class Orchestrator:
         only_token = prepared.params.max_tokens == 1 or first.finish_reason != FinishReason.LENGTH
         decode_chunks = 0
         try:
-            for chunk in stream.feed(first, final=only_token):
+            for chunk in stream.feed(first, "prefill", final=only_token):
                 yield chunk
             if stream.finished or handed_off is None:
                 return
@@ -227,7 +227,7 @@ class Orchestrator:
                 async for engine_chunk in chunks:
                     decode_chunks += 1
                     engine_chunk = _drop_repeat(engine_chunk, pending)
-                    for chunk in stream.feed(engine_chunk):
+                    for chunk in stream.feed(engine_chunk, "decode"):
                         yield chunk
                     if stream.finished:
                         return
@@ -273,11 +273,12 @@ class Orchestrator:
         self, prepared: PreparedRequest, stream: ResponseStream, route: str
     ) -> AsyncGenerator[ResponseChunk, None]:
         stream.route = route
+        leg = "colocated" if route == ROUTE_COLOCATED else "decode"
         request = self._engine_request(prepared, prepared.params, None)
         async with aclosing(self._bounded(self.decode(request), prepared)) as chunks:
             async for engine_chunk in chunks:
                 stream.num_cached_tokens = engine_chunk.num_cached_tokens
-                for chunk in stream.feed(engine_chunk):
+                for chunk in stream.feed(engine_chunk, leg):
                     yield chunk
                 if stream.finished:
                     return
@@ -350,7 +351,8 @@ def _drop_repeat(chunk: EngineCoreOutput, pending: list[int]) -> EngineCoreOutpu
     dropped = min(len(pending), len(chunk.new_token_ids))
     if chunk.new_token_ids[:dropped] != pending[:dropped]:
         # Forced tokens cannot differ; if they do, the text would silently fork: refuse.
-        raise EngineFailure(
+        # An internal invariant broke (INTERNAL for the client): not a leg to retry.
+        raise RuntimeError(
             f"decode engine returned {chunk.new_token_ids[:dropped]} where the prefill "
             f"engine had sent {pending[:dropped]}"
         )

@@ -53,11 +53,17 @@ class ResponseStream:
         self._ttft_s = 0.0
         self._sent_first = False
 
-    def feed(self, output: EngineCoreOutput, final: bool = True) -> list[ResponseChunk]:
-        """The client chunk (at most one) for one engine output. `final=False` keeps a finish
-        reason of the engine (the prefill leg's max_tokens=1) from ending the request."""
+    def feed(self, output: EngineCoreOutput, leg: str, final: bool = True) -> list[ResponseChunk]:
+        """The client chunk (at most one) for one output of the `leg` engine ("prefill",
+        "decode", "colocated"). `final=False` keeps a finish reason of the engine (the prefill
+        leg's max_tokens=1) from ending the request."""
+        if output.request_id != self.prepared.engine_request_id:
+            raise RuntimeError(
+                f"the {leg} engine answered for request {output.request_id!r}, "
+                f"not {self.prepared.engine_request_id!r}"
+            )
         if output.error is not None:
-            raise EngineFailure(f"engine error: {output.error}")
+            raise EngineFailure(f"the {leg} engine failed: {output.error}")
         if not final and output.finish_reason is not None:
             output = dataclasses.replace(output, finish_reason=None, stop_reason=None)
         if not output.new_token_ids and output.finish_reason is None:

@@ -15,7 +15,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +31,7 @@ from engine.llm import (
 )
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, RequestOutput, merge_outputs
-from engine.request import FinishReason, SamplingParams
+from engine.request import RequestStatus, SamplingParams, finish_reason_of
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,24 @@ class _Add:
     token_ids: list[int]
     params: SamplingParams
     request_kwargs: dict[str, Any]
+    sink: _Sink
+
+
+@dataclass
+class _End:
+    """End a request with `status`. With a sink, only if the request is still that caller's
+    (a caller whose add was refused as a duplicate must not end the original)."""
+
+    request_id: str
+    status: RequestStatus
+    sink: _Sink | None = None
+
+
+@dataclass
+class _Call:
+    """One caller's request: its id and where its outputs go."""
+
+    request_id: str
     sink: _Sink
 
 
@@ -85,7 +103,7 @@ class AsyncEngine:
         self.core = EngineCore(config, arch, reasoning_tokens(self.tokenizer))
         self.max_model_len = config.scheduler.max_model_len
         self._sinks: dict[str, _Sink] = {}
-        self._commands: queue.Queue[_Add | str | None] = queue.Queue()
+        self._commands: queue.Queue[_Add | _End | None] = queue.Queue()
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -101,33 +119,30 @@ class AsyncEngine:
         *,
         coalesce: bool = False,
         **request_kwargs: Any,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield a RequestOutput (with text) per engine output; the last has finished=True.
 
-        Stop strings are matched here, on the text; the request ends at the token that
-        completed one. Otherwise as `generate_tokens`.
+        Stop strings are matched here, on the text, and end the request at the token that
+        completed one (FINISHED_STOPPED in the engine, as offline). Otherwise as
+        `generate_tokens`.
         """
         params = sampling_params or SamplingParams()
         text, token_ids = encode_prompt(self.tokenizer, prompt, self.max_model_len)
         request_id = request_id or self._new_request_id()
         processor = OutputProcessor(self.tokenizer)
         processor.add_request(request_id, text, token_ids, params)
-        # The engine matches tokens only; leaving the strings out keeps it from refusing them.
-        tokens = self.generate_tokens(
-            token_ids,
-            dataclasses.replace(params, stop=()),
-            request_id,
-            coalesce=coalesce,
-            **request_kwargs,
+        # The engine matches tokens only: it gets the request without its stop strings.
+        call = self._start(
+            request_id, token_ids, dataclasses.replace(params, stop=()), request_kwargs
         )
-        async with aclosing(tokens) as outputs:
+        async with aclosing(self._outputs(call, coalesce)) as outputs:
             async for output in outputs:
                 results, stopped = processor.process([output])
+                if stopped:
+                    self._commands.put(_End(request_id, RequestStatus.FINISHED_STOPPED, call.sink))
                 for result in results:
                     yield _snapshot(result)
-                    if result.finished:
-                        return  # closing the token stream ends a string-stopped request
-                if stopped:
+                if stopped or any(result.finished for result in results):
                     return
 
     async def generate_tokens(
@@ -150,48 +165,62 @@ class AsyncEngine:
         text, see `generate`). A caller that stops iterating (a client gone) aborts the
         request, so its KV blocks come back.
         """
-        if self._dead is not None:
-            raise EngineDeadError(f"engine loop has stopped: {self._dead}")
         params = sampling_params or SamplingParams()
         if params.stop:
             raise ValueError("stop strings need text: use generate(), not generate_tokens()")
         _, token_ids = encode_prompt(None, prompt_token_ids, self.max_model_len)
-        request_id = request_id or self._new_request_id()
-        sink = _Sink(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, token_ids, params, request_kwargs, sink))
+        call = self._start(request_id or self._new_request_id(), token_ids, params, request_kwargs)
+        async with aclosing(self._outputs(call, coalesce)) as outputs:
+            async for output in outputs:
+                yield output
+
+    def _start(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_kwargs: dict[str, Any],
+    ) -> _Call:
+        """Queue a validated request for the engine thread."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop has stopped: {self._dead}")
+        call = _Call(request_id, _Sink(asyncio.get_running_loop()))
+        self._commands.put(_Add(request_id, token_ids, params, request_kwargs, call.sink))
         if self._dead is not None:  # died meanwhile: the loop may never read that command
             raise EngineDeadError(f"engine loop has stopped: {self._dead}")
+        return call
+
+    async def _outputs(self, call: _Call, coalesce: bool) -> AsyncGenerator[EngineCoreOutput, None]:
+        """The call's outputs until the one that finishes it; a caller that leaves before
+        aborts the request (if it is still this call's)."""
+        queue_ = call.sink.queue
+        held: EngineCoreOutput | BaseException | None = None
         finished = False
         try:
-            async for output in self._outputs(sink, coalesce):
-                finished = output.finished
-                yield output
-                if finished:
-                    return
+            while not finished:
+                item = held if held is not None else await queue_.get()
+                held = None
+                if isinstance(item, BaseException):
+                    raise item
+                while coalesce and not item.finished and not queue_.empty():
+                    later = queue_.get_nowait()
+                    if isinstance(later, BaseException):
+                        held = later  # after what came before it
+                        break
+                    item = merge_outputs(item, later)
+                finished = item.finished
+                yield item
         finally:
             if not finished:
-                self.abort(request_id)
-
-    async def _outputs(self, sink: _Sink, coalesce: bool) -> AsyncIterator[EngineCoreOutput]:
-        held: EngineCoreOutput | BaseException | None = None
-        while True:
-            item = held if held is not None else await sink.queue.get()
-            held = None
-            if isinstance(item, BaseException):
-                raise item
-            while coalesce and not item.finished and not sink.queue.empty():
-                later = sink.queue.get_nowait()
-                if isinstance(later, BaseException):
-                    held = later  # after what came before it
-                    break
-                item = merge_outputs(item, later)
-            yield item
+                self._commands.put(_End(call.request_id, RequestStatus.FINISHED_ABORTED, call.sink))
 
     def _new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(request_id)
+        """End a request, whoever is streaming it (a finished one whose blocks wait for a
+        remote reader: its lease ends)."""
+        self._commands.put(_End(request_id, RequestStatus.FINISHED_ABORTED))
 
     @property
     def dead(self) -> BaseException | None:
@@ -199,8 +228,12 @@ class AsyncEngine:
         return self._dead
 
     def shutdown(self) -> None:
+        """Stop the loop (every waiting caller hears it), then release the engine's resources
+        (side channel, transport)."""
         self._commands.put(None)
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():  # a step still running owns the engine: leave it be
+            self.core.close()
 
     # ------------------------------------------------------------------ engine thread
 
@@ -242,8 +275,8 @@ class AsyncEngine:
         while True:
             if command is None:
                 return False
-            if isinstance(command, str):
-                self._abort(command)
+            if isinstance(command, _End):
+                self._end(command)
             else:
                 self._add(command)
             try:
@@ -268,18 +301,21 @@ class AsyncEngine:
             return
         self._sinks[add.request_id] = add.sink
 
-    def _abort(self, request_id: str) -> None:
-        self.core.abort_requests([request_id])
-        sink = self._sinks.pop(request_id, None)
+    def _end(self, end: _End) -> None:
+        sink = self._sinks.get(end.request_id)
+        if end.sink is not None and sink is not end.sink:
+            return  # finished already, or another caller's request under the same id
+        self.core.abort_requests([end.request_id], end.status)
         if sink is not None:  # a caller still listening hears how its request ended
-            sink.put(EngineCoreOutput(request_id, [], FinishReason.ABORT))
+            del self._sinks[end.request_id]
+            sink.put(EngineCoreOutput(end.request_id, [], finish_reason_of(end.status)))
 
     def _step(self) -> None:
         for output in self.core.step():
             sink = self._sinks.get(output.request_id)
             if sink is None:
                 continue
-            if not sink.put(output):
-                self._abort(output.request_id)  # one caller gone; the engine serves on
+            if not sink.put(output):  # one caller gone; the engine serves on
+                self._end(_End(output.request_id, RequestStatus.FINISHED_ABORTED, sink))
             elif output.finished:
                 del self._sinks[output.request_id]

@@ -148,6 +148,11 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions,
         )
 
+    def kv_transfer_stats(self) -> dict[str, int]:
+        """The connector's counters (loads and blocks requested, blocks read, reads failed,
+        releases); empty without KV transfer."""
+        return dict(self.connector.stats) if self.connector is not None else {}
+
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         """Prefix-cache lookups since the last call."""
         return self.scheduler.kv_cache_manager.take_prefix_cache_stats()

@@ -127,7 +127,9 @@ class OutputProcessor:
                 break
         completion.new_token_ids = new_token_ids
         completion.delta_text = "".join(delta_text)
-        return stopped_by_string
+        # A string found before the output's own end stops a request the engine may already
+        # have finished (its last token ended it): only a live request needs ending.
+        return stopped_by_string and output.finish_reason is None
 
     def _apply(self, state: _RequestState, output: EngineCoreOutput) -> bool:
         completion = state.completion

@@ -117,21 +117,21 @@ class KVTransferState:
     def update_from_xfer_finished(self, kv_output: KVConnectorOutput) -> list[Request]:
         """Note the loads that ended; returns the finished requests whose blocks no transfer
         needs any more (the scheduler frees them)."""
-        releasable: list[Request] = []
+        releasable: dict[str, Request] = {}  # by id: one request may appear in both sets
         for req_id in kv_output.finished_recving:
             request = self._requests.get(req_id)
             if request is None:
                 continue
             if request.is_finished:
                 # Aborted while its read was in flight: the blocks are safe to reuse only now.
-                releasable.append(request)
+                releasable[req_id] = request
             else:
                 self._finished_recving.add(req_id)
         for req_id in kv_output.finished_sending:
             request = self._requests.get(req_id)
             if request is not None and request.is_finished:
-                releasable.append(request)
-        return releasable
+                releasable[req_id] = request
+        return list(releasable.values())
 
     def forget(self, req_id: str) -> None:
         self._load_targets.pop(req_id, None)

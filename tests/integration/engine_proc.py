@@ -31,14 +31,13 @@ def _state(llm: Any) -> dict[str, Any]:
         integrity = "ok"
     except AssertionError as exc:
         integrity = f"broken: {exc}"
-    connector = engine.connector
     return {
         "integrity": integrity,
         "free_blocks": manager.block_pool.get_num_free_blocks(),
         "usable_blocks": engine.num_kv_blocks,
         "unfinished": engine.scheduler.get_num_unfinished_requests(),
         "held_requests": len(engine.scheduler.requests),
-        "stats": dict(connector.stats) if connector is not None else {},
+        "stats": engine.kv_transfer_stats(),
     }
 
 

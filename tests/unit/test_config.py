@@ -39,6 +39,7 @@ def test_every_listed_transport_is_accepted_everywhere() -> None:
     [
         lambda: KVTransferConfig(kv_load_failure_policy="retry"),  # type: ignore[arg-type]
         lambda: FakeConnector(load_failure_policy="retry"),  # type: ignore[arg-type]
+        lambda: AppConfig.from_args({"kv_load_failure_policy": "retry"}),
     ],
 )
 def test_an_unknown_load_failure_policy_is_refused(make) -> None:
