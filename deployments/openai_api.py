@@ -8,6 +8,7 @@ JSON, wrong types, out-of-range sampling values, an unknown model, a prompt too 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from contextlib import aclosing
 from typing import Any
@@ -179,7 +180,9 @@ def build_openai_app(
         except ValueError as exc:
             flow.telemetry.rejected(carrier, str(exc))  # refused before the flow saw it
             return _error(400, public_message(exc))
-        gen_input.request_id = request.headers.get("x-request-id", "")
+        # vLLM's ids: the endpoint's prefix and the client's X-Request-Id (or a random one).
+        base_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        gen_input.request_id = fmt.id_prefix + base_id
         chunks = flow.generate(gen_input, carrier)
         try:
             first = await anext(chunks)  # bad input fails here, before any byte is sent
@@ -226,7 +229,10 @@ def _chat_input(body: ChatCompletionRequest, flow: Orchestrator) -> GenerateInpu
     # The rendered template carries its own bos: tokenize without adding special tokens.
     token_ids = flow.tokenizer.encode(text, add_special_tokens=False)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    # 0 is a value (refused as such), not "unset".
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
     if max_tokens is None:  # as OpenAI: up to the context length (16 is the completions default)
         max_tokens = max(1, flow.model.max_model_len - len(token_ids))
     params = body.sampling_params(max_tokens, logprobs)

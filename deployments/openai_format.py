@@ -22,6 +22,7 @@ class ResponseFormat:
     """One endpoint's response shapes: whole bodies and stream chunks."""
 
     object_name = ""
+    id_prefix = ""  # OpenAI's response ids: "cmpl-…", "chatcmpl-…"
 
     def __init__(self, model: str, token_text: TokenText) -> None:
         self.model = model
@@ -46,6 +47,7 @@ class ResponseFormat:
 
 class CompletionFormat(ResponseFormat):
     object_name = "text_completion"
+    id_prefix = "cmpl-"
 
     def delta_choice(self, chunk: ResponseChunk, first: bool) -> dict[str, Any]:
         return {
@@ -87,6 +89,7 @@ class CompletionFormat(ResponseFormat):
 
 class ChatFormat(ResponseFormat):
     object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
 
     def delta_choice(self, chunk: ResponseChunk, first: bool) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": chunk.text}

@@ -113,11 +113,7 @@ class Orchestrator:
     def prepare(self, request: GenerateInput) -> PreparedRequest:
         """Tokenize and validate; ValueError for anything the engines would refuse."""
         text, token_ids = self._tokenize(request.prompt)
-        if len(token_ids) >= self.model.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; max_model_len={self.model.max_model_len} "
-                "leaves no room for output"
-            )
+        self._check_length(len(token_ids), request.params.max_tokens)
         params = request.params  # stop strings without a tokenizer: ResponseStream refuses
         if self.prefill is not None and params.seed is None and not params.is_greedy:
             # Both legs must draw the first token alike: counter-based sampling needs a seed.
@@ -135,6 +131,23 @@ class Orchestrator:
             started=now,
             deadline=now + timeout,
         )
+
+    def _check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse, never cut: a request whose output could not fit in the context (vLLM's
+        behaviour) is an error saying how many tokens remain."""
+        max_model_len = self.model.max_model_len
+        remaining = max_model_len - num_prompt_tokens
+        if remaining <= 0:
+            raise ValueError(
+                f"prompt has {num_prompt_tokens} tokens; max_model_len={max_model_len} "
+                "leaves no room for output"
+            )
+        if max_tokens > remaining:
+            raise ValueError(
+                f"max_tokens={max_tokens} does not fit: this model's context is "
+                f"max_model_len={max_model_len} tokens and the prompt has {num_prompt_tokens}, "
+                f"so at most {remaining} output tokens remain"
+            )
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

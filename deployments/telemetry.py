@@ -341,7 +341,8 @@ class EngineMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         if prefix.queries:
             self.prefix_queries.inc(prefix.queries)
-            self.prefix_hits.inc(prefix.hits)
+            if prefix.hits:  # Ray's counters refuse an increment of 0
+                self.prefix_hits.inc(prefix.hits)
             self.prefix_hit_rate.set(prefix.hit_rate)
         preemptions = stats.num_preemptions
         if preemptions > self._preemptions_seen:

@@ -171,6 +171,7 @@ def test_http_completions_match_offline(app: App, offline: LLM) -> None:
         }
         status, reply = app.http("/v1/completions", body)
         assert status == 200, reply
+        assert reply["id"].startswith("cmpl-") and len(reply["id"]) > len("cmpl-")
         choice = reply["choices"][0]
         assert choice["token_ids"] == expected.token_ids
         assert choice["text"] == expected.text
@@ -199,6 +200,7 @@ def test_http_chat_and_models(app: App, offline: LLM) -> None:
         {"model": "default", "messages": messages, "max_tokens": 16, "temperature": 0},
     )
     assert status == 200, reply
+    assert reply["id"].startswith("chatcmpl-")
     assert reply["choices"][0]["message"] == {"role": "assistant", "content": expected.text}
     events = app.sse(
         "/v1/chat/completions", {"messages": messages, "max_tokens": 16, "temperature": 0}
@@ -381,6 +383,7 @@ def test_deadline_exceeded(app: App) -> None:
         ("", {}, "prompt is empty"),
         ([], {}, "prompt is empty"),
         ("Hello", {"max_tokens": 0}, "max_tokens"),
+        ("Hello", {"max_tokens": 2**62}, "output tokens remain"),
         ("Hello", {"temperature": -1.0}, "temperature"),
         ("Hello", {"top_p": 1.5}, "top_p"),
         (list(range(20, 20 + MAX_MODEL_LEN + 10)), {}, "max_model_len"),
@@ -400,6 +403,7 @@ def test_bad_http_requests_are_400_and_service_keeps_serving(app: App) -> None:
     cases: list[tuple[Any, bytes | None, str]] = [
         ({"prompt": "", "max_tokens": 4}, None, "prompt is empty"),
         ({"prompt": "Hi", "max_tokens": 0}, None, "max_tokens"),
+        ({"prompt": "Hi", "max_tokens": 10**12}, None, "output tokens remain"),
         ({"prompt": "Hi", "temperature": -0.5}, None, "temperature"),
         ({"prompt": "Hi", "top_p": 2}, None, "top_p"),
         ({"prompt": "Hi", "model": "gpt-17"}, None, "gpt-17"),
@@ -414,6 +418,14 @@ def test_bad_http_requests_are_400_and_service_keeps_serving(app: App) -> None:
         assert message in reply["error"]["message"], reply
     status, reply = app.http("/v1/chat/completions", {"messages": [], "max_tokens": 3})
     assert status == 400 and "messages" in reply["error"]["message"]
+    hi = [{"role": "user", "content": "Hi"}]
+    for field, value, message in (
+        ("max_completion_tokens", 0, "max_tokens must be an integer >= 1"),
+        ("max_completion_tokens", 10**12, "output tokens remain"),
+        ("max_tokens", MAX_MODEL_LEN, "output tokens remain"),
+    ):
+        status, reply = app.http("/v1/chat/completions", {"messages": hi, field: value})
+        assert status == 400 and message in reply["error"]["message"], (field, value, reply)
     status, reply = app.http("/v1/completions", {"prompt": "Hi", "max_tokens": 3})
     assert status == 200 and reply["choices"][0]["finish_reason"] in ("length", "stop")
     got = app.client.complete(generate_request("Hi", max_tokens=3, temperature=0.0))

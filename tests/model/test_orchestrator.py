@@ -250,3 +250,14 @@ def test_deadline_aborts_on_the_engines(servers):
 def test_bad_prompts_are_value_errors(servers, prompt, message):
     with pytest.raises(ValueError, match=message):
         run(make_flow(servers), prompt, max_tokens=4)
+
+
+def test_max_tokens_beyond_the_context_is_refused_not_cut(servers, offline):
+    """128-token context: a 120-token prompt leaves 8 output tokens. Asking for 9 is an error
+    that says so; asking for exactly 8 runs to the end of the context."""
+    prompt = list(range(3, 123))
+    with pytest.raises(ValueError, match="at most 8 output tokens remain"):
+        run(make_flow(servers), prompt, max_tokens=9, temperature=0.0, ignore_eos=True)
+    chunks = run(make_flow(servers), prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert len(tokens(chunks)) == 8 and chunks[-1].finish_reason == "length"
+    assert all(idle(s) for s in servers)

@@ -121,3 +121,25 @@ def test_dashboard_queries_only_metrics_the_code_exports() -> None:
     assert used
     base = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in used}
     assert base <= exported, base - exported
+
+
+def test_engine_metrics_sample_a_prefix_cache_with_lookups_and_no_hits() -> None:
+    """Ray's counters refuse `inc(0)`: a sample with lookups but no hits (the common case on a
+    cold cache) must not fail, or the hit-rate gauge goes stale and the log fills up."""
+    from deployments.telemetry import EngineMetrics
+    from engine.core.kv_cache_manager import PrefixCacheStats
+    from engine.engine_core import EngineStats
+
+    metrics = EngineMetrics()
+    stats = EngineStats(
+        num_blocks=10,
+        num_free_blocks=8,
+        num_running=1,
+        num_waiting=0,
+        num_held_requests=0,
+        kv_cache_usage=0.2,
+        num_preemptions=0,
+    )
+    metrics.sample(stats, PrefixCacheStats(requests=1, queries=32, hits=0))
+    metrics.sample(stats, PrefixCacheStats(requests=1, queries=32, hits=16))
+    metrics.sample(stats, PrefixCacheStats())
