@@ -1,6 +1,6 @@
 """build_app(args): the pdserve Serve application (`serve run`, `serve deploy`, `pdserve serve`).
 
-    serve run deployments.app:build_app model=default prefill_replicas=1 decode_replicas=2
+    serve run deployments.app:build_app model=smollm2 prefill_replicas=1 decode_replicas=2
     serve deploy deployments/serve_config.yaml
 
 Disaggregated (default): Router -> PrefillServer + DecodeServer, KV moved between them over
@@ -15,6 +15,7 @@ from typing import Any
 
 from deployments.orchestrator import FlowConfig
 from engine.config import check_known_keys, check_load_failure_policy, check_transport
+from engine.models.catalog import SMOLLM2_MODEL
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -22,7 +23,7 @@ _FALSE = {"0", "false", "no", "off"}
 
 @dataclass
 class AppConfig:
-    model: str = "default"
+    model: str = SMOLLM2_MODEL  # a named model (engine.models.catalog), a directory or a .gguf
     served_model_name: str = ""
     colocated: bool = False
     transport: str = "nixl"  # one of engine.config.KV_TRANSPORTS

@@ -30,12 +30,20 @@ def sampling_message(**params: Any) -> pb.SamplingParams:
 
 
 def generate_request(
-    prompt: str | Sequence[int], request_id: str = "", timeout_s: float = 0.0, **params: Any
+    prompt: str | Sequence[int],
+    request_id: str = "",
+    timeout_s: float = 0.0,
+    chat: bool = False,
+    **params: Any,
 ) -> pb.GenerateRequest:
+    """A GenerateRequest for a text or token-id prompt; `chat=True` sends text as one user
+    message, which the server renders with the model's chat template."""
     request = pb.GenerateRequest(
         request_id=request_id, sampling_params=sampling_message(**params), timeout_s=timeout_s
     )
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and chat:
+        request.chat.messages.add(role="user", content=prompt)
+    elif isinstance(prompt, str):
         request.text = prompt
     else:
         request.token_ids.ids.extend(prompt)

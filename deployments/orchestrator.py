@@ -28,12 +28,14 @@ from deployments.protocol import (
     ROUTE_DECODE_ONLY,
     ROUTE_DISAGGREGATED,
     ROUTE_FALLBACK,
+    ChatPrompt,
     EngineRequest,
     GenerateInput,
     ResponseChunk,
 )
 from deployments.response_stream import PreparedRequest, ResponseStream
 from deployments.telemetry import RouterTelemetry
+from engine.llm import render_chat
 from engine.outputs import EngineCoreOutput, merge_outputs
 from engine.request import FinishReason, SamplingParams
 from engine.tokenizer import Tokenizer
@@ -149,7 +151,11 @@ class Orchestrator:
                 f"so at most {remaining} output tokens remain"
             )
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | list[int] | ChatPrompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, ChatPrompt):
+            if not prompt.messages:
+                raise ValueError("chat has no messages")
+            return render_chat(self.tokenizer, prompt.messages)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")

@@ -24,8 +24,15 @@ ROUTE_COLOCATED = "colocated"  # one engine does both
 
 
 @dataclass
+class ChatPrompt:
+    """A conversation the router renders with the model's chat template."""
+
+    messages: list[dict[str, str]]
+
+
+@dataclass
 class GenerateInput:
-    prompt: str | list[int]
+    prompt: str | list[int] | ChatPrompt
     params: SamplingParams
     request_id: str = ""
     priority: int = 0
@@ -103,8 +110,15 @@ def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
     """Validate a GenerateRequest (ValueError says what is wrong)."""
     which = request.WhichOneof("prompt")
     if which is None:
-        raise ValueError("the request has no prompt: set `text` or `token_ids`")
-    prompt: str | list[int] = request.text if which == "text" else list(request.token_ids.ids)
+        raise ValueError("the request has no prompt: set `text`, `token_ids` or `chat`")
+    prompt: str | list[int] | ChatPrompt
+    if which == "text":
+        prompt = request.text
+    elif which == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        prompt = ChatPrompt(messages)
+    else:
+        prompt = list(request.token_ids.ids)
     if request.timeout_s < 0 or not math.isfinite(request.timeout_s):
         raise ValueError(f"timeout_s must be >= 0, got {request.timeout_s}")
     return GenerateInput(

@@ -33,6 +33,7 @@ from deployments.protocol import EngineRequest, ResponseChunk, chunk_to_proto, i
 from deployments.telemetry import RouterMetrics, RouterTelemetry, Tracing
 from engine.arg_utils import EngineArgs
 from engine.llm import load_tokenizer
+from engine.models.catalog import served_model_name
 from engine.outputs import EngineCoreOutput
 from protos.pdserve.v1 import generate_pb2 as pb
 
@@ -67,9 +68,9 @@ class Router:
             settings.model, **settings.engine_args
         ).create_engine_config()
         self.settings = settings
-        self.tokenizer = load_tokenizer(config.model.model)
+        self.tokenizer = load_tokenizer(config.model)
         self.facts = ModelFacts(
-            name=settings.served_model_name or settings.model,
+            name=settings.served_model_name or served_model_name(settings.model),
             max_model_len=config.scheduler.max_model_len,
             vocab_size=arch.vocab_size,
         )

@@ -18,13 +18,13 @@ from engine.config import (
     config_from_dict,
 )
 from engine.models import ModelArchConfig
-
-DEFAULT_MODEL = "default"
+from engine.models.catalog import TINY_MODEL, resolve_model
 
 
 @dataclass
 class EngineArgs:
-    model: str = DEFAULT_MODEL
+    model: str = TINY_MODEL
+    tokenizer: str | None = None
     dtype: str = "auto"
     seed: int = 0
     device: str = "auto"
@@ -50,14 +50,15 @@ class EngineArgs:
         return cls(model=model, **kwargs)
 
     def model_path(self) -> Path:
-        if self.model == DEFAULT_MODEL:
-            from engine.models.default_model import ensure_default_model
+        return resolve_model(self.model)
 
-            return ensure_default_model()
-        path = Path(self.model).expanduser()
-        if not path.is_dir():
-            raise ValueError(f"model path {self.model!r} is not a directory")
-        return path
+    def tokenizer_path(self) -> str | None:
+        if self.tokenizer is None:
+            return None
+        path = Path(self.tokenizer).expanduser()
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer {self.tokenizer!r} is not a directory with tokenizer.json")
+        return str(path)
 
     def create_engine_config(self) -> tuple[EngineConfig, ModelArchConfig]:
         path = self.model_path()
@@ -79,6 +80,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             linear_backend=self.linear_backend,
             logits_processors=tuple(self.logits_processors),
+            tokenizer=self.tokenizer_path(),
         )
         cache = CacheConfig(
             block_size=self.block_size,

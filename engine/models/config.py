@@ -55,6 +55,11 @@ class ModelArchConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelArchConfig:
+        """From a model directory's config.json, or from a GGUF file's metadata."""
+        if str(path).lower().endswith(".gguf"):
+            from engine.models.gguf_file import gguf_arch_config, open_gguf
+
+            return gguf_arch_config(open_gguf(path), Path(path).name)
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise ValueError(f"no config.json in model directory {str(path)!r}")

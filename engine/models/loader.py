@@ -1,9 +1,10 @@
-"""Load a Hugging Face checkpoint directory (config.json + safetensors, sharded or not)."""
+"""Load a checkpoint: a Hugging Face directory (config.json + safetensors, sharded or not) or a
+GGUF file (`gguf_file.py` maps its tensors to the Hugging Face names first)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.models.catalog import is_gguf_path
 from engine.models.config import ModelArchConfig
 from engine.models.llama import STACKED_PROJECTIONS, LlamaForCausalLM, StackedLinear
 
@@ -56,30 +58,43 @@ def load_model(
         model = LlamaForCausalLM(config, max_positions)
     model.to_empty(device=device)
     model.tie_weights()
-    _load_weights(model, safetensors_files(path), config)
+    _load_weights(model, checkpoint_tensors(path, config), config)
     model.model.rotary.build(device)
     return model.eval()
 
 
-def _load_weights(model: nn.Module, files: list[Path], config: ModelArchConfig) -> None:
+def checkpoint_tensors(path: Path, config: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) for every weight of the checkpoint, one at a time."""
+    if is_gguf_path(path):
+        from engine.models.gguf_file import gguf_tensors, open_gguf
+
+        yield from gguf_tensors(open_gguf(path), config, path.name)
+        return
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as shard:
+            for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, shard.get_tensor(name)
+
+
+def _load_weights(
+    model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], config: ModelArchConfig
+) -> None:
     params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
     modules = dict(model.named_modules())
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as shard:
-            for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and config.tie_word_embeddings:
-                    continue
-                target = _target(name, params, modules)
-                if target is None:
-                    unexpected.append(name)
-                    continue
-                param_name, rows = target
-                _copy(name, shard.get_tensor(name), params[param_name], rows)
-                loaded.add(name if rows is None else f"{param_name}[{rows.start}]")
+    for name, tensor in tensors:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        target = _target(name, params, modules)
+        if target is None:
+            unexpected.append(name)
+            continue
+        param_name, rows = target
+        _copy(name, tensor, params[param_name], rows)
+        loaded.add(name if rows is None else f"{param_name}[{rows.start}]")
     if unexpected:
         raise ValueError(f"checkpoint has weights the model does not: {sorted(unexpected)[:8]}")
     missing = sorted(_expected_names(params, modules) - loaded)

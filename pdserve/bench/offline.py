@@ -15,14 +15,17 @@ import argparse
 import random
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.models.catalog import SMOLLM2_MODEL, is_gguf_path
+
 
 @dataclass(frozen=True)
 class OfflineBenchConfig:
-    model: str = "default"
+    model: str = SMOLLM2_MODEL
     num_prompts: int = 32
     input_len: int = 128
     output_len: int = 128
@@ -111,7 +114,13 @@ def _load_hf(path: str, device: str) -> Any:
         import transformers
     except ImportError as exc:
         raise ValueError("bench offline needs transformers (pip install transformers)") from exc
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if is_gguf_path(path):  # transformers dequantizes a GGUF file too, to the same weights
+        file = Path(path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(file.parent), gguf_file=file.name, dtype=torch.float32
+        )
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.to(device).eval()  # type: ignore[arg-type]
 
 

@@ -112,7 +112,7 @@ def _abort_during_read(llm: Any, prompts: Any, params: Any, kv: Any) -> dict[str
 
 
 class EngineProcess:
-    def __init__(self, model: str = "default", **engine_kwargs: Any) -> None:
+    def __init__(self, model: str = "tiny", **engine_kwargs: Any) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(child, model, engine_kwargs), daemon=True)

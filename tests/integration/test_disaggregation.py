@@ -41,12 +41,12 @@ def kv_config(transport: str, **overrides) -> dict:
 
 def engine(transport: str, **overrides) -> EngineProcess:
     kv = kv_config(transport, **overrides.pop("kv", {}))
-    return EngineProcess("default", **{**ENGINE, **overrides}, kv_transfer_config=kv)
+    return EngineProcess("tiny", **{**ENGINE, **overrides}, kv_transfer_config=kv)
 
 
 @pytest.fixture(scope="module")
 def colocated() -> LLM:
-    return LLM("default", **ENGINE)
+    return LLM("tiny", **ENGINE)
 
 
 def reference(colocated: LLM, prompts, params) -> list[list[int]]:

@@ -87,6 +87,7 @@ class App:
 def app() -> Iterator[App]:
     config = AppConfig.from_args(
         {
+            "model": "tiny",
             "engine_args": ENGINE_ARGS,
             "num_cpus_per_engine": 0.5,
             "transport": "nixl",
@@ -114,7 +115,7 @@ def app() -> Iterator[App]:
 
 @pytest.fixture(scope="module")
 def offline() -> Iterator[LLM]:
-    llm = LLM("default", **ENGINE_ARGS)
+    llm = LLM("tiny", **ENGINE_ARGS)
     yield llm
     llm.close()
 
@@ -163,7 +164,7 @@ def test_http_completions_match_offline(app: App, offline: LLM) -> None:
     for prompt in PROMPTS[:2]:
         expected = greedy(offline, prompt, 20).outputs[0]
         body = {
-            "model": "default",
+            "model": "tiny",
             "prompt": prompt,
             "max_tokens": 20,
             "temperature": 0,
@@ -189,7 +190,7 @@ def test_http_chat_and_models(app: App, offline: LLM) -> None:
     conn.request("GET", "/v1/models")
     models = json.loads(conn.getresponse().read())
     conn.close()
-    assert [m["id"] for m in models["data"]] == ["default"]
+    assert [m["id"] for m in models["data"]] == ["tiny"]
     messages = [{"role": "user", "content": "Say hello"}]
     tokenizer = offline.tokenizer
     assert tokenizer is not None
@@ -197,7 +198,7 @@ def test_http_chat_and_models(app: App, offline: LLM) -> None:
     expected = greedy(offline, prompt_ids, 16).outputs[0]
     status, reply = app.http(
         "/v1/chat/completions",
-        {"model": "default", "messages": messages, "max_tokens": 16, "temperature": 0},
+        {"model": "tiny", "messages": messages, "max_tokens": 16, "temperature": 0},
     )
     assert status == 200, reply
     assert reply["id"].startswith("chatcmpl-")

@@ -1,6 +1,7 @@
-"""`pdserve serve` (what `make serve` runs) as a real process: it comes up with the default
-model, `pdserve client` gets the same completion as offline `pdserve generate`, and Ctrl-C
-(SIGINT) shuts it down cleanly."""
+"""`pdserve serve` (what `make serve` runs) as a real process on its default model, SmolLM2-135M-
+Instruct: `pdserve client` answers a question, gets the same completion as offline `pdserve
+generate`, the OpenAI SDK chats with it (disaggregated and colocated), and Ctrl-C (SIGINT) shuts
+it down cleanly."""
 
 from __future__ import annotations
 
@@ -66,9 +67,12 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(PDSERVE + args, capture_output=True, text=True, timeout=300)
 
 
+QUESTION = "What is the capital of France?"
+
+
 def test_pdserve_serve_then_client_then_ctrl_c() -> None:
     grpc_port, http_port = free_port(), free_port()
-    engine_args = json.dumps({"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20})
+    engine_args = json.dumps({"max_model_len": 256, "kv_cache_memory_bytes": 32 << 20})
     proc = subprocess.Popen(
         [
             *PDSERVE,
@@ -77,8 +81,11 @@ def test_pdserve_serve_then_client_then_ctrl_c() -> None:
             str(grpc_port),
             "--http-port",
             str(http_port),
+            "--num-cpus",
+            "4",
             "--num-cpus-per-engine",
             "0.5",
+            "--with-colocated",
             "--engine-args",
             engine_args,
         ],
@@ -90,18 +97,11 @@ def test_pdserve_serve_then_client_then_ctrl_c() -> None:
     )
     lines = _Lines(proc)
     try:
-        lines.wait_for("press Ctrl-C", 240)
+        lines.wait_for("press Ctrl-C", 300)
         assert any(f"gRPC on 127.0.0.1:{grpc_port}" in line for line in lines.seen)
-        target = ["--target", f"127.0.0.1:{grpc_port}"]
-        served = _run(["client", *target, "--prompt", "Hello", "--max-tokens", "12", "--json"])
-        assert served.returncode == 0, served.stderr
-        offline = _run(["generate", "--prompt", "Hello", "--max-tokens", "12", "--json"])
-        assert offline.returncode == 0, offline.stderr
-        assert json.loads(served.stdout) == json.loads(offline.stdout)
-        plain = _run(["client", *target, "--prompt", "Hello", "--max-tokens", "12"])
-        assert plain.stdout.strip() == json.loads(offline.stdout)["text"].strip()
-        bad = _run(["client", *target, "--prompt", "Hello", "--max-tokens", "0"])
-        assert bad.returncode == 2 and "max_tokens" in bad.stderr
+        assert any("serving model 'smollm2'" in line for line in lines.seen), lines.seen
+        _check_grpc_client(grpc_port)
+        _check_openai_sdk(http_port)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -112,3 +112,41 @@ def test_pdserve_serve_then_client_then_ctrl_c() -> None:
     output = lines.rest(30)
     assert proc.returncode == 0, output
     assert "shutting down" in output
+
+
+def _check_grpc_client(grpc_port: int) -> None:
+    target = ["--target", f"127.0.0.1:{grpc_port}"]
+    # The README's command: a question, answered through the model's chat template.
+    answer = _run(["client", *target, "--prompt", QUESTION, "--max-tokens", "24"])
+    assert answer.returncode == 0, answer.stderr
+    assert "Paris" in answer.stdout
+    served = _run(["client", *target, "--prompt", QUESTION, "--max-tokens", "12", "--json"])
+    assert served.returncode == 0, served.stderr
+    offline = _run(["generate", "--prompt", QUESTION, "--max-tokens", "12", "--json"])
+    assert offline.returncode == 0, offline.stderr
+    assert json.loads(served.stdout) == json.loads(offline.stdout)
+    # --raw: the text as it is, no template (an instruct model may just end its turn).
+    raw = _run(["client", *target, "--raw", "--prompt", "Hello", "--max-tokens", "4", "--json"])
+    raw_offline = _run(["generate", "--raw", "--prompt", "Hello", "--max-tokens", "4", "--json"])
+    assert json.loads(raw.stdout) == json.loads(raw_offline.stdout)
+    assert (
+        json.loads(raw.stdout)["prompt_token_ids"] != json.loads(served.stdout)["prompt_token_ids"]
+    )
+    bad = _run(["client", *target, "--prompt", "Hello", "--max-tokens", "0"])
+    assert bad.returncode == 2 and "max_tokens" in bad.stderr
+
+
+def _check_openai_sdk(http_port: int) -> None:
+    import openai
+
+    for prefix in ("", "/colocated"):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}{prefix}/v1", api_key="x")
+        assert [model.id for model in client.models.list().data] == ["smollm2"]
+        reply = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=24,
+            temperature=0,
+        )
+        assert "Paris" in reply.choices[0].message.content, (prefix, reply)
+        assert reply.choices[0].finish_reason == "stop"

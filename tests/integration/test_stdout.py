@@ -23,7 +23,7 @@ CHILD = textwrap.dedent(
 
     kv = {"connector": "nixl", "secret": "stdout-test"}
     args = dict(max_model_len=64, kv_cache_memory_bytes=4 << 20, kv_transfer_config=kv)
-    prefill, decode = LLM("default", **args), LLM("default", **args)
+    prefill, decode = LLM("tiny", **args), LLM("tiny", **args)
     prompt = list(range(1, 40))
     first = prefill.generate(
         [prompt], SamplingParams(max_tokens=1, temperature=0.0), {"do_remote_decode": True}

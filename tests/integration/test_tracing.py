@@ -41,6 +41,7 @@ def served() -> Iterator[Served]:
     server, otlp_port = start_sink(receiver)
     config = AppConfig.from_args(
         {
+            "model": "tiny",
             "engine_args": ENGINE_ARGS,
             "num_cpus_per_engine": 0.5,
             "transport": "nixl",
@@ -86,7 +87,7 @@ def test_one_trace_per_request_across_router_prefill_kv_transfer_decode(served: 
     assert router["start"] <= prefill["start"] <= prefill["end"] <= decode["start"]
     assert decode["start"] <= kv["start"] <= kv["end"] <= decode["end"] <= router["end"]
     attrs = router["attributes"]
-    assert attrs["gen_ai.request.model"] == "default"
+    assert attrs["gen_ai.request.model"] == "tiny"
     assert attrs["gen_ai.request.max_tokens"] == 12
     assert attrs["gen_ai.request.temperature"] == 0.0
     assert attrs["gen_ai.usage.input_tokens"] == len(responses[0].prompt_token_ids)

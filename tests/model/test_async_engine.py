@@ -134,7 +134,7 @@ def test_duplicate_live_request_id_is_refused(engine):
 
 
 def test_stop_string_ends_the_request_with_the_default_model():
-    llm = LLM("default", max_model_len=128, num_gpu_blocks_override=64)
+    llm = LLM("tiny", max_model_len=128, num_gpu_blocks_override=64)
     free = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     text = llm.generate(["Once upon"], free)[0].outputs[0].text
     stop = text[3:6]
@@ -215,14 +215,14 @@ def test_stop_string_is_matched_by_the_caller_and_ends_the_engine_request():
     """AsyncEngine.generate detokenizes in the caller's thread (the engine thread sees token
     ids only); a stop string ends the stream where offline generation ends it, and the engine
     request is ended too: its blocks come back."""
-    llm = LLM("default", max_model_len=128, num_gpu_blocks_override=64)
+    llm = LLM("tiny", max_model_len=128, num_gpu_blocks_override=64)
     free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     text = llm.generate(["Once upon"], free)[0].outputs[0].text
     stop = text[5:8]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
     expected = llm.generate(["Once upon"], params)[0].outputs[0]
     llm.close()
-    engine = AsyncEngine("default", max_model_len=128, num_gpu_blocks_override=64)
+    engine = AsyncEngine("tiny", max_model_len=128, num_gpu_blocks_override=64)
     try:
         outs = asyncio.run(collect(engine, "Once upon", params, coalesce=True))
         last = outs[-1].outputs[0]

@@ -10,6 +10,13 @@ import pytest
 
 
 def pdserve(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """The CLI on the tiny model unless `args` name another (the CLI's default is smollm2)."""
+    if args[0] in ("generate", "bench") and "--model" not in args:
+        args = (
+            (*args[:2], "--model", "tiny", *args[2:])
+            if args[0] == "bench"
+            else (args[0], "--model", "tiny", *args[1:])
+        )
     return subprocess.run(
         [sys.executable, "-m", "pdserve.cli", *args],
         capture_output=True,
@@ -19,7 +26,7 @@ def pdserve(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
 
 
 def test_generate_with_the_default_model_prints_a_completion():
-    result = pdserve("generate", "--model", "default", "--prompt", "Hello", "--max-tokens", "8")
+    result = pdserve("generate", "--model", "tiny", "--prompt", "Hello", "--max-tokens", "8")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() != ""
 
@@ -60,7 +67,8 @@ def gpt2_dir(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--model", "/no/such/model"], "is not a directory"),
+        (["--model", "/no/such/model"], "is not a model directory, a .gguf file"),
+        (["--model", "llama-70b"], "or a named model (tiny, smollm2)"),
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--top-p", "0"], "top_p must be in (0, 1]"),
         (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),

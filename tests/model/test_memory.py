@@ -17,7 +17,7 @@ def rss_bytes() -> int:
 
 
 def test_thousand_sequential_requests_do_not_grow_rss():
-    llm = LLM("default", max_model_len=128, kv_cache_memory_bytes=BUDGET, max_num_seqs=4)
+    llm = LLM("tiny", max_model_len=128, kv_cache_memory_bytes=BUDGET, max_num_seqs=4)
     params = SamplingParams(temperature=0.8, seed=1, max_tokens=2, ignore_eos=True)
 
     def serve(n: int, offset: int) -> None:

@@ -32,8 +32,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[EngineServer, EngineServer]]:
     kv = {"connector": "grpc", "secret": SECRET, "lease_seconds": 30}
-    prefill = EngineServer("default", ENGINE_ARGS, kv)
-    decode = EngineServer("default", ENGINE_ARGS, kv)
+    prefill = EngineServer("tiny", ENGINE_ARGS, kv)
+    decode = EngineServer("tiny", ENGINE_ARGS, kv)
     yield prefill, decode
     for server in (prefill, decode):
         server.__del__()
@@ -41,7 +41,7 @@ def servers() -> Iterator[tuple[EngineServer, EngineServer]]:
 
 @pytest.fixture(scope="module")
 def offline() -> Iterator[LLM]:
-    llm = LLM("default", **ENGINE_ARGS)
+    llm = LLM("tiny", **ENGINE_ARGS)
     yield llm
     llm.close()
 
@@ -55,7 +55,7 @@ def make_flow(
     prefill_server, decode_server = servers
     tokenizer = decode_server.engine.tokenizer
     arch = decode_server.engine.core.arch
-    facts = ModelFacts("default", 128, arch.vocab_size)
+    facts = ModelFacts("tiny", 128, arch.vocab_size)
     return Orchestrator(
         tokenizer,
         facts,

@@ -51,7 +51,7 @@ def test_an_unknown_load_failure_policy_is_refused(make) -> None:
     ("make", "message"),
     [
         (
-            lambda: EngineArgs.from_kwargs("default", max_num_seq=4),
+            lambda: EngineArgs.from_kwargs("tiny", max_num_seq=4),
             "unknown engine argument(s) ['max_num_seq']; known: [",
         ),
         (

@@ -1,0 +1,240 @@
+"""GGUF checkpoints (llama.cpp's format): the model config and weights, as the engine wants them.
+
+A GGUF file holds metadata (`llama.block_count`, `tokenizer.ggml.tokens`, ...) and tensors under
+llama.cpp's names (`blk.0.attn_q.weight`), often quantized. The `gguf` package reads both and
+dequantizes; this module maps them onto what the engine already loads from Hugging Face
+checkpoints: a `ModelArchConfig`, and (HF name, float tensor) pairs. Two things differ from HF:
+
+- names: `blk.N.attn_q` is `model.layers.N.self_attn.q_proj`, and so on (`_TENSOR_NAMES`);
+- llama.cpp's Llama converter permutes the rows of q and k (its RoPE rotates adjacent pairs of a
+  head, HF's rotates the two halves), so for `llama` files we put the rows back (`_unpermute`).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.models.config import ModelArchConfig
+
+# GGUF `general.architecture` -> the Hugging Face architecture the engine builds.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",  # Llama 2/3 and Mistral files both say "llama"
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# llama.cpp's per-layer tensor names -> the Hugging Face names under model.layers.N.
+_LAYER_TENSOR_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def open_gguf(path: str | Path) -> Any:
+    """A `gguf.GGUFReader` over `path`; a file that is not a readable GGUF is a ValueError.
+
+    Readers are cached per file version: parsing the metadata (a 49k-token vocabulary is ~100k
+    fields) takes seconds, and the config, the weights and the tokenizer each need it.
+    """
+    path = Path(path).resolve()
+    try:
+        stat = path.stat()
+    except OSError as err:
+        raise ValueError(f"cannot read {path.name}: {err.strerror}") from None
+    return _open_gguf(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: Path, mtime_ns: int, size: int) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as err:  # the reader raises ValueError, KeyError, IndexError on bad bytes
+        raise ValueError(
+            f"{path.name} is not a readable GGUF file (truncated or another format): "
+            f"{_one_line(err)}"
+        ) from None
+
+
+def metadata(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_arch_config(reader: Any, name: str) -> ModelArchConfig:
+    """The model config from a GGUF's metadata, as a HF config.json would give it."""
+    gguf_arch = metadata(reader, "general.architecture")
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{name}: unsupported GGUF architecture {gguf_arch!r}; "
+            f"supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(f"{name}: per-frequency RoPE factors (rope_freqs) are not supported")
+
+    def key(suffix: str, default: Any = None) -> Any:
+        return metadata(reader, f"{gguf_arch}.{suffix}", default)
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    vocab_size = key("vocab_size") or len(metadata(reader, "tokenizer.ggml.tokens", []))
+    eos = metadata(reader, "tokenizer.ggml.eos_token_id")
+    raw: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[gguf_arch]],
+        "vocab_size": int(vocab_size),
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(key("context_length", 2048)),
+        # No output matrix in the file: the head reuses the embedding.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(key),
+        "sliding_window": key("attention.sliding_window"),
+        "bos_token_id": metadata(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": None if eos is None else int(eos),
+        "torch_dtype": "float32",
+        "attention_bias": "blk.0.attn_output.bias" in tensor_names,
+    }
+    return ModelArchConfig.from_dict(raw)
+
+
+def _rope_scaling(key: Any) -> dict[str, Any] | None:
+    scaling = key("rope.scaling.type")
+    if scaling in (None, "none"):
+        return None
+    if scaling != "linear":
+        raise ValueError(f"unsupported GGUF rope scaling {scaling!r}; supported: none, linear")
+    return {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
+
+
+def gguf_tensors(
+    reader: Any, config: ModelArchConfig, name: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor of the file, dequantized."""
+    unpermute = config.architecture == "LlamaForCausalLM"
+    for tensor in reader.tensors:
+        hf_name = hf_tensor_name(tensor.name)
+        if hf_name is None:
+            raise ValueError(f"{name}: unexpected tensor {tensor.name!r} for {config.architecture}")
+        weights = torch.from_numpy(_dequantize(tensor, name))
+        if unpermute and hf_name.endswith("q_proj.weight"):
+            weights = _unpermute(weights, config.num_attention_heads)
+        elif unpermute and hf_name.endswith("k_proj.weight"):
+            weights = _unpermute(weights, config.num_key_value_heads)
+        yield hf_name, weights
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    match = _LAYER_TENSOR.match(gguf_name)
+    if match:
+        layer, part, kind = match.groups()
+        mapped = _LAYER_TENSOR_NAMES.get(part)
+        return None if mapped is None else f"model.layers.{layer}.{mapped}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    mapped = _GLOBAL_TENSOR_NAMES.get(base)
+    return None if mapped is None or kind != "weight" else f"{mapped}.{kind}"
+
+
+def gguf_tensor_name(hf_name: str) -> str | None:
+    """The inverse of `hf_tensor_name` (for writers of GGUF files)."""
+    prefix, _, rest = hf_name.partition("model.layers.")
+    if not prefix and rest:
+        layer, _, part = rest.partition(".")
+        base, _, kind = part.rpartition(".")
+        gguf_part = _INVERSE_LAYER_NAMES.get(base)
+        return None if gguf_part is None else f"blk.{layer}.{gguf_part}.{kind}"
+    base, _, kind = hf_name.rpartition(".")
+    gguf_base = _INVERSE_GLOBAL_NAMES.get(base)
+    return None if gguf_base is None else f"{gguf_base}.{kind}"
+
+
+_INVERSE_LAYER_NAMES = {hf: name for name, hf in _LAYER_TENSOR_NAMES.items()}
+_INVERSE_GLOBAL_NAMES = {hf: name for name, hf in _GLOBAL_TENSOR_NAMES.items()}
+
+
+def _dequantize(tensor: Any, name: str) -> np.ndarray:
+    from gguf import quants
+
+    try:
+        if tensor.tensor_type.name in _INTEGER_TYPES:
+            raise NotImplementedError
+        data = quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ValueError(
+            f"{name}: tensor {tensor.name} is {tensor.tensor_type.name}, which the gguf package "
+            f"cannot dequantize; supported: {', '.join(supported_tensor_types())}"
+        ) from None
+    # The reader's shape lists llama.cpp's dimensions fastest first; torch wants them reversed.
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    data = data.reshape(shape).astype(np.float32, copy=False)
+    # F32 tensors come back as views of the read-only file mapping; torch wants writable memory.
+    return data if data.flags.writeable else data.copy()
+
+
+@functools.cache
+def supported_tensor_types() -> tuple[str, ...]:
+    """The GGUF tensor types this installation can load: those the gguf package dequantizes."""
+    import gguf
+    from gguf import quants
+
+    supported = []
+    for qtype in gguf.GGMLQuantizationType:
+        _, type_size = gguf.GGML_QUANT_SIZES.get(qtype, (0, 0))
+        if not type_size:
+            continue
+        if qtype.name in _INTEGER_TYPES:
+            continue
+        try:
+            quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+        except NotImplementedError:
+            continue
+        supported.append(qtype.name)
+    return tuple(supported)
+
+
+# Integer tensors hold indices, not weights: a checkpoint's matrices are never of these types.
+_INTEGER_TYPES = frozenset({"I8", "I16", "I32", "I64"})
+
+
+def _unpermute(weights: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: within a head, its rows (pairs first) -> HF's (halves)."""
+    rows = weights.shape[0]
+    return (
+        weights.reshape(num_heads, rows // num_heads // 2, 2, *weights.shape[1:])
+        .transpose(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

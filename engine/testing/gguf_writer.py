@@ -1,0 +1,87 @@
+"""Write a Hugging Face checkpoint directory as a GGUF file, as llama.cpp's converter would.
+
+For tests: they cannot download GGUF files, so they write small ones from random-weight HF
+models (and check the engine against transformers loading the same file). The `gguf` package
+does the writing and the quantizing; this module only lays the tensors out the llama.cpp way
+(its names, q/k rows permuted for Llama, norms and biases kept in F32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+from engine.models.config import ModelArchConfig
+from engine.models.gguf_file import GGUF_ARCHITECTURES, gguf_tensor_name
+
+_HF_TO_GGUF_ARCH = {hf: name for name, hf in GGUF_ARCHITECTURES.items()}
+
+
+def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32") -> Path:
+    """`model_dir` (config.json + model.safetensors) as a GGUF file at `out`, its matrices of
+    `tensor_type` (F32, F16, BF16, Q8_0, Q4_0, ...); returns `out`."""
+    config = ModelArchConfig.from_pretrained(model_dir)
+    arch = _HF_TO_GGUF_ARCH[config.architecture]
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    writer = gguf.GGUFWriter(str(out), arch=arch)
+    _write_config(writer, config)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    for hf_name, array in tensors.items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = array.astype(np.float32)
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = (
+                config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
+            )
+            array = _permute(array, heads)
+        name = gguf_tensor_name(hf_name)
+        if name is None:
+            raise ValueError(f"no GGUF name for {hf_name}")
+        _add_tensor(writer, name, array, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _write_config(writer: gguf.GGUFWriter, config: ModelArchConfig) -> None:
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope.theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+
+
+def _add_tensor(
+    writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: gguf.GGMLQuantizationType
+) -> None:
+    if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, array)  # norms and biases stay F32, as llama.cpp keeps them
+        return
+    if qtype == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, array.astype(np.float16))
+        return
+    quantized = gguf.quants.quantize(array, qtype)
+    writer.add_tensor(name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
+
+
+def _permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: within a head, HF's halves -> interleaved pairs."""
+    rows = weights.shape[0]
+    return (
+        weights.reshape(num_heads, 2, rows // num_heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
