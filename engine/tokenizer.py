@@ -50,7 +50,13 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """Load `tokenizer.json` and the configs beside it from a model directory."""
+        """Load `tokenizer.json` and the configs beside it from a model directory, or the
+        tokenizer in a GGUF file's metadata."""
+        if str(path).lower().endswith(".gguf"):
+            from engine.gguf_tokenizer import gguf_tokenizer_parts
+
+            backend, config = gguf_tokenizer_parts(path)
+            return cls(backend, config, name=Path(path).name)
         directory = Path(path).expanduser()
         tokenizer_file = directory / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -59,7 +65,8 @@ class Tokenizer:
             backend = HFTokenizer.from_file(str(tokenizer_file))
         except Exception as err:  # the library raises a bare Exception on a malformed file
             raise ValueError(f"cannot load {tokenizer_file}: {err}") from err
-        return cls(backend, _read_config(directory), name=str(directory))
+        # The directory's name, not its path: messages may reach clients.
+        return cls(backend, _read_config(directory), name=directory.name)
 
     @property
     def backend(self) -> HFTokenizer:

@@ -8,6 +8,7 @@ does the writing and the quantizing; this module only lays the tensors out the l
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -20,14 +21,22 @@ from engine.models.gguf_file import GGUF_ARCHITECTURES, gguf_tensor_name
 _HF_TO_GGUF_ARCH = {hf: name for name, hf in GGUF_ARCHITECTURES.items()}
 
 
-def write_gguf(model_dir: Path, out: Path, tensor_type: str = "F32") -> Path:
+def write_gguf(
+    model_dir: Path, out: Path, tensor_type: str = "F32", pre_tokenizer: str = "default"
+) -> Path:
     """`model_dir` (config.json + model.safetensors) as a GGUF file at `out`, its matrices of
-    `tensor_type` (F32, F16, BF16, Q8_0, Q4_0, ...); returns `out`."""
+    `tensor_type` (F32, F16, BF16, Q8_0, Q4_0, ...); returns `out`. A byte-level BPE
+    tokenizer.json beside them goes into the metadata, its pre-tokenizer named
+    `pre_tokenizer` (llama.cpp's `tokenizer.ggml.pre`)."""
     config = ModelArchConfig.from_pretrained(model_dir)
+    if config.rope.rope_type != "default":
+        raise ValueError(f"rope scaling {config.rope.rope_type!r} is not written to GGUF here")
     arch = _HF_TO_GGUF_ARCH[config.architecture]
     qtype = gguf.GGMLQuantizationType[tensor_type]
     writer = gguf.GGUFWriter(str(out), arch=arch)
     _write_config(writer, config)
+    if (model_dir / "tokenizer.json").is_file():
+        _write_tokenizer(writer, model_dir, pre_tokenizer)
     tensors = load_file(str(model_dir / "model.safetensors"))
     for hf_name, array in tensors.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
@@ -62,6 +71,36 @@ def _write_config(writer: gguf.GGUFWriter, config: ModelArchConfig) -> None:
     writer.add_rope_freq_base(config.rope.theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+
+
+def _write_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, pre_tokenizer: str) -> None:
+    """tokenizer.json (a byte-level BPE) and tokenizer_config.json as `tokenizer.ggml.*`."""
+    spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    settings = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if spec["model"]["type"] != "BPE":
+        raise ValueError("only byte-level BPE tokenizers are written to GGUF here")
+    vocab: dict[str, int] = dict(spec["model"]["vocab"])
+    kinds = {token_id: gguf.TokenType.NORMAL for token_id in vocab.values()}
+    for added in spec.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+        special = added["special"]
+        kinds[added["id"]] = gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre_tokenizer)
+    writer.add_token_list(tokens)
+    writer.add_token_types([kinds[vocab[token]] for token in tokens])
+    writer.add_token_merges(merges)
+    for key, add in (
+        ("bos_token", writer.add_bos_token_id),
+        ("eos_token", writer.add_eos_token_id),
+    ):
+        if isinstance(settings.get(key), str):
+            add(vocab[settings[key]])
+    writer.add_add_bos_token(bool(settings.get("add_bos_token", False)))
+    if isinstance(settings.get("chat_template"), str):
+        writer.add_chat_template(settings["chat_template"])
 
 
 def _add_tensor(

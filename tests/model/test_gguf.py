@@ -153,3 +153,18 @@ def test_supported_tensor_types_cover_what_llama_cpp_ships():
     supported = set(supported_tensor_types())
     assert {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"} <= supported
     assert "Q8_K" not in supported and "I32" not in supported
+
+
+def test_the_tiny_model_as_gguf_answers_as_its_directory_does(tmp_path):
+    """The whole GGUF path (config, F32 weights, tokenizer, chat template) against the same
+    model loaded from its Hugging Face directory: text in, the same tokens and text out."""
+    path = write_gguf(resolve_model("tiny"), tmp_path / "tiny.gguf", "F32")
+    from_gguf, from_dir = LLM(str(path), max_model_len=128), LLM("tiny", max_model_len=128)
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
+    prompts_in = ["Hello there", {"messages": [{"role": "user", "content": "hi"}]}]
+    for ours, theirs in zip(
+        from_gguf.generate(prompts_in, params), from_dir.generate(prompts_in, params), strict=True
+    ):
+        assert ours.prompt_token_ids == theirs.prompt_token_ids
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert ours.outputs[0].text == theirs.outputs[0].text

