@@ -24,9 +24,19 @@ def sampling_message(**params: Any) -> pb.SamplingParams:
             getattr(message, name).extend(value)
         elif name == "logit_bias":
             message.logit_bias.update(value)
+        elif name == "structured_outputs":  # {"json_schema": "..."}, {"choice": [...]}, ...
+            _set_structured(message.structured_outputs, value)
         else:
             setattr(message, name, value)
     return message
+
+
+def _set_structured(message: pb.StructuredOutputs, value: dict[str, Any]) -> None:
+    ((kind, setting),) = value.items()
+    if kind == "choice":
+        message.choice.choices.extend(setting)
+    else:
+        setattr(message, kind, setting)
 
 
 def generate_request(

@@ -3,10 +3,19 @@
 Served through Ray Serve's HTTP proxy by the Router's FastAPI ingress. Bad input (malformed
 JSON, wrong types, out-of-range sampling values, an unknown model, a prompt too long) is an HTTP
 400 with an OpenAI-style error body; a request past its deadline is a 504.
+
+No field is silently ignored. A field is honoured, or refused with a 400 that names it: unknown
+fields, `tools` and the other function-calling fields (no tool-call parser yet), `n`/`best_of`
+other than 1, `echo`, `suffix`, `top_logprobs` or `logprobs` above 20, `store: true`, audio and
+the like. Three are accepted as the metadata they are, with no effect on the output: `user` (an
+end-user id for the caller's own monitoring), `metadata` and `store: false` (nothing is stored).
+Structured outputs: `response_format` (`json_object`, `json_schema`) and vLLM's `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Callable
@@ -22,7 +31,7 @@ from deployments.errors import DeadlineExceeded, EngineFailure, public_message
 from deployments.openai_format import ChatFormat, CompletionFormat, ResponseFormat, sse_events
 from deployments.orchestrator import Orchestrator
 from deployments.protocol import GenerateInput
-from engine.request import SamplingParams
+from engine.request import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +42,20 @@ class _StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+_MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+_STRUCTURED_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints (OpenAI's, plus vLLM's extensions)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 that names it
 
     model: str | None = None
     max_tokens: int | None = None
@@ -62,10 +81,55 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None
     timeout_s: float | None = Field(default=None, gt=0)
     return_token_ids: bool = False
+    # Structured outputs: OpenAI's response_format, or one of vLLM's guided_* fields.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    # Accepted, no effect on the output (see the module docstring).
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    # Refused unless harmless (see refuse_unsupported).
+    service_tier: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def refuse_unsupported(self) -> None:
+        """ValueError naming a field this server would otherwise have to ignore."""
         if self.n != 1:
             raise ValueError(f"n must be 1 (one completion per request), got {self.n}")
+        if self.store:
+            raise ValueError("store: true is not supported (nothing is stored)")
+        if self.service_tier not in (None, "auto", "default"):
+            raise ValueError(f"service_tier {self.service_tier!r} is not supported")
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            raise ValueError("guided_decoding_backend must be xgrammar (the only one here)")
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        given = {
+            name: value for name in _STRUCTURED_FIELDS if (value := getattr(self, name)) is not None
+        }
+        fmt = given.get("response_format")
+        if fmt is not None and fmt.get("type") == "text" and set(fmt) == {"type"}:
+            del given["response_format"]  # plain text: no constraint
+        if len(given) > 1:
+            raise ValueError(f"give one structured output field, got {sorted(given)}")
+        if not given:
+            return None
+        ((name, value),) = given.items()
+        if name == "response_format":
+            return _response_format(value)
+        if name == "guided_json":
+            return StructuredOutputsParams(json=_schema_text(value))
+        if name == "guided_choice":
+            return StructuredOutputsParams(choice=tuple(value))
+        return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self.refuse_unsupported()
+        if logprobs is not None and logprobs > _MAX_LOGPROBS:
+            raise ValueError(f"at most {_MAX_LOGPROBS} logprobs per token, got {logprobs}")
         kwargs: dict[str, Any] = {
             name: value
             for name in (
@@ -93,6 +157,7 @@ class _SamplingFields(BaseModel):
             logit_bias=_logit_bias(self.logit_bias),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs(),
         )
 
 
@@ -100,6 +165,17 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported (no fill-in-the-middle)")
+        if self.best_of not in (None, 1):
+            raise ValueError(f"best_of must be 1, got {self.best_of}")
 
 
 class _ContentPart(BaseModel):
@@ -125,6 +201,35 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Function calling: refused (no tool-call parser); `tool_choice: "none"` alone is harmless.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Other modalities and features this server does not have: refused when set.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        for name in ("tools", "functions", "function_call", "parallel_tool_calls"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported: this server does not parse tool calls")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice is not supported: this server does not parse tool calls")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= _MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {_MAX_LOGPROBS}]")
+        if self.modalities not in (None, ["text"]):
+            raise ValueError(f"only text output is supported, got modalities={self.modalities}")
+        for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported")
 
 
 def build_openai_app(
@@ -209,8 +314,6 @@ def build_openai_app(
 
 
 def _completion_input(body: CompletionRequest, flow: Orchestrator) -> GenerateInput:
-    if body.echo:
-        raise ValueError("echo is not supported")
     prompt: Any = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -237,6 +340,24 @@ def _chat_input(body: ChatCompletionRequest, flow: Orchestrator) -> GenerateInpu
         max_tokens = max(1, flow.model.max_model_len - len(token_ids))
     params = body.sampling_params(max_tokens, logprobs)
     return GenerateInput(token_ids, params, "", body.priority, body.cache_salt, body.timeout_s)
+
+
+def _response_format(value: dict[str, Any]) -> StructuredOutputsParams:
+    kind = value.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError("response_format json_schema needs json_schema.schema")
+        return StructuredOutputsParams(json=_schema_text(spec["schema"]))
+    raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _schema_text(schema: dict[str, Any] | str) -> str:
+    if isinstance(schema, str):
+        return schema
+    return json.dumps(schema)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

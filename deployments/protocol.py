@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.outputs import TokenLogprobs
-from engine.request import SamplingParams
+from engine.request import SamplingParams, StructuredOutputsParams
 from protos.pdserve.v1 import generate_pb2 as pb
 
 # Routes a request can take through the router (GenerateResponse.route).
@@ -103,7 +103,22 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     )
     if message.logit_bias:
         kwargs["logit_bias"] = dict(message.logit_bias)
+    if message.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = _structured_from_proto(message.structured_outputs)
     return SamplingParams(**kwargs)
+
+
+def _structured_from_proto(message: pb.StructuredOutputs) -> StructuredOutputsParams:
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs is set but names no kind (json_schema, regex, ...)")
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=message.json_schema)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=message.json_object)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=tuple(message.choice.choices))
+    return StructuredOutputsParams(**{kind: getattr(message, kind)})
 
 
 def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:

@@ -101,7 +101,9 @@ class AsyncEngine:
     def __init__(self, model: str = TINY_MODEL, **engine_args: Any) -> None:
         config, arch = EngineArgs.from_kwargs(model, **engine_args).create_engine_config()
         self.tokenizer = load_tokenizer(config.model)
-        self.core = EngineCore(config, arch, reasoning_tokens(self.tokenizer))
+        self.core = EngineCore(
+            config, arch, reasoning_tokens(self.tokenizer), tokenizer=self.tokenizer
+        )
         self.max_model_len = config.scheduler.max_model_len
         self._sinks: dict[str, _Sink] = {}
         self._commands: queue.Queue[_Add | _End | None] = queue.Queue()

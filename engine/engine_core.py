@@ -18,6 +18,7 @@ from engine.kv_connector import KVConnectorBase, create_kv_connector
 from engine.models import ModelArchConfig
 from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
+from engine.tokenizer import Tokenizer
 from engine.worker.model_runner import ModelRunner, ReasoningTokens
 
 _IDLE_POLL_S = 0.002
@@ -43,10 +44,11 @@ class EngineCore:
         arch: ModelArchConfig,
         reasoning: ReasoningTokens | None = None,
         connector: KVConnectorBase | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config
         self.arch = arch
-        self.runner = ModelRunner(config, arch, reasoning or ReasoningTokens())
+        self.runner = ModelRunner(config, arch, reasoning or ReasoningTokens(), tokenizer)
         self.runner.load_model()
         num_blocks = self.runner.determine_num_blocks()
         cache = replace(config.cache, num_blocks=num_blocks)

@@ -53,7 +53,9 @@ class LLM:
         args = EngineArgs.from_kwargs(model, **engine_args)
         config, arch = args.create_engine_config()
         self.tokenizer = load_tokenizer(config.model)
-        self.engine = EngineCore(config, arch, reasoning_tokens(self.tokenizer))
+        self.engine = EngineCore(
+            config, arch, reasoning_tokens(self.tokenizer), tokenizer=self.tokenizer
+        )
         self.max_model_len = config.scheduler.max_model_len
         self._counter = itertools.count()
 

@@ -62,6 +62,50 @@ def _is_number(value: object) -> bool:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a language: exactly one of a JSON schema, any JSON object, a
+    regular expression, one of several strings, or a grammar (xgrammar's EBNF). vLLM's shape;
+    `grammar` is what the OpenAI API's `response_format` and `guided_*` fields become."""
+
+    json: str | None = None  # a JSON schema, as JSON text
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice, "
+                f"grammar; got {kinds or 'none'}"
+            )
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured outputs' {name} must be a non-empty string")
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured outputs' choice must be a list of non-empty strings")
+        # The grammar is built here (without a tokenizer, a few ms): a bad schema, regex or
+        # grammar is refused when the request is made, not when an engine first samples it.
+        from engine.sample.structured import check_grammar
+
+        check_grammar(self)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is (json, json_object, regex, choice or grammar)."""
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k))
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction (ValueError)."""
 
@@ -91,6 +135,8 @@ class SamplingParams:
     # what follows are unchanged). A disaggregated decode continues the token that the prefill
     # engine already sent to the client, even if its own logits would pick another.
     forced_output_token_ids: Sequence[int] = ()
+    # Output constrained to a JSON schema, regex, choice or grammar (a logits processor).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_lengths()
@@ -134,6 +180,9 @@ class SamplingParams:
         budget = self.thinking_token_budget
         if budget is not None and (not _is_int(budget) or budget < 0):
             raise ValueError(f"thinking_token_budget must be an integer >= 0, got {budget!r}")
+        structured = self.structured_outputs
+        if structured is not None and not isinstance(structured, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     def _check_probability_knobs(self) -> None:
         if not _is_number(self.temperature) or self.temperature < 0:

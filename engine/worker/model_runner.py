@@ -24,6 +24,7 @@ from engine.outputs import TokenLogprobs
 from engine.request import SamplingParams
 from engine.sample import LogprobsOutput, Sampler, SamplingMetadata
 from engine.sample.logits_processor import LogitsProcessorConfig, build_logits_processors
+from engine.tokenizer import Tokenizer
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -49,6 +50,7 @@ class ModelRunner:
         config: EngineConfig,
         arch: ModelArchConfig,
         reasoning: ReasoningTokens | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         reasoning = reasoning or ReasoningTokens()
         self.config = config
@@ -72,6 +74,7 @@ class ModelRunner:
                 eos_token_id=arch.eos_token_id,
                 reasoning_start_token_id=reasoning.start,
                 reasoning_end_token_id=reasoning.end,
+                tokenizer=tokenizer,
             ),
             self.device,
             config.model.logits_processors,

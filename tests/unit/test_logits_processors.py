@@ -22,6 +22,7 @@ from engine.sample.logits_processor import (
     build_logits_processors,
     load_custom_logits_processor,
 )
+from engine.sample.logits_processor.structured import StructuredOutputLogitsProcessor
 from tests.unit.logits_utils import (
     CONFIG,
     CPU,
@@ -285,10 +286,11 @@ def test_build_splits_builtins_by_argmax_invariance() -> None:
         MinTokensLogitsProcessor,
         LogitBiasLogitsProcessor,
         ThinkingBudgetLogitsProcessor,
+        StructuredOutputLogitsProcessor,
         ForcedOutputLogitsProcessor,
     ]
     assert [type(p) for p in procs.argmax_invariant] == [MinPLogitsProcessor]
-    assert len(procs.all) == 5
+    assert len(procs.all) == 6
     with pytest.raises(ValueError, match="vocab size"):
         procs.validate_params(SamplingParams(logit_bias={V: 1.0}))
 

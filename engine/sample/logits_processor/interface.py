@@ -10,7 +10,8 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,6 +53,9 @@ class LogitsProcessorConfig:
     eos_token_id: int | None = None
     reasoning_start_token_id: int | None = None
     reasoning_end_token_id: int | None = None
+    # The model's tokenizer (engine.tokenizer.Tokenizer), for processors that read text or the
+    # vocabulary (structured outputs); None for a model served by token ids only.
+    tokenizer: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_num_seqs"):

@@ -19,14 +19,17 @@ from engine.sample.logits_processor.interface import (
     LogitsProcessor,
     LogitsProcessorConfig,
 )
+from engine.sample.logits_processor.structured import StructuredOutputLogitsProcessor
 from engine.sample.logits_processor.thinking_budget import ThinkingBudgetLogitsProcessor
 
 # Order matters among the argmax-changing ones: thinking budget runs after logit_bias so a
-# bias cannot undo a forced reasoning end; forced output tokens come last and win over all.
+# bias cannot undo a forced reasoning end; the grammar masks after both (a bias cannot bring
+# back a token it forbids); forced output tokens come last and win over all.
 BUILTIN_LOGITS_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
     MinTokensLogitsProcessor,
     LogitBiasLogitsProcessor,
     ThinkingBudgetLogitsProcessor,
+    StructuredOutputLogitsProcessor,
     ForcedOutputLogitsProcessor,
     MinPLogitsProcessor,
 )

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/pdserve/v1/generate.proto\x12\npdserve.v1\"\xbb\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x03\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\n\x88\x01\x01\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x82\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x42\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\"\'\n\x06Timing\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x02 \x01(\x01\"J\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\x12\x14\n\x0csampled_rank\x18\x03 \x01(\x03\"\xfa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x03\x12\r\n\x05route\x18\t \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xb9\x01\n\x0b\x45ngineStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x03\x12\x13\n\x0bnum_running\x18\x05 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x03\x12\x19\n\x11num_held_requests\x18\x07 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\"J\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12(\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x17.pdserve.v1.EngineStats\"\x12\n\x10ModelInfoRequest\"\x82\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x12\n\nblock_size\x18\x04 \x01(\x03\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t2\x9e\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12H\n\tModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x1d.pdserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/pdserve/v1/generate.proto\x12\npdserve.v1\"\xf6\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x03\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\n\x88\x01\x01\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x39\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x94\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x82\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x42\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\"\'\n\x06Timing\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x02 \x01(\x01\"J\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\x12\x14\n\x0csampled_rank\x18\x03 \x01(\x03\"\xfa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x03\x12\r\n\x05route\x18\t \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xb9\x01\n\x0b\x45ngineStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x03\x12\x13\n\x0bnum_running\x18\x05 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x03\x12\x19\n\x11num_held_requests\x18\x07 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\"J\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12(\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x17.pdserve.v1.EngineStats\"\x12\n\x10ModelInfoRequest\"\x82\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x12\n\nblock_size\x18\x04 \x01(\x03\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t2\x9e\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12H\n\tModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x1d.pdserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,39 +34,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=49
-  _globals['_SAMPLINGPARAMS']._serialized_end=748
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=527
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=575
-  _globals['_TOKENIDS']._serialized_start=750
-  _globals['_TOKENIDS']._serialized_end=773
-  _globals['_CHATMESSAGE']._serialized_start=775
-  _globals['_CHATMESSAGE']._serialized_end=819
-  _globals['_CHATMESSAGES']._serialized_start=821
-  _globals['_CHATMESSAGES']._serialized_end=878
-  _globals['_GENERATEREQUEST']._serialized_start=881
-  _globals['_GENERATEREQUEST']._serialized_end=1139
-  _globals['_USAGE']._serialized_start=1141
-  _globals['_USAGE']._serialized_end=1221
-  _globals['_TIMING']._serialized_start=1223
-  _globals['_TIMING']._serialized_end=1262
-  _globals['_TOKENLOGPROBS']._serialized_start=1264
-  _globals['_TOKENLOGPROBS']._serialized_end=1338
-  _globals['_GENERATERESPONSE']._serialized_start=1341
-  _globals['_GENERATERESPONSE']._serialized_end=1591
-  _globals['_ABORTREQUEST']._serialized_start=1593
-  _globals['_ABORTREQUEST']._serialized_end=1627
-  _globals['_ABORTRESPONSE']._serialized_start=1629
-  _globals['_ABORTRESPONSE']._serialized_end=1659
-  _globals['_HEALTHREQUEST']._serialized_start=1661
-  _globals['_HEALTHREQUEST']._serialized_end=1676
-  _globals['_ENGINESTATS']._serialized_start=1679
-  _globals['_ENGINESTATS']._serialized_end=1864
-  _globals['_HEALTHRESPONSE']._serialized_start=1866
-  _globals['_HEALTHRESPONSE']._serialized_end=1940
-  _globals['_MODELINFOREQUEST']._serialized_start=1942
-  _globals['_MODELINFOREQUEST']._serialized_end=1960
-  _globals['_MODELINFORESPONSE']._serialized_start=1963
-  _globals['_MODELINFORESPONSE']._serialized_end=2093
-  _globals['_GENERATION']._serialized_start=2096
-  _globals['_GENERATION']._serialized_end=2382
+  _globals['_SAMPLINGPARAMS']._serialized_end=807
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=586
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=634
+  _globals['_CHOICES']._serialized_start=809
+  _globals['_CHOICES']._serialized_end=835
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=838
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=986
+  _globals['_TOKENIDS']._serialized_start=988
+  _globals['_TOKENIDS']._serialized_end=1011
+  _globals['_CHATMESSAGE']._serialized_start=1013
+  _globals['_CHATMESSAGE']._serialized_end=1057
+  _globals['_CHATMESSAGES']._serialized_start=1059
+  _globals['_CHATMESSAGES']._serialized_end=1116
+  _globals['_GENERATEREQUEST']._serialized_start=1119
+  _globals['_GENERATEREQUEST']._serialized_end=1377
+  _globals['_USAGE']._serialized_start=1379
+  _globals['_USAGE']._serialized_end=1459
+  _globals['_TIMING']._serialized_start=1461
+  _globals['_TIMING']._serialized_end=1500
+  _globals['_TOKENLOGPROBS']._serialized_start=1502
+  _globals['_TOKENLOGPROBS']._serialized_end=1576
+  _globals['_GENERATERESPONSE']._serialized_start=1579
+  _globals['_GENERATERESPONSE']._serialized_end=1829
+  _globals['_ABORTREQUEST']._serialized_start=1831
+  _globals['_ABORTREQUEST']._serialized_end=1865
+  _globals['_ABORTRESPONSE']._serialized_start=1867
+  _globals['_ABORTRESPONSE']._serialized_end=1897
+  _globals['_HEALTHREQUEST']._serialized_start=1899
+  _globals['_HEALTHREQUEST']._serialized_end=1914
+  _globals['_ENGINESTATS']._serialized_start=1917
+  _globals['_ENGINESTATS']._serialized_end=2102
+  _globals['_HEALTHRESPONSE']._serialized_start=2104
+  _globals['_HEALTHRESPONSE']._serialized_end=2178
+  _globals['_MODELINFOREQUEST']._serialized_start=2180
+  _globals['_MODELINFOREQUEST']._serialized_end=2198
+  _globals['_MODELINFORESPONSE']._serialized_start=2201
+  _globals['_MODELINFORESPONSE']._serialized_end=2331
+  _globals['_GENERATION']._serialized_start=2334
+  _globals['_GENERATION']._serialized_end=2620
 # @@protoc_insertion_point(module_scope)
