@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -148,6 +149,39 @@ def test_seeded_sampling_disaggregated_equals_colocated(app: App) -> None:
     assert disaggregated.text == colocated.text
 
 
+def test_structured_outputs_over_http_and_grpc_disaggregated_and_colocated(app: App) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green", "blue"]}},
+        "required": ["ok", "tag"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    body = {
+        "messages": [{"role": "user", "content": "Pick"}],
+        "max_tokens": 40,
+        "temperature": 1.0,
+        "seed": 4,
+        "response_format": response_format,
+    }
+    contents = []
+    for prefix in ("", "/colocated"):
+        status, reply = app.http(f"{prefix}/v1/chat/completions", body)
+        assert status == 200, reply
+        contents.append(reply["choices"][0]["message"]["content"])
+        value = json.loads(contents[-1])
+        assert set(value) == {"ok", "tag"} and value["tag"] in ("red", "green", "blue")
+    assert contents[0] == contents[1]  # the seeded legs agree
+    choice = {"prompt": "Hi", "max_tokens": 8, "temperature": 0, "guided_choice": ["yes", "no"]}
+    status, reply = app.http("/v1/completions", choice)
+    assert status == 200 and reply["choices"][0]["text"] in ("yes", "no"), reply
+    request = generate_request(
+        "Hi", max_tokens=12, temperature=0.0, structured_outputs={"regex": "[a-z]{4}"}
+    )
+    for client in (app.client, app.colocated):
+        assert re.fullmatch("[a-z]{4}", client.complete(request).text)
+
+
 def test_stop_string_across_the_legs(app: App, offline: LLM) -> None:
     full = greedy(offline, PROMPTS[1], 24).outputs[0].text
     stop = full[len(full) // 2 : len(full) // 2 + 3]  # lands in the decode leg's text
@@ -238,7 +272,8 @@ def test_http_logprobs_content_parts_and_chat_default_length(app: App) -> None:
     assert len(content) == whole["usage"]["completion_tokens"]
     assert all(len(entry["top_logprobs"]) == 2 for entry in content)
     # Chat without max_tokens runs to the end of the context (or a stop), not to 16 tokens.
-    status, long = app.http("/v1/chat/completions", {**plain, "logprobs": False})
+    unlimited = {"messages": plain["messages"], "temperature": 0}
+    status, long = app.http("/v1/chat/completions", unlimited)
     assert status == 200
     choice, used = long["choices"][0], long["usage"]
     assert choice["finish_reason"] == "stop" or (
@@ -427,6 +462,31 @@ def test_bad_http_requests_are_400_and_service_keeps_serving(app: App) -> None:
     ):
         status, reply = app.http("/v1/chat/completions", {"messages": hi, field: value})
         assert status == 400 and message in reply["error"]["message"], (field, value, reply)
+    refused = [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not supported"),
+        ({"tool_choice": "auto"}, "tool_choice is not supported"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
+        ({"n": 2}, "n must be 1"),
+        ({"frobnicate": True}, "frobnicate: Extra inputs are not permitted"),
+        ({"response_format": {"type": "json_schema"}}, "needs json_schema.schema"),
+        ({"response_format": {"type": "yaml"}}, "must be text, json_object or json_schema"),
+        ({"guided_regex": "a(b"}, "invalid structured output regex"),
+        ({"guided_json": {"type": "objekt"}}, 'Unsupported type "objekt"'),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "give one structured output field"),
+        ({"audio": {"voice": "x"}}, "audio is not supported"),
+        ({"store": True}, "store: true is not supported"),
+    ]
+    for extra, message in refused:
+        status, reply = app.http("/v1/chat/completions", {"messages": hi, **extra})
+        assert status == 400 and message in reply["error"]["message"], (extra, reply)
+        assert reply["error"]["type"] == "invalid_request_error"
+    for extra, message in (
+        ({"suffix": "x"}, "suffix is not supported"),
+        ({"best_of": 3}, "best_of must be 1"),
+        ({"logprobs": 21}, "at most 20 logprobs"),
+    ):
+        status, reply = app.http("/v1/completions", {"prompt": "Hi", **extra})
+        assert status == 400 and message in reply["error"]["message"], (extra, reply)
     status, reply = app.http("/v1/completions", {"prompt": "Hi", "max_tokens": 3})
     assert status == 200 and reply["choices"][0]["finish_reason"] in ("length", "stop")
     got = app.client.complete(generate_request("Hi", max_tokens=3, temperature=0.0))

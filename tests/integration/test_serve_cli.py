@@ -68,6 +68,15 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 QUESTION = "What is the capital of France?"
+CAPITAL_SCHEMA = {
+    "name": "capital",
+    "schema": {
+        "type": "object",
+        "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+        "required": ["country", "capital"],
+        "additionalProperties": False,
+    },
+}
 
 
 def test_pdserve_serve_then_client_then_ctrl_c() -> None:
@@ -139,6 +148,7 @@ def _check_grpc_client(grpc_port: int) -> None:
 def _check_openai_sdk(http_port: int) -> None:
     import openai
 
+    contents: list[str] = []
     for prefix in ("", "/colocated"):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}{prefix}/v1", api_key="x")
         assert [model.id for model in client.models.list().data] == ["smollm2"]
@@ -150,3 +160,20 @@ def _check_openai_sdk(http_port: int) -> None:
         )
         assert "Paris" in reply.choices[0].message.content, (prefix, reply)
         assert reply.choices[0].finish_reason == "stop"
+        structured = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": f"{QUESTION} Answer in JSON."}],
+            max_tokens=60,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": CAPITAL_SCHEMA},
+        )
+        value = json.loads(structured.choices[0].message.content)
+        assert set(value) == {"country", "capital"} and isinstance(value["capital"], str)
+        contents.append(structured.choices[0].message.content)
+        with pytest.raises(openai.BadRequestError, match="tools is not supported"):
+            client.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": QUESTION}],
+                tools=[{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
+            )
+    assert contents[0] == contents[1]  # disaggregated == colocated, greedy

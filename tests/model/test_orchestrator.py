@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
@@ -22,7 +23,7 @@ from deployments.orchestrator import (
 from deployments.protocol import EngineRequest, GenerateInput, ResponseChunk
 from engine.llm import LLM
 from engine.outputs import EngineCoreOutput
-from engine.request import SamplingParams
+from engine.request import SamplingParams, StructuredOutputsParams
 
 ENGINE_ARGS = {"max_model_len": 128, "kv_cache_memory_bytes": 8 << 20}
 SECRET = "orchestrator-test"
@@ -260,4 +261,34 @@ def test_max_tokens_beyond_the_context_is_refused_not_cut(servers, offline):
         run(make_flow(servers), prompt, max_tokens=9, temperature=0.0, ignore_eos=True)
     chunks = run(make_flow(servers), prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
     assert len(tokens(chunks)) == 8 and chunks[-1].finish_reason == "length"
+    assert all(idle(s) for s in servers)
+
+
+STRUCTURED = StructuredOutputsParams(
+    json=json.dumps(
+        {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green", "blue"]}},
+            "required": ["ok", "tag"],
+            "additionalProperties": False,
+        }
+    )
+)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 11}])
+def test_constrained_output_is_the_same_disaggregated_and_colocated(servers, offline, sampling):
+    """The prefill engine constrains the first token; the decode engine's grammar starts after
+    it: the two legs give what one engine gives, greedy and seeded."""
+    params = dict(max_tokens=40, structured_outputs=STRUCTURED, **sampling)
+    disaggregated = run(make_flow(servers), PROMPT, **params)
+    colocated = run(make_flow(servers, prefill=None), PROMPT, **params)
+    expected = offline.generate([PROMPT], SamplingParams(**params))[0].outputs[0]
+    assert {c.route for c in disaggregated} == {"disaggregated"}
+    assert tokens(disaggregated) == tokens(colocated) == expected.token_ids
+    text = "".join(c.text for c in disaggregated)
+    assert text == expected.text
+    value = json.loads(text)
+    assert set(value) == {"ok", "tag"} and value["tag"] in ("red", "green", "blue")
+    assert disaggregated[-1].finish_reason == "stop"
     assert all(idle(s) for s in servers)

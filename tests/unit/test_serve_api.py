@@ -13,7 +13,13 @@ import yaml
 from google.protobuf import descriptor_pb2
 
 from deployments.app import AppConfig, build_app
-from deployments.protocol import ResponseChunk, Usage, chunk_to_proto, input_from_proto
+from deployments.protocol import (
+    ChatPrompt,
+    ResponseChunk,
+    Usage,
+    chunk_to_proto,
+    input_from_proto,
+)
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -93,6 +99,29 @@ def test_input_from_proto_maps_sampling_fields() -> None:
     assert p.repetition_penalty == pytest.approx(1.1) and p.logit_bias == {5: -1.0}
 
 
+@pytest.mark.parametrize(
+    ("structured", "kind", "value"),
+    [
+        (pb.StructuredOutputs(json_schema='{"type": "object"}'), "json", '{"type": "object"}'),
+        (pb.StructuredOutputs(json_object=True), "json_object", True),
+        (pb.StructuredOutputs(regex="[0-9]+"), "regex", "[0-9]+"),
+        (pb.StructuredOutputs(choice=pb.Choices(choices=["a", "b"])), "choice", ("a", "b")),
+        (pb.StructuredOutputs(grammar='root ::= "x"'), "grammar", 'root ::= "x"'),
+    ],
+)
+def test_structured_outputs_map_from_proto(structured, kind, value) -> None:
+    params = pb.SamplingParams(structured_outputs=structured)
+    got = input_from_proto(pb.GenerateRequest(text="a", sampling_params=params)).params
+    assert got.structured_outputs is not None and got.structured_outputs.kind == kind
+    assert getattr(got.structured_outputs, kind) == value
+
+
+def test_chat_prompts_map_from_proto() -> None:
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+    got = input_from_proto(pb.GenerateRequest(chat=chat))
+    assert got.prompt == ChatPrompt([{"role": "user", "content": "hi"}])
+
+
 def test_unset_fields_take_the_engine_defaults() -> None:
     got = input_from_proto(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2])))
     assert got.prompt == [1, 2] and got.params.max_tokens == 16 and got.params.temperature == 1.0
@@ -110,6 +139,22 @@ def test_unset_fields_take_the_engine_defaults() -> None:
         ),
         (pb.GenerateRequest(text="a", sampling_params=pb.SamplingParams(top_k=0)), "top_k"),
         (pb.GenerateRequest(text="a", sampling_params=pb.SamplingParams(min_p=3)), "min_p"),
+        (
+            pb.GenerateRequest(
+                text="a",
+                sampling_params=pb.SamplingParams(structured_outputs=pb.StructuredOutputs()),
+            ),
+            "names no kind",
+        ),
+        (
+            pb.GenerateRequest(
+                text="a",
+                sampling_params=pb.SamplingParams(
+                    structured_outputs=pb.StructuredOutputs(regex="a(b")
+                ),
+            ),
+            "invalid structured output regex",
+        ),
     ],
 )
 def test_bad_requests_raise_value_error(request_: pb.GenerateRequest, message: str) -> None:
