@@ -74,6 +74,8 @@ class StructuredOutputsParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.choice, str):  # tuple("ab") would be the choices "a" and "b"
+            raise ValueError("structured outputs' choice must be a list of strings, not a string")
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -183,6 +185,13 @@ class SamplingParams:
         structured = self.structured_outputs
         if structured is not None and not isinstance(structured, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
+        if structured is not None and self.min_tokens > 0:
+            # A grammar that completes early allows only eos, which min_tokens forbids: the row
+            # would have no token left. Refused rather than bent either way.
+            raise ValueError(
+                "min_tokens does not combine with structured outputs (the grammar decides "
+                "where the output ends)"
+            )
 
     def _check_probability_knobs(self) -> None:
         if not _is_number(self.temperature) or self.temperature < 0:

@@ -183,9 +183,12 @@ def _build_parser() -> argparse.ArgumentParser:
     make_model.add_argument("--seed", type=int, default=None)
     bench = commands.add_parser("bench", help="benchmarks; each prints one JSON object")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    from pdserve.bench import kv, offline, sched
+    from pdserve.bench import kv, offline, sched, structured
     from pdserve.bench import serve as bench_serve
 
+    structured.add_arguments(
+        benches.add_parser("structured", help="JSON-schema constraint cost per output token")
+    )
     bench_serve.add_arguments(benches.add_parser("serve", help="a running endpoint, streaming"))
     sched.add_arguments(benches.add_parser("sched", help="scheduler cost per step (no model)"))
     offline.add_arguments(benches.add_parser("offline", help="engine vs transformers.generate"))
@@ -368,6 +371,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         report = sched.run(sched.workload_from_args(args))
     elif args.bench == "kv":
         report = kv.run(kv.config_from_args(args))
+    elif args.bench == "structured":
+        from pdserve.bench import structured
+
+        report = structured.run(structured.config_from_args(args))
     else:
         report = offline.run(offline.config_from_args(args))
     print(json.dumps(report, indent=2))

@@ -47,7 +47,7 @@ NAMED_MODELS = (TINY_MODEL, SMOLLM2_MODEL)
 
 def resolve_model(model: str) -> Path:
     """The local checkpoint for `model`: a named model, a model directory or a `.gguf` file."""
-    if model in (TINY_MODEL, "default"):  # TODO(rename): drop "default"
+    if model == TINY_MODEL:
         from engine.models.default_model import ensure_default_model
 
         return ensure_default_model()

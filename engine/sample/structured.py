@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from engine.request import StructuredOutputsParams
     from engine.tokenizer import Tokenizer
 
+# Compiled grammars kept per engine (least recently used go first): a server that sees many
+# distinct schemas must not grow without bound.
+_COMPILED_CACHE_BYTES = 256 << 20
+
 # xgrammar's errors start with a timestamp and its C++ source position: not for clients.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 
@@ -106,4 +110,6 @@ class StructuredOutputs:
         info = xgr.TokenizerInfo.from_huggingface(
             fast, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
         )
-        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        return xgr.GrammarCompiler(
+            info, max_threads=1, cache_enabled=True, cache_limit_bytes=_COMPILED_CACHE_BYTES
+        )

@@ -121,3 +121,21 @@ def test_bench_offline_reports_both_sides_and_their_ratio():
         assert entry["speedup"] == pytest.approx(ratio, rel=0.1)  # seconds are rounded
         # greedy on the same weights: the engine and transformers agree token for token
         assert entry["greedy_outputs_identical"] == "3/3"
+
+
+def test_bench_structured_reports_both_runs_on_the_same_token_count():
+    result = pdserve(
+        "bench", "structured", "--model", "tiny", "--num-prompts", "2", "--max-tokens", "24"
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["output_tokens"] > 0
+    for run in ("constrained", "unconstrained"):
+        ms = report[run]["ms_per_token"]
+        assert ms == pytest.approx(report[run]["seconds"] * 1e3 / report["output_tokens"], 0.05)
+    assert report["sample"].startswith('{"name": "')  # the schema's first key, by the grammar
+    assert set(report["compile_ms"]) == {
+        "first_with_vocabulary",
+        "same_schema_cached",
+        "new_schema",
+    }

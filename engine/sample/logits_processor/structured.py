@@ -10,6 +10,7 @@ only stop tokens are allowed, and the request ends on one.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,8 @@ from engine.sample.logits_processor.interface import (
 from engine.sample.logits_processor.state import process_dict_updates
 from engine.sample.structured import StructuredOutputs
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class _Row:
@@ -37,8 +40,7 @@ class _Row:
 class StructuredOutputLogitsProcessor(LogitsProcessor):
     def __init__(self, config: LogitsProcessorConfig, device: torch.device) -> None:
         super().__init__(config, device)
-        stops = [config.eos_token_id] if config.eos_token_id is not None else []
-        self._outputs = StructuredOutputs(config.tokenizer, config.vocab_size, stops)
+        self._outputs = StructuredOutputs(config.tokenizer, config.vocab_size, _stop_ids(config))
         self._rows: dict[int, _Row] = {}
         self._bitmask: torch.Tensor | None = None
 
@@ -91,7 +93,12 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
             if row.matcher.is_terminated():
                 continue  # tokens after the end (ignore_eos): nothing left to constrain
             if not row.matcher.accept_token(token):
-                row.broken = True  # e.g. a forced token the grammar does not allow
+                # A forced token the grammar does not allow (the legs of one request constrain
+                # alike, so this is a caller's forced prefix): the rest is unconstrained.
+                logger.warning(
+                    "token %d is outside the grammar: output no longer constrained", token
+                )
+                row.broken = True
 
     def _bitmask_for(self, num_rows: int) -> torch.Tensor:
         import xgrammar as xgr
@@ -100,3 +107,11 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
             size = max(num_rows, self.config.max_num_seqs)
             self._bitmask = xgr.allocate_token_bitmask(size, self.config.vocab_size)
         return self._bitmask
+
+
+def _stop_ids(config: LogitsProcessorConfig) -> list[int]:
+    """Every end-of-sequence id (Llama 3 has two): what a complete grammar allows."""
+    ids = [config.eos_token_id] if config.eos_token_id is not None else []
+    if config.tokenizer is not None:
+        ids += [t for t in config.tokenizer.eos_token_ids if t < config.vocab_size]
+    return list(dict.fromkeys(ids))
