@@ -5,12 +5,17 @@ JSON, wrong types, out-of-range sampling values, an unknown model, a prompt too 
 400 with an OpenAI-style error body; a request past its deadline is a 504.
 
 No field is silently ignored. A field is honoured, or refused with a 400 that names it: unknown
-fields, `tools` and the other function-calling fields (no tool-call parser yet), `n`/`best_of`
-other than 1, `echo`, `suffix`, `top_logprobs` or `logprobs` above 20, `store: true`, audio and
-the like. Three are accepted as the metadata they are, with no effect on the output: `user` (an
-end-user id for the caller's own monitoring), `metadata` and `store: false` (nothing is stored).
-Structured outputs: `response_format` (`json_object`, `json_schema`) and vLLM's `guided_json`,
-`guided_regex`, `guided_choice`, `guided_grammar`.
+fields (in a message too), `tools` and the other function-calling fields (openai_tools.py: "not
+supported by this model's chat template"), `n`/`best_of` other than 1, `echo`, `suffix`,
+`top_logprobs` or `logprobs` above 20, `stream_options` without `stream`, `store: true`,
+`modalities` other than text, `audio`, `prediction`, `reasoning_effort`, `web_search_options`, a
+`service_tier` other than auto/default. Accepted as the metadata they are, with no effect on the
+output: `user` and `safety_identifier` (end-user ids for the caller's own monitoring),
+`metadata`, `store: false` (nothing is stored), `prompt_cache_key` (a cache-routing hint; the
+prefix cache here needs none), and `response_format.json_schema`'s `name`, `description` and
+`strict` (the schema is always enforced). A message's `name` goes to the chat template.
+Structured outputs: `response_format` (`text`, `json_object`, `json_schema`) and vLLM's
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (xgrammar EBNF).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.errors import DeadlineExceeded, EngineFailure, public_message
 from deployments.openai_format import ChatFormat, CompletionFormat, ResponseFormat, sse_events
+from deployments.openai_tools import template_kwargs
 from deployments.orchestrator import Orchestrator
 from deployments.protocol import GenerateInput
 from engine.request import SamplingParams, StructuredOutputsParams
@@ -90,8 +96,10 @@ class _SamplingFields(BaseModel):
     guided_decoding_backend: str | None = None
     # Accepted, no effect on the output (see the module docstring).
     user: str | None = None
+    safety_identifier: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    prompt_cache_key: str | None = None
     # Refused unless harmless (see refuse_unsupported).
     service_tier: str | None = None
 
@@ -101,6 +109,8 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"n must be 1 (one completion per request), got {self.n}")
         if self.store:
             raise ValueError("store: true is not supported (nothing is stored)")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream: true")
         if self.service_tier not in (None, "auto", "default"):
             raise ValueError(f"service_tier {self.service_tier!r} is not supported")
         if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
@@ -111,7 +121,7 @@ class _SamplingFields(BaseModel):
             name: value for name in _STRUCTURED_FIELDS if (value := getattr(self, name)) is not None
         }
         fmt = given.get("response_format")
-        if fmt is not None and fmt.get("type") == "text" and set(fmt) == {"type"}:
+        if fmt is not None and fmt.get("type") == "text":
             del given["response_format"]  # plain text: no constraint
         if len(given) > 1:
             raise ValueError(f"give one structured output field, got {sorted(given)}")
@@ -184,16 +194,38 @@ class _ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: str
-    content: str | list[_ContentPart]
+    model_config = ConfigDict(extra="forbid")
 
-    def as_template_message(self) -> dict[str, str]:
-        if isinstance(self.content, str):
-            return {"role": self.role, "content": self.content}
+    role: str
+    content: str | list[_ContentPart] | None = None  # None: an assistant turn of tool calls
+    name: str | None = None
+    # Function calling (openai_tools.py decides whether the template can take them).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self._text()}
+        for name in ("name", "tool_calls", "tool_call_id"):
+            if (value := getattr(self, name)) is not None:
+                message[name] = value
+        return message
+
+    def tool_fields(self, index: int) -> list[str]:
+        return [
+            f"messages[{index}].{name}"
+            for name in ("tool_calls", "tool_call_id")
+            if getattr(self, name) is not None
+        ]
+
+    def _text(self) -> str:
+        if self.content is None and self.tool_calls is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         kinds = {part.type for part in self.content} - {"text"}
         if kinds:
             raise ValueError(f"only text content is supported, got {sorted(kinds)}")
-        return {"role": self.role, "content": "".join(part.text for part in self.content)}
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -201,7 +233,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Function calling: refused (no tool-call parser); `tool_choice: "none"` alone is harmless.
+    # Function calling: see openai_tools.py (refused unless the chat template renders tools).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -216,11 +248,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        for name in ("tools", "functions", "function_call", "parallel_tool_calls"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} is not supported: this server does not parse tool calls")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported: this server does not parse tool calls")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= _MAX_LOGPROBS:
@@ -328,7 +355,10 @@ def _chat_input(body: ChatCompletionRequest, flow: Orchestrator) -> GenerateInpu
         raise ValueError("this model has no tokenizer, so no chat template")
     if not body.messages:
         raise ValueError("messages is empty")
-    text = flow.tokenizer.apply_chat_template([m.as_template_message() for m in body.messages])
+    message_fields = [name for i, m in enumerate(body.messages) for name in m.tool_fields(i)]
+    tools = template_kwargs(body, message_fields, flow.tokenizer)
+    messages = [m.as_template_message() for m in body.messages]
+    text = flow.tokenizer.apply_chat_template(messages, **tools)
     # The rendered template carries its own bos: tokenize without adding special tokens.
     token_ids = flow.tokenizer.encode(text, add_special_tokens=False)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

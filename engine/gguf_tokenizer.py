@@ -6,13 +6,15 @@ into words before BPE) by a short string, `tokenizer.ggml.pre`. This module maps
 `tokenizers` library's parts; `Tokenizer` (tokenizer.py) then works as for a model directory.
 
 Supported: byte-level BPE (`tokenizer.ggml.model == "gpt2"`: GPT-2, SmolLM, Llama 3, Qwen2) with
-the pre-tokenizers in `_PRE_TOKENIZERS`. The splitting rules are llama.cpp's, so that a file
-tokenizes here as it does in llama.cpp and in the model's original tokenizer.json.
+the pre-tokenizers in `_PRE_TOKENIZERS`, whose splitting rules are llama.cpp's; and SentencePiece
+BPE (`"llama"`: Llama 2, Mistral), whose merges a GGUF does not store: they follow from the
+vocabulary and its scores (a pair merges with the priority of the token it makes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +75,8 @@ _PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
 # "ignore_merges": true); the others always merge. No normalizer: Qwen2's tokenizer.json has
 # NFC, but neither llama.cpp nor transformers applies it to a GGUF, and we tokenize as they do.
 _IGNORE_MERGES = frozenset({"llama-bpe", "llama3"})
-SUPPORTED_TOKENIZERS = ("gpt2 (byte-level BPE)",)
+SUPPORTED_TOKENIZERS = ("gpt2 (byte-level BPE)", "llama (SentencePiece BPE)")
+_SPACE = "\u2581"  # SentencePiece's visible space
 
 
 def tokenizer_parts(reader: Any, name: str) -> tuple[HFTokenizer, TokenizerConfig]:
@@ -81,6 +84,8 @@ def tokenizer_parts(reader: Any, name: str) -> tuple[HFTokenizer, TokenizerConfi
     from engine.models.gguf_file import metadata
 
     kind = metadata(reader, "tokenizer.ggml.model")
+    if kind == "llama":
+        return _sentencepiece(reader)
     if kind != "gpt2":
         raise ValueError(
             f"{name}: unsupported GGUF tokenizer {kind!r}; supported: "
@@ -106,6 +111,54 @@ def tokenizer_parts(reader: Any, name: str) -> tuple[HFTokenizer, TokenizerConfi
     backend.decoder = decoders.ByteLevel()
     _add_special_tokens(backend, tokens, token_types)
     return backend, _config(reader, tokens)
+
+
+def _sentencepiece(reader: Any) -> tuple[HFTokenizer, TokenizerConfig]:
+    """SentencePiece BPE: spaces written as U+2581 (one prepended to the text), unknown
+    characters spelled as byte tokens <0xNN>."""
+    from engine.models.gguf_file import metadata
+
+    tokens: list[str] = list(metadata(reader, "tokenizer.ggml.tokens", []))
+    types: list[int] = list(metadata(reader, "tokenizer.ggml.token_type", []))
+    scores: list[float] = list(metadata(reader, "tokenizer.ggml.scores", [0.0] * len(tokens)))
+    vocab = {token: i for i, token in enumerate(tokens)}
+    backend = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_merges_from_scores(vocab, scores),
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    prefix = bool(metadata(reader, "tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_SPACE, prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    _add_special_tokens(backend, tokens, types)
+    config = _config(reader, tokens)
+    if metadata(reader, "tokenizer.ggml.add_bos_token") is None:  # SentencePiece's default
+        config = replace(config, add_bos_token=True)
+    return backend, config
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens is a merge; merges rank by the made token's score
+    (best first), then by the lengths of their halves (longer left first), then by the made
+    token's id and the halves' ids: SentencePiece's order, ties as transformers breaks them."""
+    candidates: list[tuple[float, int, int, int, int, int, str, str]] = []
+    for token, token_id in vocab.items():
+        score = scores[token_id]
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                rank = (-score, -len(left), -len(right), token_id, vocab[left], vocab[right])
+                candidates.append((*rank, left, right))
+    candidates.sort()
+    return [(left, right) for *_, left, right in candidates]
 
 
 def _add_special_tokens(backend: HFTokenizer, tokens: list[str], types: list[int]) -> None:

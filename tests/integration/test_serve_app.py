@@ -424,6 +424,12 @@ def test_deadline_exceeded(app: App) -> None:
         ("Hello", {"top_p": 1.5}, "top_p"),
         (list(range(20, 20 + MAX_MODEL_LEN + 10)), {}, "max_model_len"),
         ([5, 99999], {}, "vocabulary"),
+        ("Hello", {"structured_outputs": {"regex": "a(b"}}, "invalid structured output regex"),
+        (
+            "Hello",
+            {"structured_outputs": {"json_schema": '{"type": "objekt"}'}},
+            'Unsupported type "objekt"',
+        ),
     ],
 )
 def test_bad_grpc_requests_are_invalid_argument(
@@ -462,9 +468,11 @@ def test_bad_http_requests_are_400_and_service_keeps_serving(app: App) -> None:
     ):
         status, reply = app.http("/v1/chat/completions", {"messages": hi, field: value})
         assert status == 400 and message in reply["error"]["message"], (field, value, reply)
+    template = "is not supported by this model's chat template"
     refused = [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not supported"),
-        ({"tool_choice": "auto"}, "tool_choice is not supported"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, f"tools {template}"),
+        ({"tool_choice": "auto"}, f"tool_choice {template}"),
+        ({"functions": [{"name": "f"}]}, f"functions {template}"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
         ({"n": 2}, "n must be 1"),
         ({"frobnicate": True}, "frobnicate: Extra inputs are not permitted"),
@@ -472,6 +480,11 @@ def test_bad_http_requests_are_400_and_service_keeps_serving(app: App) -> None:
         ({"response_format": {"type": "yaml"}}, "must be text, json_object or json_schema"),
         ({"guided_regex": "a(b"}, "invalid structured output regex"),
         ({"guided_json": {"type": "objekt"}}, 'Unsupported type "objekt"'),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": "{oops"}}},
+            "invalid structured output json: the schema is not JSON",
+        ),
+        ({"stream_options": {"include_usage": True}}, "stream_options needs stream: true"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "give one structured output field"),
         ({"audio": {"voice": "x"}}, "audio is not supported"),
         ({"store": True}, "store: true is not supported"),

@@ -15,6 +15,7 @@ from engine.request import SamplingParams, StructuredOutputsParams
 from engine.sample.logits_processor import BatchUpdate, LogitsProcessorConfig, MoveDirectionality
 from engine.sample.logits_processor.structured import StructuredOutputLogitsProcessor
 
+MODEL = "tiny"  # the generated test model
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -29,7 +30,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("tiny", max_model_len=256)
+    return LLM(MODEL, max_model_len=256)
 
 
 # --- parameters ------------------------------------------------------------------------------
@@ -48,6 +49,7 @@ def llm() -> LLM:
         ),
         ({"regex": "a(b"}, "invalid structured output regex: Regex parsing error"),
         ({"grammar": 'root ::= "a" |'}, "invalid structured output grammar: EBNF parser error"),
+        ({"choice": "ab"}, "choice must be a list of strings, not a string"),
     ],
 )
 def test_bad_structured_params_are_refused_when_made(kwargs, words):
@@ -56,6 +58,13 @@ def test_bad_structured_params_are_refused_when_made(kwargs, words):
     message = str(excinfo.value)
     assert words in message
     assert ".cc:" not in message and "/project/" not in message  # no C++ source positions
+
+
+def test_min_tokens_does_not_combine_with_a_grammar():
+    """A grammar that completes early allows only eos, which min_tokens forbids."""
+    structured = StructuredOutputsParams(choice=("a", "b"))
+    with pytest.raises(ValueError, match="min_tokens does not combine with structured outputs"):
+        SamplingParams(min_tokens=3, structured_outputs=structured)
 
 
 # --- the processor, row by row -----------------------------------------------------------------
@@ -111,6 +120,45 @@ def test_a_row_that_starts_with_output_replays_it(llm):
     processor.update_state(None)
     allowed = {tokenizer.decode([t]) for t in _allowed(processor, 1, vocab)[0]}
     assert allowed and all("abcd".startswith(s) for s in allowed)
+
+
+def test_a_forced_token_outside_the_grammar_ends_the_constraint(llm):
+    """The decode leg's forced first token comes from a prefill that used the same grammar, so
+    it is accepted; one the grammar forbids leaves the row unconstrained, not stuck."""
+    tokenizer, vocab = llm.tokenizer, llm.engine.arch.vocab_size
+    structured = StructuredOutputsParams(regex="[0-9]+")
+    (digit,) = tokenizer.encode("7", add_special_tokens=False)
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    processor = _processor(llm)
+    accepted, refused = [digit], [letter]
+    params = SamplingParams(structured_outputs=structured)
+    added = ((0, params, [1], accepted), (1, params, [1], refused))
+    processor.update_state(BatchUpdate(2, (), added, ()))
+    after_digit, after_letter = _allowed(processor, 2, vocab)
+    assert digit in after_digit and letter not in after_digit
+    assert llm.engine.arch.eos_token_id in after_digit  # "7" is already a whole match
+    assert len(after_letter) == vocab
+
+
+class _TwoEos:
+    """The tiny tokenizer with a second end-of-sequence id, as Llama 3 has."""
+
+    def __init__(self, tokenizer, extra: int) -> None:
+        self.backend = tokenizer.backend
+        self.eos_token_ids = (*tokenizer.eos_token_ids, extra)
+
+
+def test_a_complete_grammar_allows_every_eos_id(llm):
+    tokenizer, vocab, eos = llm.tokenizer, llm.engine.arch.vocab_size, llm.engine.arch.eos_token_id
+    extra = 2
+    config = LogitsProcessorConfig(
+        vocab_size=vocab, max_num_seqs=4, eos_token_id=eos, tokenizer=_TwoEos(tokenizer, extra)
+    )
+    processor = StructuredOutputLogitsProcessor(config, torch.device("cpu"))
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=("yes",)))
+    output = tokenizer.encode("yes", add_special_tokens=False)
+    processor.update_state(BatchUpdate(1, (), ((0, params, [1], output),), ()))
+    assert _allowed(processor, 1, vocab)[0] == {eos, extra}
 
 
 def test_an_engine_without_a_tokenizer_refuses_constrained_requests(llm):

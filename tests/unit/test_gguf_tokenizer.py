@@ -4,6 +4,7 @@ model's tokenizer with several pre-tokenizers; what cannot be built is refused b
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -12,7 +13,7 @@ import pytest
 import transformers
 
 from engine.models.catalog import resolve_model
-from engine.models.default_model import ensure_default_model
+from engine.models.default_model import build_tokenizer, ensure_default_model
 from engine.testing.gguf_writer import write_gguf
 from engine.tokenizer import Tokenizer
 
@@ -128,7 +129,11 @@ def _tokenizer_file(path: Path, model: str, pre: str) -> Path:
 @pytest.mark.parametrize(
     ("model", "pre", "words"),
     [
-        ("rwkv", "default", "unsupported GGUF tokenizer 'rwkv'; supported: gpt2"),
+        (
+            "rwkv",
+            "default",
+            "unsupported GGUF tokenizer 'rwkv'; supported: gpt2 (byte-level BPE), llama",
+        ),
         ("gpt2", "klingon", "pre-tokenizer 'klingon'; supported: deepseek-r1-qwen, default,"),
     ],
 )
@@ -144,3 +149,71 @@ def test_a_minimal_file_tokenizes(tmp_path):
     tokenizer = Tokenizer.from_pretrained(_tokenizer_file(tmp_path / "t.gguf", "gpt2", "default"))
     assert tokenizer.encode("abab") == [2, 2]
     assert tokenizer.bos_token_id is None and tokenizer.eos_token_ids == ()
+
+
+def _sentencepiece_file(path: Path, add_space_prefix: bool) -> Path:
+    """A SentencePiece-style GGUF (Llama 2 / Mistral): special and byte tokens, then pieces with
+    U+2581 for spaces and scores in merge order, taken from the tiny tokenizer's merges."""
+    spec = json.loads(build_tokenizer().to_str())
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [2, 3, 3, *([6] * 256)]
+    scores = [0.0] * len(tokens)
+    pieces = ["\u2581", *(chr(c) for c in range(33, 127))]
+    for merge in spec["model"]["merges"]:
+        piece = "".join(merge if isinstance(merge, list) else merge.split(" "))
+        if all(32 < ord(c) < 127 or c == "Ġ" for c in piece):
+            pieces.append(piece.replace("Ġ", "\u2581"))
+    for rank, piece in enumerate(dict.fromkeys(pieces)):
+        tokens.append(piece)
+        types.append(1)
+        scores.append(-1e6 if len(piece) == 1 else -float(rank))  # single characters last
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    for key, value in dict(block_count=1, context_length=64, embedding_length=8).items():
+        getattr(writer, f"add_{key}")(value)
+    writer.add_feed_forward_length(8)
+    writer.add_head_count(2)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_space_prefix(add_space_prefix)
+    writer.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_sentencepiece_files_tokenize_as_transformers_does(tmp_path):
+    """Llama 2 / Mistral files store no merges: they follow from the scores. Text outside the
+    pieces (accents, CJK, emoji) falls back to byte tokens."""
+    path = _sentencepiece_file(tmp_path / "spm.gguf", add_space_prefix=True)
+    corpus = (*CORPUS, "</s>hi<s> there", "  two  spaces")
+    ours, theirs = _pair(path)
+    for text in corpus:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == theirs.encode(text, add_special_tokens=special), (text, special)
+            assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.encode("hi")[0] == 1  # bos added, SentencePiece's default
+    byte_ids = ours.encode("日", add_special_tokens=False)
+    assert [ours.backend.id_to_token(i) for i in byte_ids][-3:] == ["<0xE6>", "<0x97>", "<0xA5>"]
+    assert ours.decode(byte_ids) == "日"
+
+
+def test_sentencepiece_without_a_space_prefix_adds_none(tmp_path):
+    """`add_space_prefix: false` is honoured, as llama.cpp does (transformers' GGUF reader
+    prepends the space regardless, so it is no oracle here)."""
+    with_prefix = Tokenizer.from_pretrained(_sentencepiece_file(tmp_path / "a.gguf", True))
+    without = Tokenizer.from_pretrained(_sentencepiece_file(tmp_path / "b.gguf", False))
+    first = [
+        t.backend.id_to_token(t.encode("Hello world", False)[0]) for t in (with_prefix, without)
+    ]
+    assert first[0].startswith("\u2581") and not first[1].startswith("\u2581")
+    assert without.decode(without.encode(" Hello world", False)) == " Hello world"
+    assert with_prefix.decode(with_prefix.encode("Hello world", False)) == "Hello world"
