@@ -109,7 +109,8 @@ def _run_hf(model: Any, device: str, workload: Workload) -> tuple[float, list[li
     return elapsed, [row[:n] for row, n in zip(generated, workload.output_lens, strict=True)]
 
 
-def _load_hf(path: str, device: str) -> Any:
+def _load_hf(path: str, device: str, dtype: str) -> Any:
+    """transformers on the same weights, device and dtype as the engine (fair figures)."""
     try:
         import transformers
     except ImportError as exc:
@@ -117,10 +118,10 @@ def _load_hf(path: str, device: str) -> Any:
     if is_gguf_path(path):  # transformers dequantizes a GGUF file too, to the same weights
         file = Path(path)
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(file.parent), gguf_file=file.name, dtype=torch.float32
+            str(file.parent), gguf_file=file.name, dtype=getattr(torch, dtype)
         )
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return model.to(device).eval()  # type: ignore[arg-type]
 
 
@@ -138,7 +139,8 @@ def run(config: OfflineBenchConfig) -> dict[str, Any]:
     path = llm.engine.config.model.model
     device = llm.engine.config.model.device
     vocab_size = ModelArchConfig.from_pretrained(path).vocab_size
-    hf = None if config.skip_hf else _load_hf(path, device)
+    dtype = llm.engine.config.model.dtype
+    hf = None if config.skip_hf else _load_hf(path, device, dtype)
     warm = Workload([[20, 21, 22]] * 2, [4, 4])
     _run_engine(llm, warm)
     if hf is not None:
@@ -147,6 +149,7 @@ def run(config: OfflineBenchConfig) -> dict[str, Any]:
         "benchmark": "offline",
         "config": asdict(config),
         "device": device,
+        "dtype": dtype,
         "torch_threads": torch.get_num_threads(),
     }
     for kind in config.workloads:

@@ -96,9 +96,7 @@ def test_a_template_that_renders_tools_gets_them_with_tool_choice_none() -> None
         ({"functions": [TOOL["function"]]}, "deprecated by OpenAI: use tools"),
     ],
 )
-def test_tool_calls_wait_for_a_parser_even_where_the_template_renders_tools(
-    fields, words
-) -> None:
+def test_tool_calls_wait_for_a_parser_even_where_the_template_renders_tools(fields, words) -> None:
     with pytest.raises(ValueError, match=words):
         _tool_kwargs(TOOLS_TEMPLATE, **fields)
 

@@ -60,12 +60,12 @@ class StructuredOutputLogitsProcessor(LogitsProcessor):
             self._catch_up(row)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        import xgrammar as xgr
-
         live = [(i, r) for i, r in self._rows.items() if not r.broken]
         live = [(i, r) for i, r in live if not r.matcher.is_terminated() and i < logits.shape[0]]
         if not live:
-            return logits
+            return logits  # xgrammar is imported only once a request asks for a grammar
+        import xgrammar as xgr
+
         bitmask = self._bitmask_for(logits.shape[0])
         for index, row in live:
             row.matcher.fill_next_token_bitmask(bitmask, index)
