@@ -265,6 +265,16 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_model(model: str, engine_args: dict) -> None:
+    """Resolve (fetch) the model and read its config and tokenizer here, once: a model the
+    engines cannot serve is then one line from this process, not a replica crash in Ray."""
+    from engine.arg_utils import EngineArgs
+    from engine.llm import load_tokenizer
+
+    config, _ = EngineArgs.from_kwargs(model, **engine_args).create_engine_config()
+    load_tokenizer(config.model)
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from deployments.app import AppConfig
     from deployments.launch import ServeOptions, run_until_interrupted
@@ -284,6 +294,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             "otlp_endpoint": args.otlp_endpoint,
         }
     )
+    _check_model(config.model, config.engine_args)
     options = ServeOptions(
         host=args.host,
         http_port=args.http_port,

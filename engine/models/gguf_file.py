@@ -93,6 +93,7 @@ def gguf_arch_config(reader: Any, name: str) -> ModelArchConfig:
             f"supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
     tensor_names = {tensor.name for tensor in reader.tensors}
+    _check_tensor_types(reader, name)
     if "rope_freqs.weight" in tensor_names:
         raise ValueError(f"{name}: per-frequency RoPE factors (rope_freqs) are not supported")
 
@@ -181,6 +182,21 @@ _INVERSE_LAYER_NAMES = {hf: name for name, hf in _LAYER_TENSOR_NAMES.items()}
 _INVERSE_GLOBAL_NAMES = {hf: name for name, hf in _GLOBAL_TENSOR_NAMES.items()}
 
 
+def _check_tensor_types(reader: Any, name: str) -> None:
+    """Refuse a file with a tensor type we cannot load before anything is allocated for it."""
+    supported = supported_tensor_types()
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in supported:
+            raise ValueError(_unsupported_type(name, tensor))
+
+
+def _unsupported_type(name: str, tensor: Any) -> str:
+    return (
+        f"{name}: tensor {tensor.name} is {tensor.tensor_type.name}, which the gguf package "
+        f"cannot dequantize; supported: {', '.join(supported_tensor_types())}"
+    )
+
+
 def _dequantize(tensor: Any, name: str) -> np.ndarray:
     from gguf import quants
 
@@ -189,10 +205,7 @@ def _dequantize(tensor: Any, name: str) -> np.ndarray:
             raise NotImplementedError
         data = quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
-        raise ValueError(
-            f"{name}: tensor {tensor.name} is {tensor.tensor_type.name}, which the gguf package "
-            f"cannot dequantize; supported: {', '.join(supported_tensor_types())}"
-        ) from None
+        raise ValueError(_unsupported_type(name, tensor)) from None
     # The reader's shape lists llama.cpp's dimensions fastest first; torch wants them reversed.
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     data = data.reshape(shape).astype(np.float32, copy=False)

@@ -134,10 +134,12 @@ def test_unservable_gguf_is_refused_in_one_line(bad_files, case):
     assert "\n" not in message and str(path.parent) not in message  # the file's name, not where
 
 
-def test_cli_refuses_an_unservable_gguf_without_a_traceback(bad_files):
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"]])
+def test_cli_refuses_an_unservable_gguf_without_a_traceback(bad_files, command):
+    """`serve` checks the model before it starts Ray: one line, not a replica crash."""
     path, words = bad_files["tensor_type"]
     result = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "generate", "--model", str(path), "--prompt", "x"],
+        [sys.executable, "-m", "pdserve.cli", command[0], "--model", str(path), *command[1:]],
         capture_output=True,
         text=True,
         timeout=120,
