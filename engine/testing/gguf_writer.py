@@ -22,7 +22,7 @@ _HF_TO_GGUF_ARCH = {hf: name for name, hf in GGUF_ARCHITECTURES.items()}
 
 
 def write_gguf(
-    model_dir: Path, out: Path, tensor_type: str = "F32", pre_tokenizer: str = "default"
+    model_dir: Path, out: Path, tensor_type: str = "F32", pre_tokenizer: str = "gpt-2"
 ) -> Path:
     """`model_dir` (config.json + model.safetensors) as a GGUF file at `out`, its matrices of
     `tensor_type` (F32, F16, BF16, Q8_0, Q4_0, ...); returns `out`. A byte-level BPE
