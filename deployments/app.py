@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deployments.orchestrator import FlowConfig
+from deployments.protocol import RequestLimits
 from engine.config import check_known_keys, check_load_failure_policy, check_transport
 from engine.models.catalog import SMOLLM2_MODEL
 
@@ -48,6 +49,12 @@ class AppConfig:
     prefill_timeout_s: float = 60.0
     # OTLP/gRPC collector for traces; empty: OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing.
     otlp_endpoint: str = ""
+    # Request size limits (deployments.protocol.RequestLimits): refused, with the limit's name.
+    max_body_bytes: int = RequestLimits.max_body_bytes
+    max_prompt_chars: int = RequestLimits.max_prompt_chars
+    max_stop_strings: int = RequestLimits.max_stop_strings
+    max_stop_chars: int = RequestLimits.max_stop_chars
+    max_request_id_chars: int = RequestLimits.max_request_id_chars
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
@@ -74,6 +81,7 @@ class AppConfig:
             raise ValueError("request_timeout_s and prefill_timeout_s must be > 0")
         if "kv_transfer_config" in self.engine_args:
             raise ValueError("engine_args may not set kv_transfer_config: the app builds it")
+        self.limits()
 
     def kv_transfer_config(self) -> dict[str, Any]:
         return {
@@ -83,11 +91,16 @@ class AppConfig:
             "kv_load_failure_policy": self.kv_load_failure_policy,
         }
 
+    def limits(self) -> RequestLimits:
+        names = RequestLimits.__dataclass_fields__
+        return RequestLimits(**{name: getattr(self, name) for name in names})
+
     def flow(self) -> FlowConfig:
         return FlowConfig(
             min_remote_prefill_tokens=self.min_remote_prefill_tokens,
             request_timeout_s=self.request_timeout_s,
             prefill_timeout_s=self.prefill_timeout_s,
+            limits=self.limits(),
         )
 
 

@@ -269,6 +269,17 @@ def build_openai_app(
         tokenizer = orchestrator().tokenizer
         return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else ""
 
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next: Callable[[Request], Any]) -> Any:
+        # Refused from the header, before the body is read or parsed (413, as OpenAI's shape).
+        limit = orchestrator().config.limits.max_body_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            message = f"request body is {length} bytes; the limit is {limit} (max_body_bytes)"
+            orchestrator().telemetry.rejected(dict(request.headers), message)
+            return _error(413, message)
+        return await call_next(request)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message = _validation_message(exc)
@@ -358,6 +369,8 @@ def _chat_input(body: ChatCompletionRequest, flow: Orchestrator) -> GenerateInpu
     message_fields = [name for i, m in enumerate(body.messages) for name in m.tool_fields(i)]
     tools = template_kwargs(body, message_fields, flow.tokenizer)
     messages = [m.as_template_message() for m in body.messages]
+    # Before the template and the tokenizer: their cost grows with the text.
+    flow.config.limits.check_prompt_chars(sum(len(str(m.get("content") or "")) for m in messages))
     text = flow.tokenizer.apply_chat_template(messages, **tools)
     # The rendered template carries its own bos: tokenize without adding special tokens.
     token_ids = flow.tokenizer.encode(text, add_special_tokens=False)

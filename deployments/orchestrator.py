@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from connector.metadata import RemoteKV
@@ -31,6 +31,7 @@ from deployments.protocol import (
     ChatPrompt,
     EngineRequest,
     GenerateInput,
+    RequestLimits,
     ResponseChunk,
 )
 from deployments.response_stream import PreparedRequest, ResponseStream
@@ -62,6 +63,7 @@ class FlowConfig:
     request_timeout_s: float = 300.0
     # A prefill leg slower than this is given up for decode-only (e.g. no prefill replica).
     prefill_timeout_s: float = 60.0
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 class LeaseReleaser:
@@ -114,6 +116,7 @@ class Orchestrator:
 
     def prepare(self, request: GenerateInput) -> PreparedRequest:
         """Tokenize and validate; ValueError for anything the engines would refuse."""
+        self.config.limits.check(request)  # before any work that grows with the request
         text, token_ids = self._tokenize(request.prompt)
         self._check_length(len(token_ids), request.params.max_tokens)
         params = request.params  # stop strings without a tokenizer: ResponseStream refuses

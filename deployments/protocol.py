@@ -23,6 +23,55 @@ ROUTE_FALLBACK = "fallback"  # the prefill leg failed: the decode replica comput
 ROUTE_COLOCATED = "colocated"  # one engine does both
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on a request's size, checked before any work whose cost grows with it (each an
+    AppConfig field of the same name). Refused, never cut: the message names the limit."""
+
+    max_body_bytes: int = 16 << 20  # HTTP bodies (413)
+    max_prompt_chars: int = 1_000_000  # text prompt, or a conversation's contents together
+    max_stop_strings: int = 64
+    max_stop_chars: int = 1024  # each stop string
+    max_request_id_chars: int = 256
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise ValueError(
+                f"prompt has {num_chars} characters; the limit is {self.max_prompt_chars} "
+                "(max_prompt_chars)"
+            )
+
+    def check(self, request: GenerateInput) -> None:
+        """ValueError for a request over a limit (the prompt as given: text, or chat turns)."""
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt))
+        elif isinstance(prompt, ChatPrompt):
+            self.check_prompt_chars(sum(len(str(m.get("content", ""))) for m in prompt.messages))
+        stops = request.params.stop
+        if len(stops) > self.max_stop_strings:
+            raise ValueError(
+                f"{len(stops)} stop strings; the limit is {self.max_stop_strings} "
+                "(max_stop_strings)"
+            )
+        longest = max((len(s) for s in stops), default=0)
+        if longest > self.max_stop_chars:
+            raise ValueError(
+                f"a stop string has {longest} characters; the limit is {self.max_stop_chars} "
+                "(max_stop_chars)"
+            )
+        if len(request.request_id) > self.max_request_id_chars:
+            raise ValueError(
+                f"request id has {len(request.request_id)} characters; the limit is "
+                f"{self.max_request_id_chars} (max_request_id_chars)"
+            )
+
+
 @dataclass
 class ChatPrompt:
     """A conversation the router renders with the model's chat template."""

@@ -41,6 +41,9 @@ PROMPTS = [
 ]
 
 
+LIMITS = {"max_body_bytes": 1 << 20, "max_prompt_chars": 20_000, "max_stop_strings": 8}
+
+
 class App:
     def __init__(self, grpc_port: int, http_port: int) -> None:
         self.target = f"127.0.0.1:{grpc_port}"
@@ -48,10 +51,12 @@ class App:
         self.client = GenerationClient(self.target, APP_NAME)
         self.colocated = GenerationClient(self.target, COLOCATED_APP_NAME)
 
-    def http(self, path: str, body: Any, raw: bytes | None = None) -> tuple[int, Any]:
+    def http(
+        self, path: str, body: Any, raw: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=120)
         payload = raw if raw is not None else json.dumps(body).encode()
-        conn.request("POST", path, payload, {"Content-Type": "application/json"})
+        conn.request("POST", path, payload, {"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()
         data = response.read().decode()
         conn.close()
@@ -90,6 +95,10 @@ def app() -> Iterator[App]:
         {
             "model": "tiny",
             "engine_args": ENGINE_ARGS,
+            # Small limits, so the tests can cross them with small requests.
+            "max_body_bytes": LIMITS["max_body_bytes"],
+            "max_prompt_chars": LIMITS["max_prompt_chars"],
+            "max_stop_strings": LIMITS["max_stop_strings"],
             "num_cpus_per_engine": 0.5,
             "transport": "nixl",
             "lease_seconds": 20,
@@ -430,6 +439,10 @@ def test_deadline_exceeded(app: App) -> None:
             {"structured_outputs": {"json_schema": '{"type": "objekt"}'}},
             'Unsupported type "objekt"',
         ),
+        ("x" * 20_001, {}, "the limit is 20000 (max_prompt_chars)"),
+        ("Hello", {"stop": [str(i) for i in range(9)]}, "the limit is 8 (max_stop_strings)"),
+        ("Hello", {"stop": ["x" * 1025]}, "the limit is 1024 (max_stop_chars)"),
+        ("Hello", {"request_id": "r" * 257}, "the limit is 256 (max_request_id_chars)"),
     ],
 )
 def test_bad_grpc_requests_are_invalid_argument(
@@ -500,6 +513,20 @@ def test_bad_http_requests_are_400_and_service_keeps_serving(app: App) -> None:
     ):
         status, reply = app.http("/v1/completions", {"prompt": "Hi", **extra})
         assert status == 400 and message in reply["error"]["message"], (extra, reply)
+    big = {"prompt": "x" * LIMITS["max_body_bytes"]}
+    status, reply = app.http("/v1/completions", big)
+    assert status == 413 and "(max_body_bytes)" in reply["error"]["message"], reply
+    long_chat = {"messages": [{"role": "user", "content": "y" * 20_001}]}
+    for path, body in (
+        ("/v1/completions", {"prompt": "y" * 20_001}),
+        ("/v1/chat/completions", long_chat),
+    ):
+        status, reply = app.http(path, body)
+        assert status == 400 and "(max_prompt_chars)" in reply["error"]["message"], reply
+    status, reply = app.http(
+        "/v1/completions", {"prompt": "Hi", "max_tokens": 3}, headers={"X-Request-Id": "r" * 300}
+    )
+    assert status == 400 and "(max_request_id_chars)" in reply["error"]["message"], reply
     status, reply = app.http("/v1/completions", {"prompt": "Hi", "max_tokens": 3})
     assert status == 200 and reply["choices"][0]["finish_reason"] in ("length", "stop")
     got = app.client.complete(generate_request("Hi", max_tokens=3, temperature=0.0))

@@ -3,6 +3,7 @@ config and the serve config file."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +16,14 @@ from google.protobuf import descriptor_pb2
 from deployments.app import AppConfig, build_app
 from deployments.protocol import (
     ChatPrompt,
+    GenerateInput,
+    RequestLimits,
     ResponseChunk,
     Usage,
     chunk_to_proto,
     input_from_proto,
 )
+from engine.request import SamplingParams
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -234,3 +238,32 @@ def test_kuberay_service_embeds_a_valid_serve_config() -> None:
     assert config.num_gpus_per_engine == 1 and config.transport == "nixl"
     reference = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
     assert serve_config["grpc_options"] == reference["grpc_options"]
+
+
+def test_request_limits_refuse_by_name() -> None:
+    limits = RequestLimits(
+        max_prompt_chars=10, max_stop_strings=2, max_stop_chars=3, max_request_id_chars=4
+    )
+    ok = SamplingParams(stop=["ab", "c"])
+    limits.check(GenerateInput("x" * 10, ok, request_id="abcd"))  # at each limit: accepted
+    cases = [
+        (GenerateInput("x" * 11, ok), "prompt has 11 characters; the limit is 10"),
+        (
+            GenerateInput(ChatPrompt([{"role": "user", "content": "x" * 6}] * 2), ok),
+            "prompt has 12 characters",
+        ),
+        (GenerateInput("x", SamplingParams(stop=["a", "b", "c"])), "(max_stop_strings)"),
+        (GenerateInput("x", SamplingParams(stop=["abcd"])), "(max_stop_chars)"),
+        (GenerateInput("x", ok, request_id="abcde"), "(max_request_id_chars)"),
+    ]
+    for request, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            limits.check(request)
+    limits.check(GenerateInput(list(range(50)), ok))  # token ids: bounded by max_model_len
+
+
+def test_app_config_carries_and_checks_the_limits() -> None:
+    config = AppConfig.from_args({"max_prompt_chars": "500", "max_body_bytes": 2048})
+    assert config.flow().limits == RequestLimits(max_body_bytes=2048, max_prompt_chars=500)
+    with pytest.raises(ValueError, match="max_stop_strings must be an integer >= 1"):
+        AppConfig.from_args({"max_stop_strings": 0})
