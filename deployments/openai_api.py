@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.errors import DeadlineExceeded, EngineFailure, public_message
 from deployments.openai_format import ChatFormat, CompletionFormat, ResponseFormat, sse_events
@@ -279,6 +280,15 @@ def build_openai_app(
             orchestrator().telemetry.rejected(dict(request.headers), message)
             return _error(413, message)
         return await call_next(request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own refusals (a body that is not UTF-8 or nests too deep to parse, an
+        # unknown route, a wrong method) in OpenAI's error shape, not FastAPI's {"detail": ...}.
+        if exc.status_code < 500:
+            orchestrator().telemetry.rejected(dict(request.headers), str(exc.detail))
+            return _error(exc.status_code, str(exc.detail))
+        return _error(exc.status_code, str(exc.detail), "server_error")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -465,6 +465,8 @@ def test_bad_http_requests_are_400_and_service_keeps_serving(app: App) -> None:
         ({"prompt": list(range(20, 20 + MAX_MODEL_LEN + 10))}, None, "max_model_len"),
         ({"prompt": "Hi", "max_tokens": "many"}, None, "max_tokens"),
         (None, b'{"prompt": "Hi", ', "JSON"),
+        (None, b'{"prompt": "\xff\xfe"}', "error parsing the body"),  # not UTF-8
+        (None, b"[" * 100_000 + b"]" * 100_000, "error parsing the body"),  # too deep
         ({"max_tokens": 3}, None, "prompt"),
     ]
     for body, raw, message in cases:
