@@ -51,11 +51,16 @@ def write_gguf(
         if name is None:
             raise ValueError(f"no GGUF name for {hf_name}")
         _add_tensor(writer, name, array, qtype)
+    save(writer)
+    return out
+
+
+def save(writer: gguf.GGUFWriter) -> None:
+    """Write what `writer` holds to its file, in the order GGUF lays it out, and close it."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
 
 
 def _write_config(writer: gguf.GGUFWriter, config: ModelArchConfig) -> None:

@@ -18,7 +18,7 @@ from engine.llm import LLM
 from engine.models.catalog import resolve_model
 from engine.models.gguf_file import supported_tensor_types
 from engine.request import SamplingParams
-from engine.testing.gguf_writer import write_gguf
+from engine.testing.gguf_writer import save, write_gguf
 from tests.model.hf_models import hf_greedy
 from tests.model.test_parity import GREEDY, prompts
 
@@ -86,10 +86,7 @@ def _write(path: Path, arch: str, tensors: dict[str, np.ndarray], **config: int)
             writer.add_tensor(name, array, raw_shape=array.shape, raw_dtype=q8k)
         else:
             writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    save(writer)
     return path
 
 

@@ -20,7 +20,7 @@ from tokenizers import pre_tokenizers
 from engine.gguf_tokenizer import tokenizer_from_gguf
 from engine.models.catalog import resolve_model
 from engine.models.default_model import CHAT_TEMPLATE, build_tokenizer, ensure_default_model
-from engine.testing.gguf_writer import write_gguf
+from engine.testing.gguf_writer import save, write_gguf
 from engine.tokenizer import Tokenizer
 
 CORPUS = (
@@ -183,10 +183,7 @@ def _tokenizer_file(
         configure(writer)
     writer.add_token_merges(["a b"])
     writer.add_tensor("output_norm.weight", np.ones(4, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    save(writer)
     return path
 
 
@@ -272,10 +269,7 @@ def _sentencepiece_file(path: Path, add_space_prefix: bool) -> Path:
     writer.add_add_space_prefix(add_space_prefix)
     writer.add_chat_template(CHAT_TEMPLATE)
     writer.add_tensor("output_norm.weight", np.ones(8, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    save(writer)
     return path
 
 
