@@ -267,3 +267,34 @@ def test_app_config_carries_and_checks_the_limits() -> None:
     assert config.flow().limits == RequestLimits(max_body_bytes=2048, max_prompt_chars=500)
     with pytest.raises(ValueError, match="max_stop_strings must be an integer >= 1"):
         AppConfig.from_args({"max_stop_strings": 0})
+
+
+def test_a_ray_start_that_times_out_is_tried_once_more(monkeypatch) -> None:
+    """Ray's fixed 30 s wait for its raylet can pass on a loaded machine: start again once;
+    any other failure, or a second timeout, is the caller's. (ray.init is faked here.)"""
+    import ray
+
+    from deployments import launch
+
+    calls: list[str] = []
+    outcomes: list[Exception | None] = []
+
+    def fake_init(**kwargs) -> None:
+        calls.append("init")
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    timeout = Exception("The current node timed out during startup. This could happen ...")
+    outcomes[:] = [timeout, None]
+    launch._init_local_ray(2)
+    assert calls == ["init", "shutdown", "init"]
+    calls.clear()
+    outcomes[:] = [timeout, timeout]
+    with pytest.raises(Exception, match="timed out during startup"):
+        launch._init_local_ray(2)
+    outcomes[:] = [RuntimeError("port in use")]
+    with pytest.raises(RuntimeError, match="port in use"):
+        launch._init_local_ray(2)
