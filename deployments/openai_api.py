@@ -380,7 +380,7 @@ def _chat_input(body: ChatCompletionRequest, flow: Orchestrator) -> GenerateInpu
     tools = template_kwargs(body, message_fields, flow.tokenizer)
     messages = [m.as_template_message() for m in body.messages]
     # Before the template and the tokenizer: their cost grows with the text.
-    flow.config.limits.check_prompt_chars(sum(len(str(m.get("content") or "")) for m in messages))
+    flow.config.limits.check_chat_chars(messages)
     text = flow.tokenizer.apply_chat_template(messages, **tools)
     # The rendered template carries its own bos: tokenize without adding special tokens.
     token_ids = flow.tokenizer.encode(text, add_special_tokens=False)

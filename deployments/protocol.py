@@ -9,6 +9,7 @@ goes out, `engine.outputs.EngineCoreOutput`s (token ids) come back.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,13 +47,17 @@ class RequestLimits:
                 "(max_prompt_chars)"
             )
 
+    def check_chat_chars(self, messages: Sequence[Mapping[str, Any]]) -> None:
+        """A conversation counts its contents together."""
+        self.check_prompt_chars(sum(len(str(m.get("content") or "")) for m in messages))
+
     def check(self, request: GenerateInput) -> None:
         """ValueError for a request over a limit (the prompt as given: text, or chat turns)."""
         prompt = request.prompt
         if isinstance(prompt, str):
             self.check_prompt_chars(len(prompt))
         elif isinstance(prompt, ChatPrompt):
-            self.check_prompt_chars(sum(len(str(m.get("content", ""))) for m in prompt.messages))
+            self.check_chat_chars(prompt.messages)
         stops = request.params.stop
         if len(stops) > self.max_stop_strings:
             raise ValueError(

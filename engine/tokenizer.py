@@ -18,6 +18,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.models.catalog import is_gguf_path
+
 # How many prompt tokens the detokenizer decodes before the first output token. Tokenizers such as
 # sentencepiece's Metaspace drop a leading space at the start of a decode, so the first output
 # token needs some left context to come out as it would inside the full text.
@@ -52,11 +54,10 @@ class Tokenizer:
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         """Load `tokenizer.json` and the configs beside it from a model directory, or the
         tokenizer in a GGUF file's metadata."""
-        if str(path).lower().endswith(".gguf"):
-            from engine.gguf_tokenizer import gguf_tokenizer_parts
+        if is_gguf_path(path):
+            from engine.gguf_tokenizer import tokenizer_from_gguf
 
-            backend, config = gguf_tokenizer_parts(path)
-            return cls(backend, config, name=Path(path).name)
+            return tokenizer_from_gguf(path)
         directory = Path(path).expanduser()
         tokenizer_file = directory / "tokenizer.json"
         if not tokenizer_file.is_file():

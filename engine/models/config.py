@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.models.catalog import is_gguf_path
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -56,7 +58,7 @@ class ModelArchConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelArchConfig:
         """From a model directory's config.json, or from a GGUF file's metadata."""
-        if str(path).lower().endswith(".gguf"):
+        if is_gguf_path(path):
             from engine.models.gguf_file import gguf_arch_config, open_gguf
 
             return gguf_arch_config(open_gguf(path), Path(path).name)

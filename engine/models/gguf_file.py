@@ -200,9 +200,7 @@ def _unsupported_type(name: str, tensor: Any) -> str:
 def _dequantize(tensor: Any, name: str) -> np.ndarray:
     from gguf import quants
 
-    try:
-        if tensor.tensor_type.name in _INTEGER_TYPES:
-            raise NotImplementedError
+    try:  # types are checked with the config (_check_tensor_types); this is the backstop
         data = quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
         raise ValueError(_unsupported_type(name, tensor)) from None
@@ -222,9 +220,7 @@ def supported_tensor_types() -> tuple[str, ...]:
     supported = []
     for qtype in gguf.GGMLQuantizationType:
         _, type_size = gguf.GGML_QUANT_SIZES.get(qtype, (0, 0))
-        if not type_size:
-            continue
-        if qtype.name in _INTEGER_TYPES:
+        if not type_size or qtype.name in _INTEGER_TYPES:
             continue
         try:
             quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)

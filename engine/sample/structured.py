@@ -35,7 +35,10 @@ def check_grammar(params: StructuredOutputsParams) -> None:
     build_grammar(params)
 
 
+@functools.lru_cache(maxsize=256)
 def build_grammar(params: StructuredOutputsParams) -> Any:
+    """The xgrammar Grammar of `params`, cached by value: one request builds it when its
+    params are made (and remade, for each leg) and again when each engine admits it."""
     import xgrammar as xgr
 
     kind = params.kind
@@ -55,7 +58,6 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
         raise ValueError(f"invalid structured output {kind}: {_clean(err)}") from None
 
 
-@functools.lru_cache(maxsize=64)
 def _json_schema_grammar(schema: str) -> Any:
     import xgrammar as xgr
 
