@@ -20,6 +20,7 @@ Structured outputs: `response_format` (`text`, `json_object`, `json_schema`) and
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -329,7 +330,8 @@ def build_openai_app(
         try:
             if body.model is not None and body.model != model_name:
                 raise ValueError(f"model {body.model!r} is not served here; use {model_name!r}")
-            gen_input = to_input(body, flow)
+            # A chat is rendered and tokenized here: off the event loop (its cost grows with it).
+            gen_input = await asyncio.to_thread(to_input, body, flow)
         except ValueError as exc:
             flow.telemetry.rejected(carrier, str(exc))  # refused before the flow saw it
             return _error(400, public_message(exc))
@@ -347,7 +349,11 @@ def build_openai_app(
                 )
             async with aclosing(chunks):
                 collected = [first] + [chunk async for chunk in chunks]
-            return fmt.whole(collected, body.return_token_ids)
+            # Assembling and serializing a whole response (thousands of tokens' logprobs, say)
+            # is work in proportion to it: a worker thread.
+            return await asyncio.to_thread(
+                lambda: JSONResponse(fmt.whole(collected, body.return_token_ids))
+            )
         except ValueError as exc:
             return _error(400, public_message(exc))
         except DeadlineExceeded as exc:

@@ -183,7 +183,9 @@ class Orchestrator:
         `trace_carrier` (gRPC metadata, HTTP headers) may hold the client's trace context."""
         observed = self.telemetry.observe(trace_carrier)
         try:
-            prepared = self.prepare(request)
+            # Rendering and tokenizing cost time in proportion to the prompt: a worker thread
+            # (the tokenizer releases the GIL), so the event loop keeps serving the others.
+            prepared = await asyncio.to_thread(self.prepare, request)
             observed.started(
                 prepared.request_id,
                 self.model.name,
@@ -233,7 +235,7 @@ class Orchestrator:
         only_token = prepared.params.max_tokens == 1 or first.finish_reason != FinishReason.LENGTH
         decode_chunks = 0
         try:
-            for chunk in stream.feed(first, "prefill", final=only_token):
+            for chunk in await stream.feed_async(first, "prefill", final=only_token):
                 yield chunk
             if stream.finished or handed_off is None:
                 return
@@ -249,7 +251,7 @@ class Orchestrator:
                 async for engine_chunk in chunks:
                     decode_chunks += 1
                     engine_chunk = _drop_repeat(engine_chunk, pending)
-                    for chunk in stream.feed(engine_chunk, "decode"):
+                    for chunk in await stream.feed_async(engine_chunk, "decode"):
                         yield chunk
                     if stream.finished:
                         return
@@ -300,7 +302,7 @@ class Orchestrator:
         async with aclosing(self._bounded(self.decode(request), prepared)) as chunks:
             async for engine_chunk in chunks:
                 stream.num_cached_tokens = engine_chunk.num_cached_tokens
-                for chunk in stream.feed(engine_chunk, leg):
+                for chunk in await stream.feed_async(engine_chunk, leg):
                     yield chunk
                 if stream.finished:
                     return

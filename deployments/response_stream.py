@@ -6,6 +6,7 @@ disaggregated request, so its text is exactly the colocated text; plus usage and
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -34,6 +35,11 @@ class PreparedRequest:
     trace_context: dict[str, str] | None = None
 
 
+# Stop strings longer than this together make each chunk's text work (searching the new text for
+# every one of them) worth a worker thread; below it a thread hop costs more than it saves.
+INLINE_STOP_CHARS = 4096
+
+
 class ResponseStream:
     """Engine outputs -> client chunks: detokenization, stop strings, usage and timing."""
 
@@ -52,6 +58,16 @@ class ResponseStream:
         self.finished = False
         self._ttft_s = 0.0
         self._sent_first = False
+        self.offload = sum(len(stop) for stop in prepared.params.stop) > INLINE_STOP_CHARS
+
+    async def feed_async(
+        self, output: EngineCoreOutput, leg: str, final: bool = True
+    ) -> list[ResponseChunk]:
+        """`feed`, in a worker thread when this request's text work is heavy (many or long
+        stop strings), so that one request cannot stall the event loop the others share."""
+        if self.offload:
+            return await asyncio.to_thread(self.feed, output, leg, final)
+        return self.feed(output, leg, final)
 
     def feed(self, output: EngineCoreOutput, leg: str, final: bool = True) -> list[ResponseChunk]:
         """The client chunk (at most one) for one output of the `leg` engine ("prefill",

@@ -136,7 +136,10 @@ class Tokenizer:
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
-            return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+            # encode_batch, not encode: it releases the GIL while it works, so a long prompt
+            # tokenized in a worker thread does not stall the caller's event loop.
+            (encoding,) = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(encoding.ids)
         except TypeError as err:
             # A lone surrogate (JSON "\ud800" decodes to one) has no UTF-8 form; tokenizers then
             # raises "TextInputSequence must be str".

@@ -42,6 +42,11 @@ PROMPTS = [
 
 
 LIMITS = {"max_body_bytes": 1 << 20, "max_prompt_chars": 20_000, "max_stop_strings": 8}
+HEAVY_LIMITS = {
+    "max_body_bytes": 64 << 20,
+    "max_prompt_chars": 20_000_000,
+    "max_stop_strings": 200_000,
+}
 
 
 class App:
@@ -111,7 +116,8 @@ def app() -> Iterator[App]:
             grpc_port=grpc_port,
             http_port=http_port,
             num_cpus=8,
-            extra_apps={COLOCATED_APP_NAME: {"colocated": True}},
+            # The colocated app takes heavy requests (test_heavy_requests_do_not_stall_others).
+            extra_apps={COLOCATED_APP_NAME: {"colocated": True, **HEAVY_LIMITS}},
         ),
     )
     served = App(grpc_port, http_port)
@@ -533,6 +539,47 @@ def test_bad_http_requests_are_400_and_service_keeps_serving(app: App) -> None:
     assert status == 200 and reply["choices"][0]["finish_reason"] in ("length", "stop")
     got = app.client.complete(generate_request("Hi", max_tokens=3, temperature=0.0))
     assert got.finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize(
+    "heavy",
+    [
+        {"prompt": "The quick brown fox jumps over the lazy dog. " * 230_000, "max_tokens": 4},
+        {
+            "prompt": "Once upon a time",
+            "stop": [f"never seen {i}" for i in range(100_000)],
+            "max_tokens": 200,
+            "ignore_eos": True,
+        },
+        {"prompt": "Hello", "logprobs": 20, "max_tokens": 240, "ignore_eos": True},
+    ],
+    ids=["10MB-prompt", "100k-stop-strings", "max-logprobs"],
+)
+def test_heavy_requests_do_not_stall_others(app: App, heavy: dict[str, Any]) -> None:
+    """While one heavy request (its limits raised on the colocated app) is being tokenized,
+    matched against stop strings or serialized, small requests on the same router finish first:
+    that work runs off the router's event loop."""
+    small = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
+    finished: dict[str, float] = {}
+
+    def heavy_call() -> tuple[int, Any]:
+        try:
+            return app.http("/colocated/v1/completions", heavy)
+        finally:
+            finished["heavy"] = time.monotonic()
+
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(heavy_call)
+        time.sleep(0.3)  # the heavy request is on its way to the router
+        for i in range(3):
+            status, body = app.http("/colocated/v1/completions", small)
+            assert status == 200, body
+            finished[f"small{i}"] = time.monotonic()
+        status, body = reply.result()
+    assert status in (200, 400), body  # the 10 MB prompt is refused: longer than the context
+    if status == 400:
+        assert "output" in body["error"]["message"], body
+    assert all(finished[f"small{i}"] < finished["heavy"] for i in range(3)), finished
 
 
 def test_killing_the_prefill_replica_keeps_requests_completing(app: App, offline: LLM) -> None:
