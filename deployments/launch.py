@@ -3,6 +3,7 @@ interrupted (SIGINT or SIGTERM), then shuts Serve and Ray down."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -29,6 +30,10 @@ class ServeOptions:
     # (e.g. {"colocated": {"colocated": True}}); each is served at route /<name> and by its
     # name in gRPC metadata.
     extra_apps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Ray's dashboard (Serve's own CLI, `serve status`, talks to it) and its Prometheus
+    # endpoint. None: the dashboard off (tests), and Ray picks the metrics port.
+    dashboard_port: int | None = None
+    metrics_export_port: int | None = None
 
     @property
     def num_apps(self) -> int:
@@ -40,7 +45,7 @@ def start(config: AppConfig, options: ServeOptions) -> dict[str, str]:
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    _init_local_ray(options.num_cpus or _logical_cpus(config, options))
+    _init_local_ray(options.num_cpus or _logical_cpus(config, options), options)
     serve.start(
         http_options=HTTPOptions(host=options.host, port=options.http_port),
         grpc_options=gRPCOptions(port=options.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
@@ -55,6 +60,10 @@ def start(config: AppConfig, options: ServeOptions) -> dict[str, str]:
         extra = AppConfig.from_args({**args, **overrides})
         serve.run(build_app(asdict(extra)), name=name, route_prefix=f"/{name}")
         where[f"{name}_http"] = f"{where['http']}/{name}"
+    if options.dashboard_port is not None:
+        where["dashboard"] = f"http://{options.host}:{options.dashboard_port}"
+    if options.metrics_export_port is not None:
+        where["metrics"] = f"http://{options.host}:{options.metrics_export_port}/metrics"
     return where
 
 
@@ -63,17 +72,24 @@ def start(config: AppConfig, options: ServeOptions) -> dict[str, str]:
 _RAY_START_ATTEMPTS = 2
 
 
-def _init_local_ray(num_cpus: int) -> None:
+def _init_local_ray(num_cpus: int, options: ServeOptions) -> None:
+    import psutil
     import ray
 
+    dashboard = options.dashboard_port is not None
+    before = {child.pid for child in psutil.Process().children()}
     for attempt in range(1, _RAY_START_ATTEMPTS + 1):
         try:
             ray.init(
                 address="local",  # always a fresh local cluster, never one found on the machine
                 num_cpus=num_cpus,
-                include_dashboard=False,
+                include_dashboard=dashboard,
+                dashboard_host=options.host,
+                dashboard_port=options.dashboard_port if dashboard else None,
+                _metrics_export_port=options.metrics_export_port,
                 logging_level=logging.WARNING,
             )
+            _ray_roots[:] = [c for c in psutil.Process().children() if c.pid not in before]
             return
         except Exception as exc:  # Ray raises a bare Exception for this timeout
             if "timed out during startup" not in str(exc) or attempt == _RAY_START_ATTEMPTS:
@@ -83,19 +99,60 @@ def _init_local_ray(num_cpus: int) -> None:
 
 
 def stop() -> None:
+    """Shut Serve and Ray down, and wait for every process Ray started to be gone."""
+    import psutil
     import ray
     from ray import serve
 
+    # Ray's agents are the raylet's children: ray.shutdown() ends the raylet, and they would
+    # notice only minutes later, still listening. Whatever of our process tree outlives the
+    # shutdown is ended here, so SIGTERM leaves as little behind as Ctrl-C does.
+    ray_processes = _ray_processes()
     serve.shutdown()
     ray.shutdown()
+    _, alive = psutil.wait_procs(ray_processes, timeout=_GRACE_S)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, alive = psutil.wait_procs(alive, timeout=_GRACE_S)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+
+
+_GRACE_S = 5.0  # how long Ray's processes get to end on their own, then after SIGTERM
+# The processes ray.init() started here (GCS, raylet, dashboard, log monitor, ...): the roots of
+# Ray's process tree, told apart from any other child of this process by when they appeared.
+_ray_roots: list[Any] = []
+
+
+def _ray_processes() -> list[Any]:
+    import psutil
+
+    found = []
+    for root in _ray_roots:
+        with contextlib.suppress(psutil.Error):
+            found += [root, *root.children(recursive=True)]
+    _ray_roots.clear()
+    return found
 
 
 def run_until_interrupted(config: AppConfig, options: ServeOptions) -> None:
     stopping = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stopping.set())
+
+    def on_stop_signal(*_: Any) -> None:
+        stopping.set()
+
+    def handle_stop_signals() -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, on_stop_signal)
+
+    handle_stop_signals()
     try:
         where = start(config, options)
+        # ray.init() put its own SIGTERM handler in place (and Ray's core worker one that
+        # aborts the process): SIGTERM must stop us as Ctrl-C does, so ours goes back.
+        handle_stop_signals()
         mode = "colocated" if config.colocated else f"disaggregated over {config.transport}"
         print(
             f"pdserve: serving model {config.model!r} ({mode}); "
@@ -103,6 +160,16 @@ def run_until_interrupted(config: AppConfig, options: ServeOptions) -> None:
             + "".join(f", app {n!r} at {where[f'{n}_http']}" for n in options.extra_apps),
             flush=True,
         )
+        if "dashboard" in where:
+            # Ray 2.60 turns token authentication on for a new local cluster (its token in
+            # ~/.ray/auth_token); Serve's CLI reads the token only when told the mode.
+            print(
+                f"pdserve: Ray dashboard on {where['dashboard']}; Serve's CLI: "
+                f"RAY_AUTH_MODE=token serve status --address {where['dashboard']}",
+                flush=True,
+            )
+        if "metrics" in where:
+            print(f"pdserve: Prometheus metrics on {where['metrics']}", flush=True)
         print("pdserve: press Ctrl-C to stop", flush=True)
         stopping.wait()
     finally:

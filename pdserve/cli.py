@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import NoReturn
 
 from engine.config import KV_TRANSPORTS
@@ -109,6 +110,19 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=9000)
     parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=8265,
+        help="Ray's dashboard, which Serve's CLI (serve status) talks to",
+    )
+    parser.add_argument("--no-dashboard", action="store_true", help="start Ray without it")
+    parser.add_argument(
+        "--metrics-export-port",
+        type=int,
+        default=8080,
+        help="Prometheus metrics of every process, at /metrics",
+    )
     parser.add_argument("--num-cpus", type=int, default=None, help="Ray's logical CPUs")
     parser.add_argument("--num-cpus-per-engine", type=float, default=1.0)
     parser.add_argument("--num-gpus-per-engine", type=float, default=0.0)
@@ -129,6 +143,16 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         default={},
         help="engine arguments as JSON, e.g. '{\"max_model_len\": 512}'",
     )
+    from deployments.protocol import RequestLimits
+
+    limits = parser.add_argument_group("request limits (refused beyond them, with the name)")
+    for limit in fields(RequestLimits):
+        limits.add_argument(
+            f"--{limit.name.replace('_', '-')}",
+            type=int,
+            default=limit.default,
+            help="default: %(default)s",
+        )
 
 
 def _add_client(commands: argparse._SubParsersAction) -> None:
@@ -278,6 +302,7 @@ def _check_model(model: str, engine_args: dict) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     from deployments.app import AppConfig
     from deployments.launch import ServeOptions, run_until_interrupted
+    from deployments.protocol import RequestLimits
 
     config = AppConfig.from_args(
         {
@@ -292,6 +317,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             "min_remote_prefill_tokens": args.min_remote_prefill_tokens,
             "engine_args": _with_tokenizer(args.engine_args, args.tokenizer),
             "otlp_endpoint": args.otlp_endpoint,
+            **{limit.name: getattr(args, limit.name) for limit in fields(RequestLimits)},
         }
     )
     _check_model(config.model, config.engine_args)
@@ -301,6 +327,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         num_cpus=args.num_cpus,
         extra_apps=_extra_apps(args),
+        dashboard_port=None if args.no_dashboard else args.dashboard_port,
+        metrics_export_port=args.metrics_export_port,
     )
     run_until_interrupted(config, options)
     return 0

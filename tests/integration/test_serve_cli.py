@@ -1,7 +1,7 @@
 """`pdserve serve` (what `make serve` runs) as a real process on its default model, SmolLM2-135M-
 Instruct: `pdserve client` answers a question, gets the same completion as offline `pdserve
-generate`, the OpenAI SDK chats with it (disaggregated and colocated), and Ctrl-C (SIGINT) shuts
-it down cleanly."""
+generate`, the OpenAI SDK chats with it (disaggregated and colocated), Serve's CLI and a
+Prometheus scrape see it, and SIGTERM shuts it down cleanly."""
 
 from __future__ import annotations
 
@@ -13,11 +13,16 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.serve_utils import free_port
+from tests.integration.serve_utils import free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -79,8 +84,11 @@ CAPITAL_SCHEMA = {
 }
 
 
-def test_pdserve_serve_then_client_then_ctrl_c() -> None:
-    grpc_port, http_port = free_port(), free_port()
+def test_pdserve_serve_then_clients_dashboard_metrics_then_sigterm() -> None:
+    """What an operator does: serve, call it, ask Serve's own CLI for its status, scrape its
+    Prometheus metrics, then stop it with SIGTERM (what Kubernetes and systemd send): it shuts
+    down as Ctrl-C does, leaving no Ray process behind."""
+    grpc_port, http_port, dashboard_port, metrics_port = (free_port() for _ in range(4))
     engine_args = json.dumps({"max_model_len": 256, "kv_cache_memory_bytes": 32 << 20})
     proc = subprocess.Popen(
         [
@@ -90,6 +98,10 @@ def test_pdserve_serve_then_client_then_ctrl_c() -> None:
             str(grpc_port),
             "--http-port",
             str(http_port),
+            "--dashboard-port",
+            str(dashboard_port),
+            "--metrics-export-port",
+            str(metrics_port),
             "--num-cpus",
             "4",
             "--num-cpus-per-engine",
@@ -101,18 +113,29 @@ def test_pdserve_serve_then_client_then_ctrl_c() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+        # Ray exports metrics every 10 s by default; a shorter period shortens the wait here.
+        env={**os.environ, "RAY_DEDUP_LOGS": "0", "RAY_metrics_report_interval_ms": "1000"},
         start_new_session=True,
     )
     lines = _Lines(proc)
+    ray_processes: list[psutil.Process] = []
     try:
         lines.wait_for("press Ctrl-C", 300)
-        assert any(f"gRPC on 127.0.0.1:{grpc_port}" in line for line in lines.seen)
-        assert any("serving model 'smollm2'" in line for line in lines.seen), lines.seen
+        printed = "".join(lines.seen)
+        assert f"gRPC on 127.0.0.1:{grpc_port}" in printed
+        assert "serving model 'smollm2'" in printed, printed
+        assert (
+            f"RAY_AUTH_MODE=token serve status --address http://127.0.0.1:{dashboard_port}"
+            in printed
+        ), printed
+        assert f"Prometheus metrics on http://127.0.0.1:{metrics_port}/metrics" in printed
+        ray_processes = psutil.Process(proc.pid).children(recursive=True)
         _check_grpc_client(grpc_port)
         _check_openai_sdk(http_port)
+        _check_serve_status(dashboard_port)
+        _check_metrics_scrape(http_port, metrics_port)
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
@@ -121,6 +144,64 @@ def test_pdserve_serve_then_client_then_ctrl_c() -> None:
     output = lines.rest(30)
     assert proc.returncode == 0, output
     assert "shutting down" in output
+    assert "must be >0" not in output  # the metrics sampler never failed
+    assert len(ray_processes) > 3  # GCS, raylet, agents, workers...
+    _, alive = psutil.wait_procs(ray_processes, timeout=10)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+
+
+def _check_serve_status(dashboard_port: int) -> None:
+    """Serve's own CLI works against `pdserve serve` (it talks to Ray's dashboard)."""
+    serve_cli = str(Path(sys.executable).parent / "serve")
+    address = f"http://127.0.0.1:{dashboard_port}"
+    status = subprocess.run(
+        [serve_cli, "status", "--address", address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAY_AUTH_MODE": "token"},  # as pdserve serve prints it
+    )
+    assert status.returncode == 0, status.stderr
+    apps = yaml.safe_load(status.stdout)["applications"]
+    assert {name: app["status"] for name, app in apps.items()} == {
+        "pdserve": "RUNNING",
+        "colocated": "RUNNING",
+    }, status.stdout
+
+
+def _check_metrics_scrape(http_port: int, metrics_port: int) -> None:
+    """A real scrape of Ray's Prometheus endpoint after a request whose prompt the prefix cache
+    has never seen (lookups, no hits): the engines' hit-rate gauge reads 0 and the lookups are
+    counted — the sample that once failed on Ray's refusal of `inc(0)`."""
+    prompt = "Zebras in violet raincoats debate quantum knitting under seventeen moons " * 3
+    body = json.dumps({"prompt": prompt, "max_tokens": 2}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{http_port}/v1/completions",
+        body,
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        assert reply.status == 200
+
+    def scrape() -> dict[str, list[float]]:
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as page:
+            text = page.read().decode()
+        values: dict[str, list[float]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values.setdefault(sample.name, []).append(sample.value)
+        return values
+
+    def zero_hit_sample_seen() -> bool:
+        values = scrape()
+        return 0.0 in values.get("ray_pdserve_prefix_cache_hit_rate", []) and any(
+            v > 0 for v in values.get("ray_pdserve_prefix_cache_queries_total", [])
+        )
+
+    assert wait_until(zero_hit_sample_seen, 90, period_s=1.0), sorted(
+        name for name in scrape() if "pdserve" in name
+    )
 
 
 def _check_grpc_client(grpc_port: int) -> None:

@@ -289,12 +289,12 @@ def test_a_ray_start_that_times_out_is_tried_once_more(monkeypatch) -> None:
     monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
     timeout = Exception("The current node timed out during startup. This could happen ...")
     outcomes[:] = [timeout, None]
-    launch._init_local_ray(2)
+    launch._init_local_ray(2, launch.ServeOptions())
     assert calls == ["init", "shutdown", "init"]
     calls.clear()
     outcomes[:] = [timeout, timeout]
     with pytest.raises(Exception, match="timed out during startup"):
-        launch._init_local_ray(2)
+        launch._init_local_ray(2, launch.ServeOptions())
     outcomes[:] = [RuntimeError("port in use")]
     with pytest.raises(RuntimeError, match="port in use"):
-        launch._init_local_ray(2)
+        launch._init_local_ray(2, launch.ServeOptions())
