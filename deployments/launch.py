@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deployments.app import AppConfig, build_app
+from deployments.grpc_ingress import SERVICER_FUNCTION
 
 logger = logging.getLogger(__name__)
 
-GRPC_SERVICER = "protos.pdserve.v1.generate_pb2_grpc.add_GenerationServicer_to_server"
 APP_NAME = "pdserve"
 COLOCATED_APP_NAME = "colocated"
 
@@ -48,7 +48,9 @@ def start(config: AppConfig, options: ServeOptions) -> dict[str, str]:
     _init_local_ray(options.num_cpus or _logical_cpus(config, options), options)
     serve.start(
         http_options=HTTPOptions(host=options.host, port=options.http_port),
-        grpc_options=gRPCOptions(port=options.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
+        grpc_options=gRPCOptions(
+            port=options.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]
+        ),
     )
     args = asdict(config)
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")

@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.engine_server import replica_name
 from deployments.errors import DeadlineExceeded, EngineFailure, engine_failure, public_message
+from deployments.grpc_ingress import UndecodableRequest, quiet_client_errors
 from deployments.openai_api import build_openai_app
 from deployments.orchestrator import (
     FlowConfig,
@@ -67,6 +68,7 @@ class Router:
         config, arch = EngineArgs.from_kwargs(
             settings.model, **settings.engine_args
         ).create_engine_config()
+        quiet_client_errors()  # refusals: one INFO line each in this replica's log
         self.settings = settings
         self.tokenizer = load_tokenizer(config.model)
         self.facts = ModelFacts(
@@ -101,7 +103,7 @@ class Router:
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         carrier = dict(grpc_context.invocation_metadata())
         try:
-            gen_input = input_from_proto(request)
+            gen_input = input_from_proto(_decoded(request))
             if gen_input.request_id in self._in_flight:
                 raise ValueError(f"request id {gen_input.request_id!r} is already in flight")
         except ValueError as exc:
@@ -136,7 +138,10 @@ class Router:
         finally:
             self._in_flight.pop(key, None)
 
-    async def Abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
+    async def Abort(
+        self, request: pb.AbortRequest, grpc_context: RayServegRPCContext
+    ) -> pb.AbortResponse:
+        request = _decoded_or_refuse(request, grpc_context)
         record = self._in_flight.get(request.request_id)
         if record is None or record.task is None:
             return pb.AbortResponse(found=False)
@@ -144,12 +149,18 @@ class Router:
         record.task.cancel()
         return pb.AbortResponse(found=True)
 
-    async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:
+    async def Health(
+        self, request: pb.HealthRequest, grpc_context: RayServegRPCContext
+    ) -> pb.HealthResponse:
+        _decoded_or_refuse(request, grpc_context)
         handles = [h for h in (self._prefill, self._decode) if h is not None]
         stats = await asyncio.gather(*(h.stats.remote() for h in handles))
         return pb.HealthResponse(status="SERVING", engines=[pb.EngineStats(**s) for s in stats])
 
-    async def ModelInfo(self, request: pb.ModelInfoRequest) -> pb.ModelInfoResponse:
+    async def ModelInfo(
+        self, request: pb.ModelInfoRequest, grpc_context: RayServegRPCContext
+    ) -> pb.ModelInfoResponse:
+        _decoded_or_refuse(request, grpc_context)
         return pb.ModelInfoResponse(
             model=self.facts.name,
             max_model_len=self.facts.max_model_len,
@@ -183,6 +194,20 @@ def _stream_fn(handle: DeploymentHandle, role: str) -> StreamFn:
                 response.cancel()  # aborts the request on the engine replica
 
     return stream
+
+
+def _decoded(request: Any) -> Any:
+    """The request message; ValueError for bytes Serve's proxy could not parse."""
+    if isinstance(request, UndecodableRequest):
+        raise ValueError(request.message)
+    return request
+
+
+def _decoded_or_refuse(request: Any, context: RayServegRPCContext) -> Any:
+    try:
+        return _decoded(request)
+    except ValueError as exc:
+        _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
 
 
 def _refuse(context: RayServegRPCContext, code: grpc.StatusCode, exc: BaseException) -> NoReturn:

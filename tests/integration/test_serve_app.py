@@ -16,6 +16,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -458,6 +459,40 @@ def test_bad_grpc_requests_are_invalid_argument(
         app.client.complete(generate_request(prompt, **params))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in info.value.details()
+
+
+def test_undecodable_grpc_bytes_are_invalid_argument_and_refusals_log_one_info_line(
+    app: App,
+) -> None:
+    """Bytes that are no protobuf message get INVALID_ARGUMENT (grpcio's own answer would be
+    UNKNOWN), on the streaming and a unary method; and a refused request leaves one INFO line
+    in the Router replica's log, no ERROR and no traceback."""
+    import ray
+
+    metadata = (("application", APP_NAME),)
+    with grpc.insecure_channel(app.target) as channel:
+        for method, call in (
+            ("Generate", channel.unary_stream("/pdserve.v1.Generation/Generate")),
+            ("Health", channel.unary_unary("/pdserve.v1.Generation/Health")),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                reply = call(b"\xff\xff\xff", metadata=metadata, timeout=60)
+                list(reply) if method == "Generate" else reply
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert "not a valid protobuf message" in info.value.details(), method
+    bad_token = 3_000_000_000 + time.time_ns() % 1_000_000  # found again in the log below
+    marker = f"token id {bad_token} is outside the vocabulary"
+    with pytest.raises(grpc.RpcError):
+        app.client.complete(generate_request([bad_token]))
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+
+    def router_log() -> str:
+        return "".join(p.read_text() for p in logs.glob("replica_pdserve_Router_*.log"))
+
+    assert wait_until(lambda: "request refused: INVALID_ARGUMENT" in router_log(), 30)
+    lines = [line for line in router_log().splitlines() if marker in line]
+    assert lines and all(line.startswith("INFO ") for line in lines), lines
+    assert "Traceback" not in router_log()
 
 
 def test_bad_http_requests_are_400_and_service_keeps_serving(app: App) -> None:

@@ -14,6 +14,7 @@ import yaml
 from google.protobuf import descriptor_pb2
 
 from deployments.app import AppConfig, build_app
+from deployments.grpc_ingress import SERVICER_FUNCTION
 from deployments.protocol import (
     ChatPrompt,
     GenerateInput,
@@ -220,9 +221,7 @@ def test_serve_config_file_is_a_valid_deploy_config() -> None:
     schema = ServeDeploySchema.model_validate(config)
     (app,) = schema.applications
     assert app.import_path == "deployments.app:build_app"
-    assert config["grpc_options"]["grpc_servicer_functions"] == [
-        "protos.pdserve.v1.generate_pb2_grpc.add_GenerationServicer_to_server"
-    ]
+    assert config["grpc_options"]["grpc_servicer_functions"] == [SERVICER_FUNCTION]
     AppConfig.from_args(app.args)
     assert build_app(app.args) is not None  # binds the graph; nothing starts
 

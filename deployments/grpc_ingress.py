@@ -1,0 +1,127 @@
+"""How `pdserve.v1.Generation` is put on Serve's gRPC proxy (`grpc_servicer_functions`).
+
+Two things Serve's proxy would otherwise get wrong for us, fixed through its own extension point
+(the servicer function runs in the proxy process) and Python logging, without patching Ray:
+
+- A request whose bytes are not a valid message fails inside grpcio's decoder, before any Serve
+  code runs, and the client gets UNKNOWN. Our decoders turn such bytes into an
+  `UndecodableRequest`, which travels to the Router like a request and is refused there with
+  INVALID_ARGUMENT.
+- A refused request must raise (a streaming method that returns after set_code ends OK), and
+  Serve then logs it at ERROR with a traceback, in the replica and in the proxy. A filter on
+  Serve's logger turns those records, for client errors only, into one INFO line.
+
+Kept light (grpc, protobuf, the generated stubs): Serve's proxy imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from protos.pdserve.v1 import generate_pb2_grpc
+
+SERVICER_FUNCTION = "deployments.grpc_ingress.add_GenerationServicer_to_server"
+
+# Codes that mean "the request was wrong", not "the server failed": logged at INFO.
+CLIENT_ERROR_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
+
+
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """In place of a request message whose bytes did not parse (picklable: it goes to the
+    Router replica as the request)."""
+
+    method: str
+    error: str
+
+    @property
+    def message(self) -> str:
+        return f"the {self.method} request is not a valid protobuf message: {self.error}"
+
+
+def _tolerant(decode: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:
+    def decode_or_mark(raw: bytes) -> Any:
+        try:
+            return decode(raw)
+        except DecodeError as exc:
+            return UndecodableRequest(method, str(exc))
+
+    return decode_or_mark
+
+
+class _Recorder:
+    """Stands in for the server while the generated function registers the service: keeps
+    the method handlers it is given, so their decoders can be replaced."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the generated code registers the same handlers below as well
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.services[service] = handlers
+
+
+def add_GenerationServicer_to_server(servicer: Any, server: Any) -> None:
+    """The generated registration, with decoders that never fail (see the module docstring)."""
+    recorder = _Recorder()
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, recorder)
+    for service, handlers in recorder.services.items():
+        tolerant = {
+            name: handler._replace(
+                request_deserializer=_tolerant(handler.request_deserializer, name)
+            )
+            for name, handler in handlers.items()
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, tolerant),))
+        register = getattr(server, "add_registered_method_handlers", None)
+        if register is not None:
+            register(service, tolerant)
+    quiet_client_errors()  # this runs in Serve's proxy process
+
+
+class ClientErrorLogFilter(logging.Filter):
+    """Serve's "Request failed" records for a request refused with a client-error code: one
+    INFO line with the code and message, no traceback. Server faults are left as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        code = getattr(error, "grpc_code", None)  # Serve's gRPCStatusError (or its wrapper)
+        if (
+            record.levelno >= logging.ERROR
+            and isinstance(code, grpc.StatusCode)
+            and code in CLIENT_ERROR_CODES
+        ):
+            record.msg = "request refused: %s: %s"
+            record.args = (code.name, getattr(error, "grpc_details", "") or "")
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_client_errors() -> None:
+    """Install the filter on Serve's logger in this process (once)."""
+    logger = logging.getLogger("ray.serve")
+    if not any(isinstance(f, ClientErrorLogFilter) for f in logger.filters):
+        logger.addFilter(ClientErrorLogFilter())
