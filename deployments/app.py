@@ -140,7 +140,13 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         return router.bind(settings, colocated)
     kv = config.kv_transfer_config()
     prefill = PrefillDeployment.options(
-        **_engine_options(config, config.prefill_autoscaling, config.prefill_replicas)
+        **_engine_options(config, config.prefill_autoscaling, config.prefill_replicas),
+        # Serve's request router for the prefill leg, which also tells the Router when no
+        # prefill replica runs (it then goes decode-only at once).
+        request_router_config={
+            "request_router_class": "deployments.request_routers.ReplicaSetRouter",
+            "request_router_kwargs": {"role": "prefill"},
+        },
     )
     decode = DecodeDeployment.options(
         **_engine_options(config, config.decode_autoscaling, config.decode_replicas)

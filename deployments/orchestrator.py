@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from connector.metadata import RemoteKV
 from connector.side_channel import SideChannelClient
@@ -45,6 +45,15 @@ logger = logging.getLogger(__name__)
 
 StreamFn = Callable[[EngineRequest], AsyncGenerator[EngineCoreOutput, None]]
 ReleaseFn = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class ReplicaWatch(Protocol):
+    """Whether a deployment has a running replica (deployments.replica_set.RoleWatch)."""
+
+    def available(self) -> bool: ...
+
+    async def gone(self) -> None:
+        """Returns when no replica is running."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,7 @@ class Orchestrator:
         prefill: StreamFn | None = None,
         release: ReleaseFn | None = None,
         telemetry: RouterTelemetry | None = None,
+        prefill_replicas: ReplicaWatch | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model = model
@@ -110,6 +120,7 @@ class Orchestrator:
         self.prefill = prefill
         self.release = release
         self.telemetry = telemetry or RouterTelemetry()
+        self.prefill_replicas = prefill_replicas
         self._background: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ validation
@@ -215,6 +226,10 @@ class Orchestrator:
             source = self._decode_leg(prepared, stream, ROUTE_COLOCATED)
         elif len(prepared.prompt_token_ids) < max(1, self.config.min_remote_prefill_tokens):
             source = self._decode_leg(prepared, stream, ROUTE_DECODE_ONLY)
+        elif self.prefill_replicas is not None and not self.prefill_replicas.available():
+            # No prefill replica runs (killed, restarting): decode-only now, not once Serve
+            # has started another.
+            source = self._decode_leg(prepared, stream, ROUTE_FALLBACK)
         else:
             source = self._disaggregated(prepared, stream)
         async with aclosing(source) as chunks:
@@ -262,7 +277,9 @@ class Orchestrator:
                 self._release_soon(handed_off)
 
     async def _prefill_leg(self, prepared: PreparedRequest) -> EngineCoreOutput | None:
-        """The prefill's single chunk (first token + kv_transfer_params), or None on failure."""
+        """The prefill's single chunk (first token + kv_transfer_params), or None on failure:
+        an error, no answer within prefill_timeout_s, or no prefill replica left running while
+        the request waited for one."""
         assert self.prefill is not None
         max_tokens = prepared.params.max_tokens
         params = dataclasses.replace(
@@ -272,18 +289,39 @@ class Orchestrator:
         request = self._engine_request(prepared, params, kv)
         timeout = min(self.config.prefill_timeout_s, prepared.deadline - time.monotonic())
         chunks: list[EngineCoreOutput] = []
+        leg = asyncio.ensure_future(_collect(self.prefill(request), chunks))
+        gone = (
+            asyncio.ensure_future(self.prefill_replicas.gone()) if self.prefill_replicas else None
+        )
         completed = False
         try:
-            async with asyncio.timeout(timeout), aclosing(self.prefill(request)) as stream:
-                async for chunk in stream:
-                    chunks.append(chunk)
+            waiting = {leg} if gone is None else {leg, gone}
+            done, _ = await asyncio.wait(
+                waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if leg not in done:
+                why = (
+                    "no prefill replica is running"
+                    if gone in done
+                    else f"no answer in {timeout:.1f} s"
+                )
+                logger.warning(
+                    "prefill leg of %s given up (%s); decode-only", prepared.request_id, why
+                )
+                return None
+            leg.result()
             completed = True
         except ValueError:
             raise  # the request itself is bad: decode-only would refuse it too
-        except Exception as exc:  # replica gone, engine failed, too slow: fall back
+        except Exception as exc:  # replica gone, engine failed: fall back
             logger.warning("prefill leg of %s failed (%r); decode-only", prepared.request_id, exc)
             return None
         finally:
+            for task in (leg, gone):
+                if task is not None:
+                    task.cancel()
+            # Closing the leg's stream cancels the Serve call (and aborts the engine request).
+            await asyncio.gather(leg, return_exceptions=True)
             handed_off = chunks[-1].kv_transfer_params if chunks else None
             if not completed and handed_off is not None:
                 # The engine finished (blocks held for a reader) but we stopped listening.
@@ -366,6 +404,14 @@ class Orchestrator:
             await self.release(kv_transfer_params)
         except Exception as exc:  # best effort: the lease expires anyway
             logger.info("releasing prefill blocks: %r", exc)
+
+
+async def _collect(
+    stream: AsyncGenerator[EngineCoreOutput, None], into: list[EngineCoreOutput]
+) -> None:
+    async with aclosing(stream):
+        async for chunk in stream:
+            into.append(chunk)
 
 
 def _drop_repeat(chunk: EngineCoreOutput, pending: list[int]) -> EngineCoreOutput:

@@ -31,6 +31,7 @@ from deployments.orchestrator import (
     StreamFn,
 )
 from deployments.protocol import EngineRequest, ResponseChunk, chunk_to_proto, input_from_proto
+from deployments.replica_set import RoleWatch
 from deployments.telemetry import RouterMetrics, RouterTelemetry, Tracing
 from engine.arg_utils import EngineArgs
 from engine.llm import load_tokenizer
@@ -89,6 +90,7 @@ class Router:
             prefill=_stream_fn(prefill, "prefill") if prefill is not None else None,
             release=LeaseReleaser(settings.kv_secret),
             telemetry=RouterTelemetry(self.tracing.tracer, RouterMetrics()),
+            prefill_replicas=RoleWatch("prefill") if prefill is not None else None,
         )
 
     def __serve_build_asgi_app__(self) -> Any:

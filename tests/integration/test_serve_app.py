@@ -16,8 +16,8 @@ import json
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -662,6 +662,32 @@ def test_killing_the_prefill_replica_keeps_requests_completing(app: App, offline
         ),
         120,
     )
+
+
+def test_requests_after_a_prefill_kill_go_decode_only_at_once(app: App, offline: LLM) -> None:
+    """With the only prefill replica killed, requests complete decode-only (route fallback,
+    right tokens) at once, not after waiting for Serve's replacement; once it runs they are
+    disaggregated again."""
+    import ray
+
+    (victim,) = replica_actors("PrefillServer")
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    prompts = [f"{PROMPTS[1]} {i}" for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+    for prompt, want in zip(prompts, expected, strict=True):
+        got = app.client.complete(generate_request(prompt, max_tokens=8, temperature=0.0))
+        assert (got.route, got.token_ids) == ("fallback", want)
+    answered = time.monotonic()
+    assert wait_until(
+        lambda: (
+            app.client.complete(generate_request("Hello", max_tokens=4, temperature=0.0)).route
+            == "disaggregated"
+        ),
+        120,
+    )
+    assert answered < time.monotonic()
+    assert replica_actors("PrefillServer") not in ([], [victim])
 
 
 def test_killing_the_decode_replica_ends_its_streams_with_a_clean_error(app: App) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
@@ -21,6 +22,7 @@ from deployments.orchestrator import (
     Orchestrator,
 )
 from deployments.protocol import EngineRequest, GenerateInput, ResponseChunk
+from deployments.replica_set import ReplicaSets, RoleWatch
 from engine.llm import LLM
 from engine.outputs import EngineCoreOutput
 from engine.request import SamplingParams, StructuredOutputsParams
@@ -207,6 +209,57 @@ def test_failed_prefill_leg_falls_back_to_decode_only(servers, offline):
     chunks = run(make_flow(servers, prefill=broken), PROMPT, max_tokens=12, temperature=0.0)
     assert tokens(chunks) == expected.outputs[0].token_ids
     assert {c.route for c in chunks} == {"fallback"}
+
+
+def test_no_prefill_replica_running_means_decode_only_at_once(servers, offline):
+    """The prefill role's request router saw no running replica: the prefill leg is not even
+    tried (Serve would queue it until a replacement starts)."""
+    calls: list[str] = []
+
+    async def never(request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
+        calls.append(request.request_id)
+        await asyncio.Event().wait()  # a call queued for a replica that does not come
+        yield  # pragma: no cover
+
+    sets = ReplicaSets()
+    sets.publish("prefill", 0)
+    flow = make_flow(servers, prefill=never)
+    flow.prefill_replicas = RoleWatch("prefill", sets)
+    expected = offline.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0]
+    chunks = run(flow, PROMPT, max_tokens=8, temperature=0.0)
+    assert tokens(chunks) == expected.outputs[0].token_ids
+    assert {c.route for c in chunks} == {"fallback"} and not calls
+
+
+def test_prefill_replica_set_emptied_while_waiting_gives_the_leg_up(servers, offline):
+    """A prefill call waiting in Serve's queue is given up the moment the router sees the
+    last prefill replica gone (published from Serve's router thread), not at prefill_timeout_s;
+    the abandoned call is closed."""
+    closed = threading.Event()
+
+    async def queued(request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
+        try:
+            await asyncio.Event().wait()
+            yield  # pragma: no cover
+        finally:
+            closed.set()
+
+    sets = ReplicaSets()
+    sets.publish("prefill", 1)
+    flow = make_flow(servers, prefill=queued, prefill_timeout_s=300.0)
+    flow.prefill_replicas = RoleWatch("prefill", sets)
+    threading.Timer(0.5, sets.publish, ("prefill", 0)).start()
+    expected = offline.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0]
+    chunks = run(flow, PROMPT, max_tokens=8, temperature=0.0)
+    assert tokens(chunks) == expected.outputs[0].token_ids
+    assert {c.route for c in chunks} == {"fallback"}
+    assert closed.is_set()
+    sets.publish("prefill", 1)  # a replacement runs: disaggregated again
+    flow = make_flow(servers)
+    flow.prefill_replicas = RoleWatch("prefill", sets)
+    chunks = run(flow, PROMPT, max_tokens=8, temperature=0.0)
+    assert tokens(chunks) == expected.outputs[0].token_ids
+    assert chunks[-1].route == "disaggregated"
 
 
 def test_short_prompts_skip_the_prefill_leg(servers, offline):

@@ -1,0 +1,50 @@
+"""Serve request routers for the engine deployments (`request_router_config`).
+
+Serve pickles a request router's module by value into every process that holds a handle: state
+shared with the rest of the process (the replica-set registry) is reached through an imported
+module, never through this module's globals.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from ray.serve.request_router import (
+    FIFOMixin,
+    LocalityMixin,
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from deployments import replica_set
+
+
+class ReplicaSetRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
+    """Power of two choices (Serve's default policy), publishing the replica set's size.
+    `request_router_kwargs`: {"role": "prefill"}."""
+
+    def initialize_state(self, role: str = "", **kwargs: Any) -> None:
+        self._role = role
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        # Two at random; Serve probes their queue lengths and takes the shorter.
+        return [random.sample(candidate_replicas, k=min(2, len(candidate_replicas)))]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._publish()
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._publish()
+
+    def _publish(self) -> None:
+        replica_set.REPLICA_SETS.publish(getattr(self, "_role", ""), len(self.curr_replicas))
