@@ -7,6 +7,7 @@ The engine replicas are reached through Serve deployment handles (Serve picks th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator
@@ -193,7 +194,11 @@ def _stream_fn(handle: DeploymentHandle, role: str) -> StreamFn:
             raise engine_failure(role, exc) from None
         finally:
             if not done:
-                response.cancel()  # aborts the request on the engine replica
+                # Aborts the request on the engine replica. For a call Serve never assigned
+                # (back-pressure, a failed deployment) cancel() raises that error again: the
+                # failure above is the one to report.
+                with contextlib.suppress(Exception):
+                    response.cancel()
 
     return stream
 
