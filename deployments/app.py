@@ -81,6 +81,11 @@ class AppConfig:
             raise ValueError("request_timeout_s and prefill_timeout_s must be > 0")
         if "kv_transfer_config" in self.engine_args:
             raise ValueError("engine_args may not set kv_transfer_config: the app builds it")
+        prefill_min = (self.prefill_autoscaling or {}).get("min_replicas", 1)
+        if not self.colocated and prefill_min < 1:
+            # With no prefill replica the router goes decode-only and sends the prefill
+            # deployment no request: Serve would see no demand to scale it up from zero.
+            raise ValueError("prefill_autoscaling.min_replicas must be >= 1")
         self.limits()
 
     def kv_transfer_config(self) -> dict[str, Any]:

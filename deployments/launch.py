@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,12 +41,17 @@ class ServeOptions:
         return 1 + len(self.extra_apps)
 
 
-def start(config: AppConfig, options: ServeOptions) -> dict[str, str]:
-    """Start Ray and Serve and deploy; returns where the app listens."""
+def start(
+    config: AppConfig, options: ServeOptions, after_ray_init: Callable[[], None] | None = None
+) -> dict[str, str]:
+    """Start Ray and Serve and deploy; returns where the app listens. `after_ray_init` runs
+    as soon as Ray is up (before the engines load, which takes minutes)."""
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     _init_local_ray(options.num_cpus or _logical_cpus(config, options), options)
+    if after_ray_init is not None:
+        after_ray_init()
     serve.start(
         http_options=HTTPOptions(host=options.host, port=options.http_port),
         grpc_options=gRPCOptions(
@@ -151,10 +157,10 @@ def run_until_interrupted(config: AppConfig, options: ServeOptions) -> None:
 
     handle_stop_signals()
     try:
-        where = start(config, options)
-        # ray.init() put its own SIGTERM handler in place (and Ray's core worker one that
-        # aborts the process): SIGTERM must stop us as Ctrl-C does, so ours goes back.
-        handle_stop_signals()
+        # ray.init() puts its own SIGTERM handler in place (and Ray's core worker one that
+        # aborts the process): SIGTERM must stop us as Ctrl-C does, so ours goes back at once
+        # (a signal during the engines' start-up then stops us once the deploy returns).
+        where = start(config, options, after_ray_init=handle_stop_signals)
         mode = "colocated" if config.colocated else f"disaggregated over {config.transport}"
         print(
             f"pdserve: serving model {config.model!r} ({mode}); "

@@ -20,7 +20,6 @@ Structured outputs: `response_format` (`text`, `json_object`, `json_schema`) and
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import uuid
@@ -330,8 +329,9 @@ def build_openai_app(
         try:
             if body.model is not None and body.model != model_name:
                 raise ValueError(f"model {body.model!r} is not served here; use {model_name!r}")
-            # A chat is rendered and tokenized here: off the event loop (its cost grows with it).
-            gen_input = await asyncio.to_thread(to_input, body, flow)
+            # A chat is rendered and tokenized here: off the event loop when it is long.
+            cost = sum(len(str(m.content or "")) for m in getattr(body, "messages", ()))
+            gen_input = await flow.text_work.run(cost, to_input, body, flow)
         except ValueError as exc:
             flow.telemetry.rejected(carrier, str(exc))  # refused before the flow saw it
             return _error(400, public_message(exc))
@@ -350,9 +350,13 @@ def build_openai_app(
             async with aclosing(chunks):
                 collected = [first] + [chunk async for chunk in chunks]
             # Assembling and serializing a whole response (thousands of tokens' logprobs, say)
-            # is work in proportion to it: a worker thread.
-            return await asyncio.to_thread(
-                lambda: JSONResponse(fmt.whole(collected, body.return_token_ids))
+            # is work in proportion to it: in a worker thread when it is large.
+            entries = sum(
+                len(c.token_ids) + sum(len(ids) for ids, _, _ in c.logprobs or ())
+                for c in collected
+            )
+            return await flow.text_work.run(
+                entries, lambda: JSONResponse(fmt.whole(collected, body.return_token_ids))
             )
         except ValueError as exc:
             return _error(400, public_message(exc))

@@ -36,6 +36,7 @@ from deployments.protocol import (
 )
 from deployments.response_stream import PreparedRequest, ResponseStream
 from deployments.telemetry import RouterTelemetry
+from deployments.text_work import TextWork, prompt_chars
 from engine.llm import render_chat
 from engine.outputs import EngineCoreOutput, merge_outputs
 from engine.request import FinishReason, SamplingParams
@@ -122,11 +123,13 @@ class Orchestrator:
         self.telemetry = telemetry or RouterTelemetry()
         self.prefill_replicas = prefill_replicas
         self._background: set[asyncio.Task[None]] = set()
+        self.text_work = TextWork()  # heavy text work, off the event loop
 
     # ------------------------------------------------------------------ validation
 
-    def prepare(self, request: GenerateInput) -> PreparedRequest:
-        """Tokenize and validate; ValueError for anything the engines would refuse."""
+    def prepare(self, request: GenerateInput, received: float | None = None) -> PreparedRequest:
+        """Tokenize and validate; ValueError for anything the engines would refuse. The
+        request's time runs from `received` (default: now)."""
         self.config.limits.check(request)  # before any work that grows with the request
         text, token_ids = self._tokenize(request.prompt)
         self._check_length(len(token_ids), request.params.max_tokens)
@@ -134,7 +137,7 @@ class Orchestrator:
         if self.prefill is not None and params.seed is None and not params.is_greedy:
             # Both legs must draw the first token alike: counter-based sampling needs a seed.
             params = dataclasses.replace(params, seed=secrets.randbits(63))
-        now = time.monotonic()
+        now = time.monotonic() if received is None else received
         timeout = request.timeout_s or self.config.request_timeout_s
         return PreparedRequest(
             request_id=request.request_id or f"cmpl-{uuid.uuid4().hex}",
@@ -194,9 +197,11 @@ class Orchestrator:
         `trace_carrier` (gRPC metadata, HTTP headers) may hold the client's trace context."""
         observed = self.telemetry.observe(trace_carrier)
         try:
-            # Rendering and tokenizing cost time in proportion to the prompt: a worker thread
-            # (the tokenizer releases the GIL), so the event loop keeps serving the others.
-            prepared = await asyncio.to_thread(self.prepare, request)
+            # Rendering and tokenizing cost time in proportion to the prompt (the tokenizer
+            # releases the GIL in a worker thread).
+            received = time.monotonic()
+            cost = prompt_chars(request.prompt)
+            prepared = await self.text_work.run(cost, self.prepare, request, received)
             observed.started(
                 prepared.request_id,
                 self.model.name,
@@ -221,7 +226,7 @@ class Orchestrator:
             observed.end()
 
     async def _generate(self, prepared: PreparedRequest) -> AsyncGenerator[ResponseChunk, None]:
-        stream = ResponseStream(self.tokenizer, prepared)
+        stream = ResponseStream(self.tokenizer, prepared, self.text_work.pool)
         if self.prefill is None:
             source = self._decode_leg(prepared, stream, ROUTE_COLOCATED)
         elif len(prepared.prompt_token_ids) < max(1, self.config.min_remote_prefill_tokens):

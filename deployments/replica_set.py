@@ -16,6 +16,7 @@ wakes waiters on their own loops. No Ray import here: the orchestrator's tests u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 
@@ -32,7 +33,8 @@ class ReplicaSets:
             self._counts[role] = count
             waiters = self._waiters.pop(role, []) if count == 0 else []
         for loop, future in waiters:
-            loop.call_soon_threadsafe(_resolve, future)
+            with contextlib.suppress(RuntimeError):  # its loop has closed: nobody waits
+                loop.call_soon_threadsafe(_resolve, future)
 
     def available(self, role: str) -> bool:
         """False once the role's router has seen no running replica. Unknown (no router yet,

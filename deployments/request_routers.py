@@ -24,7 +24,8 @@ from deployments import replica_set
 
 
 class ReplicaSetRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
-    """Power of two choices (Serve's default policy), publishing the replica set's size.
+    """Serve's default policy (locality, then power of two choices), also publishing the
+    replica set's size.
     `request_router_kwargs`: {"role": "prefill"}."""
 
     def initialize_state(self, role: str = "", **kwargs: Any) -> None:
@@ -35,8 +36,13 @@ class ReplicaSetRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        # Two at random; Serve probes their queue lengths and takes the shorter.
-        return [random.sample(candidate_replicas, k=min(2, len(candidate_replicas)))]
+        # Serve's locality preference (same node, then zone), then two at random: Serve
+        # probes their queue lengths and takes the shorter.
+        ids = list(self.apply_locality_routing(pending_request=pending_request))
+        if not ids:
+            return []
+        replicas = self.curr_replicas
+        return [[replicas[i] for i in random.sample(ids, k=min(2, len(ids))) if i in replicas]]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from deployments.errors import EngineFailure
@@ -43,7 +45,12 @@ INLINE_STOP_CHARS = 4096
 class ResponseStream:
     """Engine outputs -> client chunks: detokenization, stop strings, usage and timing."""
 
-    def __init__(self, tokenizer: Tokenizer | None, prepared: PreparedRequest) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        prepared: PreparedRequest,
+        executor: Executor | None = None,
+    ) -> None:
         self.prepared = prepared
         self.processor = OutputProcessor(tokenizer)
         # Keyed by the engine request id: both legs' outputs carry it.
@@ -59,6 +66,7 @@ class ResponseStream:
         self._ttft_s = 0.0
         self._sent_first = False
         self.offload = sum(len(stop) for stop in prepared.params.stop) > INLINE_STOP_CHARS
+        self._executor = executor  # for offloaded text work; None: the loop's default
 
     async def feed_async(
         self, output: EngineCoreOutput, leg: str, final: bool = True
@@ -66,7 +74,8 @@ class ResponseStream:
         """`feed`, in a worker thread when this request's text work is heavy (many or long
         stop strings), so that one request cannot stall the event loop the others share."""
         if self.offload:
-            return await asyncio.to_thread(self.feed, output, leg, final)
+            work = functools.partial(self.feed, output, leg, final)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, work)
         return self.feed(output, leg, final)
 
     def feed(self, output: EngineCoreOutput, leg: str, final: bool = True) -> list[ResponseChunk]:

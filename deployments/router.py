@@ -7,7 +7,6 @@ The engine replicas are reached through Serve deployment handles (Serve picks th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator
@@ -197,8 +196,10 @@ def _stream_fn(handle: DeploymentHandle, role: str) -> StreamFn:
                 # Aborts the request on the engine replica. For a call Serve never assigned
                 # (back-pressure, a failed deployment) cancel() raises that error again: the
                 # failure above is the one to report.
-                with contextlib.suppress(Exception):
+                try:
                     response.cancel()
+                except Exception as exc:
+                    logger.info("cancelling the %s leg's call: %r", role, exc)
 
     return stream
 

@@ -207,6 +207,8 @@ def test_app_config_coerces_serve_run_strings() -> None:
         ({"decode_replicas": 0}, "decode_replicas"),
         ({"colocated": "maybe"}, "colocated"),
         ({"engine_args": {"kv_transfer_config": {}}}, "kv_transfer_config"),
+        # Decode-only while no prefill replica runs means no demand to scale prefill from 0.
+        ({"prefill_autoscaling": {"min_replicas": 0}}, "min_replicas must be >= 1"),
     ],
 )
 def test_app_config_refuses_bad_args(args: dict, message: str) -> None:
