@@ -18,6 +18,7 @@ from engine.kv_connector import KVConnectorBase, create_kv_connector
 from engine.models import ModelArchConfig
 from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
+from engine.step_timer import StepTimer
 from engine.tokenizer import Tokenizer
 from engine.worker.model_runner import ModelRunner, ReasoningTokens
 
@@ -92,11 +93,25 @@ class EngineCore:
         self.scheduler.finish_requests(ids, status)
 
     def step(self) -> list[EngineCoreOutput]:
+        timer = self.runner.step_timer
+        if timer is not None:
+            timer.start()
         scheduler_output = self.scheduler.schedule()
+        if timer is not None:
+            timer.mark("schedule")
         runner_output = self.runner.execute_model(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0 and self._waiting_on_transfers():
             time.sleep(_IDLE_POLL_S)  # nothing to compute until a transfer moves: do not spin
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        if timer is not None:
+            timer.mark("kv_connector")
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if timer is not None:
+            timer.end_step()
+        return outputs
+
+    def time_steps(self, timer: StepTimer | None) -> None:
+        """Measure where each step's time goes into `timer` (None: stop measuring)."""
+        self.runner.step_timer = timer
 
     def has_requests(self) -> bool:
         """Anything to step for: requests, outputs not handed out, transfers in flight."""

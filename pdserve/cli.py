@@ -207,7 +207,7 @@ def _build_parser() -> argparse.ArgumentParser:
     make_model.add_argument("--seed", type=int, default=None)
     bench = commands.add_parser("bench", help="benchmarks; each prints one JSON object")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    from pdserve.bench import kv, offline, sched, structured
+    from pdserve.bench import kv, latency, offline, sched, structured
     from pdserve.bench import serve as bench_serve
 
     structured.add_arguments(
@@ -217,6 +217,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sched.add_arguments(benches.add_parser("sched", help="scheduler cost per step (no model)"))
     offline.add_arguments(benches.add_parser("offline", help="engine vs transformers.generate"))
     kv.add_arguments(benches.add_parser("kv", help="KV block transfer between two processes"))
+    latency.add_arguments(
+        benches.add_parser("latency", help="decode tokens/s against the bandwidth bound")
+    )
     return parser
 
 
@@ -414,6 +417,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         from pdserve.bench import structured
 
         report = structured.run(structured.config_from_args(args))
+    elif args.bench == "latency":
+        from pdserve.bench import latency
+
+        report = latency.run(latency.config_from_args(args))
     else:
         report = offline.run(offline.config_from_args(args))
     print(json.dumps(report, indent=2))

@@ -14,11 +14,15 @@ os.environ.setdefault(
 
 
 def pytest_sessionstart(session) -> None:
-    """Compile the CPU attention kernel once, up front, into the session cache: engine
-    subprocesses and Ray replicas then load it instead of racing to build it under their
-    start-up timeouts. A machine that cannot build it falls back (and
-    tests/unit/test_attention_backends.py says so)."""
+    """Compile the CPU kernels (attention, output head) once, up front, into the session
+    cache: engine subprocesses and Ray replicas then load them instead of racing to build them
+    under their start-up timeouts. A machine that cannot build them falls back (and
+    tests/unit/test_attention_backends.py and test_linear.py say so)."""
+    from torch import nn
+
     from engine.layers.attention.cpu import KernelBuildError, load_kernel
+    from engine.layers.linear import StreamedHead
 
     with contextlib.suppress(KernelBuildError):
         load_kernel()
+    StreamedHead(nn.Linear(1, 1, bias=False))  # builds the output-head kernel (or warns)

@@ -24,6 +24,7 @@ from engine.outputs import TokenLogprobs
 from engine.request import SamplingParams
 from engine.sample import LogprobsOutput, Sampler, SamplingMetadata
 from engine.sample.logits_processor import LogitsProcessorConfig, build_logits_processors
+from engine.step_timer import StepTimer
 from engine.tokenizer import Tokenizer
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache import (
@@ -83,6 +84,7 @@ class ModelRunner:
         self.connector: KVConnectorBase | None = None
         self.kv_cache: torch.Tensor | None = None
         self.kv_layers: list[torch.Tensor] = []
+        self.step_timer: StepTimer | None = None  # bench latency's breakdown
 
     # ------------------------------------------------------------------ set-up
 
@@ -140,9 +142,12 @@ class ModelRunner:
 
     def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model is not None, "load_model() first"
+        timer = self.step_timer
         inputs = prepare_step_inputs(
             self.input_batch, so.num_scheduled_tokens, self.device, self.arch.sliding_window
         )
+        if timer is not None:
+            timer.mark("prepare_inputs")
         hidden = self.model(
             inputs.input_ids,
             inputs.positions,
@@ -151,7 +156,12 @@ class ModelRunner:
             self.attn_backend,
         )
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return self._sample_and_record(logits, inputs)
+        if timer is not None:
+            timer.mark("forward")
+        output = self._sample_and_record(logits, inputs)
+        if timer is not None:
+            timer.mark("sample")
+        return output
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch

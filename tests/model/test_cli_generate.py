@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -121,6 +122,69 @@ def test_bench_offline_reports_both_sides_and_their_ratio():
         assert entry["speedup"] == pytest.approx(ratio, rel=0.1)  # seconds are rounded
         # greedy on the same weights: the engine and transformers agree token for token
         assert entry["greedy_outputs_identical"] == "3/3"
+
+
+def test_bench_latency_reports_decode_speed_bound_breakdown_and_a_trace(tmp_path):
+    result = pdserve(
+        "bench",
+        "latency",
+        "--model",
+        "tiny",
+        "--input-len",
+        "8",
+        "--output-len",
+        "6",
+        "--batch-sizes",
+        "1,2",
+        "--repeats",
+        "1",
+        "--profile",
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    bound = report["bandwidth_bound_tokens_per_s"]
+    assert bound == pytest.approx(
+        report["read_bandwidth_gbps"] * 1e9 / report["weight_bytes"], rel=0.01
+    )
+    for size in (1, 2):
+        entry = report["batches"][str(size)]
+        tps = entry["decode_tokens_per_s"]
+        assert entry["ms_per_step"] == pytest.approx(1000 * size / tps, rel=0.01)
+        breakdown = entry["breakdown_ms_per_step"]
+        assert breakdown["steps"] >= 6  # the prefill step and five decode steps, at least
+        assert breakdown["forward"] > 0 and breakdown["sample"] > 0
+    single = report["batches"]["1"]
+    assert single["fraction_of_bandwidth_bound"] == pytest.approx(
+        single["decode_tokens_per_s"] / bound, abs=0.002
+    )
+    trace = json.loads(Path(report["profile"]).read_text())
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert any("linear" in name or "mm" in name for name in names)
+
+
+def test_weight_bytes_counts_a_tied_head_once_and_packed_linears():
+    from torch import nn
+
+    from engine.layers.linear import PackedLinear
+    from pdserve.bench.latency import weight_bytes
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(100, 16)
+            self.proj = PackedLinear(nn.Linear(16, 32, bias=False))
+            self.norm = nn.LayerNorm(16)
+            self.head = nn.Linear(16, 100, bias=False)
+
+    model = Tiny()
+    # Untied: the head is read whole each step, the embedding table only a row per token.
+    assert weight_bytes(model) == 4 * (16 * 32 + 2 * 16 + 100 * 16)
+    model.head = nn.Linear(16, 100, bias=False)
+    model.head.weight = model.embed.weight  # tied: the table, read once, as the head
+    assert weight_bytes(model) == 4 * (16 * 32 + 2 * 16 + 100 * 16)
+    del model.head
+    assert weight_bytes(model) == 4 * (16 * 32 + 2 * 16)  # no head: the table is not read
 
 
 def test_bench_structured_reports_both_runs_on_the_same_token_count():

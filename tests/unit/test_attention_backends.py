@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+from engine.layers import cpu_kernels
 from engine.layers.attention import (
     AttentionMetadata,
     PrefillSlice,
@@ -179,10 +180,10 @@ def test_write_kv_refuses_a_slot_outside_the_cache():
 def test_a_stale_torch_build_lock_does_not_hang_the_load():
     """A process killed mid-build leaves torch's lock file behind; loading must not wait on it."""
     (cpu_attention.build_directory() / "lock").write_text("")
-    cpu_attention.load_kernel.cache_clear()
+    cpu_kernels.load.cache_clear()
     try:
         kernel = cpu_attention.load_kernel()
     finally:
-        cpu_attention.load_kernel.cache_clear()
+        cpu_kernels.load.cache_clear()
     assert hasattr(kernel, "paged_decode_attention")
     assert not (cpu_attention.build_directory() / "lock").exists()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.layers.linear import PackedLinear, pack_linears, row_bucket, warm_up
+from engine.layers.linear import PackedLinear, StreamedHead, pack_linears, row_bucket, warm_up
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 65, 100, 300])
@@ -44,14 +44,30 @@ class Tiny(nn.Module):
             self.head.weight = self.embed.weight
 
 
-def test_auto_packs_float32_linears_but_not_a_tied_head():
+def test_auto_packs_float32_linears_and_streams_a_tied_head():
     model = Tiny(tied=True)
     assert pack_linears(model, "auto", torch.device("cpu")) == 1
     assert isinstance(model.proj, PackedLinear)
-    assert type(model.head) is nn.Linear  # it is the embedding table: no packed copy
+    # The head is the embedding table: no packed copy, the same tensor, streamed.
+    assert isinstance(model.head, StreamedHead) and model.head.weight is model.embed.weight
     untied = Tiny(tied=False)
     assert pack_linears(untied, "auto", torch.device("cpu")) == 2
     warm_up(untied, max_rows=70)  # builds every bucket up to 70 rows without error
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+def test_streamed_head_matches_torch_on_both_paths(rows):
+    """Up to 8 rows through the C++ kernel (which must build here), more through F.linear."""
+    torch.manual_seed(rows)
+    table = nn.Embedding(1000, 64)
+    head = nn.Linear(64, 1000, bias=False)
+    head.weight = table.weight
+    streamed = StreamedHead(head)
+    assert "rows_gemv" in repr(streamed)
+    with torch.inference_mode():
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(streamed(x), head(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(streamed(x.view(rows, 1, 64)), head(x).view(rows, 1, -1))
 
 
 def test_torch_backend_and_half_precision_under_auto_stay_unpacked():

@@ -1,0 +1,296 @@
+"""`pdserve bench latency`: decode speed against the memory-bandwidth bound, and where a step's
+time goes.
+
+Decode of a small batch reads every weight once per step, so tokens/s cannot pass
+(read bandwidth / weight bytes); both are measured here, in the same run, on the same device
+and threads. Decode speed excludes the prompt: a request of max_tokens=1 (prefill and first
+token) is timed and taken off a request of output_len tokens, best of `repeats`. The breakdown
+comes from a run of its own with the engine's StepTimer on (it synchronizes a GPU at each
+phase); `outside_steps` is the time between steps (the offline loop's output processing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.models.catalog import SMOLLM2_MODEL
+from engine.step_timer import PHASES, StepTimer
+
+_BANDWIDTH_BUFFER_BYTES = 512 << 20  # far beyond any last-level cache
+
+
+@dataclass(frozen=True)
+class LatencyBenchConfig:
+    model: str = SMOLLM2_MODEL
+    input_len: int = 32
+    output_len: int = 128
+    batch_sizes: tuple[int, ...] = (1, 32)
+    repeats: int = 3
+    seed: int = 0
+    device: str = "auto"
+    profile_dir: str = ""  # a torch profiler trace of single-stream decode goes here
+    # The peer: a Python with llama-cpp-python (a throwaway venv, never a dependency); it runs
+    # single-stream decode on the same GGUF file, alternating with the engine.
+    llamacpp_python: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("input_len", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.output_len < 2:
+            raise ValueError(f"output_len must be >= 2 (decode steps), got {self.output_len}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {list(self.batch_sizes)}")
+
+
+def run(config: LatencyBenchConfig) -> dict[str, Any]:
+    from engine.llm import LLM
+
+    llm = LLM(
+        config.model,
+        device=config.device,
+        max_model_len=config.input_len + config.output_len,
+        max_num_seqs=max(config.batch_sizes),
+        seed=config.seed,
+        # Off: the timed runs repeat their prompts, and a cached prompt would make
+        # "full run minus prefill run" more than the decode.
+        enable_prefix_caching=False,
+    )
+    device = torch.device(llm.engine.config.model.device)
+    dtype = llm.engine.runner.dtype
+    model = llm.engine.runner.model
+    assert model is not None
+    rng = random.Random(config.seed)
+    vocab = llm.engine.arch.vocab_size
+    _generate(llm, _prompts(rng, vocab, config.input_len, max(config.batch_sizes)), 4)  # warm up
+    weights = weight_bytes(model)
+    bandwidth = read_bandwidth(device, dtype)
+    bound = bandwidth / weights
+    report: dict[str, Any] = {
+        "benchmark": "latency",
+        "config": asdict(config),
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch_threads": torch.get_num_threads(),
+        "weight_bytes": weights,
+        "read_bandwidth_gbps": round(bandwidth / 1e9, 2),
+        "bandwidth_bound_tokens_per_s": round(bound, 1),
+        "batches": {},
+    }
+    peer: list[float] = []
+    for size in config.batch_sizes:
+        prompts = _prompts(rng, vocab, config.input_len, size)
+        if size == 1 and config.llamacpp_python:
+            decode_tps, peer = _alternating_with_llamacpp(llm, prompts, config)
+        else:
+            decode_tps = _decode_tokens_per_s(llm, prompts, config)
+        entry: dict[str, Any] = {
+            "decode_tokens_per_s": round(decode_tps, 1),
+            "ms_per_step": round(1000 * size / decode_tps, 2),
+            "breakdown_ms_per_step": _breakdown(llm, prompts, config.output_len, device),
+        }
+        if size == 1:
+            entry["fraction_of_bandwidth_bound"] = round(decode_tps / bound, 3)
+            if peer:
+                entry["llamacpp_decode_tokens_per_s"] = round(max(peer), 1)
+                entry["ratio_to_llamacpp"] = round(decode_tps / max(peer), 3)
+                entry["llamacpp_fraction_of_bandwidth_bound"] = round(max(peer) / bound, 3)
+        report["batches"][str(size)] = entry
+    if config.profile_dir:
+        report["profile"] = _profile(llm, _prompts(rng, vocab, config.input_len, 1), config)
+    return report
+
+
+def _prompts(rng: random.Random, vocab: int, length: int, count: int) -> list[list[int]]:
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
+    from engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return time.perf_counter() - start
+
+
+def _decode_tokens_per_s(llm: Any, prompts: list[list[int]], config: LatencyBenchConfig) -> float:
+    """Decode tokens per second: a full run minus its prefill, best of `repeats` (alternating
+    the two, so a noisy moment hurts both alike)."""
+    best = float("inf")
+    for _ in range(config.repeats):
+        prefill = _generate(llm, prompts, 1)
+        full = _generate(llm, prompts, config.output_len)
+        best = min(best, full - prefill)
+    return len(prompts) * (config.output_len - 1) / max(best, 1e-9)
+
+
+def _alternating_with_llamacpp(
+    llm: Any, prompts: list[list[int]], config: LatencyBenchConfig
+) -> tuple[float, list[float]]:
+    """Single-stream decode, the engine then llama.cpp, `repeats` times: a noisy moment of the
+    machine hurts both alike. Returns the engine's best and llama.cpp's runs."""
+    from engine.models.catalog import is_gguf_path
+
+    model = llm.engine.config.model.model
+    if not is_gguf_path(model):
+        raise ValueError("--llamacpp-python compares on the same GGUF file: give --model x.gguf")
+    once = dataclasses.replace(config, repeats=1)
+    engine, peer = 0.0, []
+    for _ in range(config.repeats):
+        engine = max(engine, _decode_tokens_per_s(llm, prompts, once))
+        peer.append(_llamacpp_tokens_per_s(config.llamacpp_python, model, prompts[0], config))
+    return engine, peer
+
+
+# Runs in the peer's Python: single-stream greedy decode of the same prompt ids, timed as the
+# engine's (a run of output_len tokens minus a run of one), after a warm-up.
+_LLAMACPP_SCRIPT = """
+import json, sys, time, llama_cpp
+path, threads, n_out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+prompt = json.loads(sys.argv[4])
+m = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + n_out + 8, n_threads=threads,
+                    n_threads_batch=threads, verbose=False)
+def run(n):
+    start = time.perf_counter()
+    for _, _token in zip(range(n), m.generate(prompt, top_k=1, temp=0.0, reset=True)):
+        pass
+    return time.perf_counter() - start
+run(4)
+first, full = run(1), run(n_out)
+print(json.dumps((n_out - 1) / (full - first)))
+"""
+
+
+def _llamacpp_tokens_per_s(
+    python: str, model: str, prompt: list[int], config: LatencyBenchConfig
+) -> float:
+    threads = str(torch.get_num_threads())
+    args = [python, "-c", _LLAMACPP_SCRIPT, model, threads, str(config.output_len), str(prompt)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ValueError(f"the llama.cpp peer failed: {last}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def _breakdown(
+    llm: Any, prompts: list[list[int]], output_len: int, device: torch.device
+) -> dict[str, float]:
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    timer = StepTimer(sync)
+    llm.engine.time_steps(timer)
+    try:
+        wall = _generate(llm, prompts, output_len)
+    finally:
+        llm.engine.time_steps(None)
+    steps = max(timer.steps, 1)
+    per_step = {phase: round(1000 * timer.seconds[phase] / steps, 3) for phase in PHASES}
+    per_step["outside_steps"] = round(1000 * max(wall - timer.total_s, 0.0) / steps, 3)
+    per_step["steps"] = timer.steps
+    return per_step
+
+
+def _profile(llm: Any, prompts: list[list[int]], config: LatencyBenchConfig) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available() and llm.engine.runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    directory = Path(config.profile_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities, record_shapes=True) as prof:
+        _generate(llm, prompts, min(config.output_len, 32))
+    path = directory / "latency_trace.json"
+    prof.export_chrome_trace(str(path))
+    return str(path)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes a decode step reads from the weights: every parameter and packed linear once
+    (a tied output head is the embedding table, counted once; an untied embedding table is
+    left out: a step reads only the rows of its tokens)."""
+    from engine.layers.linear import PackedLinear, StreamedHead
+
+    seen: set[int] = set()
+    total = 0
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    heads = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, StreamedHead))}
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            element = module.packed.element_size()
+            total += module.in_features * module.out_features * element
+            if module.bias is not None:
+                total += module.bias.numel() * module.bias.element_size()
+    for parameter in model.parameters():
+        key = parameter.data_ptr()
+        if key in seen or (id(parameter) in embeddings and id(parameter) not in heads):
+            continue
+        seen.add(key)
+        total += parameter.numel() * parameter.element_size()
+    return total
+
+
+def read_bandwidth(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Bytes per second a reduction over a buffer far larger than the caches reaches, with
+    this process's threads: the rate at which a decode step can stream its weights."""
+    element = torch.empty((), dtype=dtype).element_size()
+    buffer = torch.ones(_BANDWIDTH_BUFFER_BYTES // element, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first touches the pages
+        start = time.perf_counter()
+        buffer.sum(dtype=torch.float32)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * element / best
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = LatencyBenchConfig()
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--input-len", type=int, default=defaults.input_len)
+    parser.add_argument("--output-len", type=int, default=defaults.output_len)
+    parser.add_argument(
+        "--batch-sizes",
+        default=",".join(str(n) for n in defaults.batch_sizes),
+        help="comma-separated decode batch sizes (1 is single-stream)",
+    )
+    parser.add_argument("--repeats", type=int, default=defaults.repeats)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--profile", default="", metavar="DIR", help="torch profiler trace")
+    parser.add_argument(
+        "--llamacpp-python",
+        default="",
+        metavar="PYTHON",
+        help="a Python with llama-cpp-python: single-stream decode on the same GGUF, alternating",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> LatencyBenchConfig:
+    try:
+        sizes = tuple(int(part) for part in args.batch_sizes.split(","))
+    except ValueError:
+        raise ValueError(f"--batch-sizes takes integers, got {args.batch_sizes!r}") from None
+    return LatencyBenchConfig(
+        model=args.model,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        batch_sizes=sizes,
+        repeats=args.repeats,
+        seed=args.seed,
+        device=args.device,
+        profile_dir=args.profile,
+        llamacpp_python=args.llamacpp_python,
+    )
