@@ -4,6 +4,11 @@ Off by default (the engine holds None and pays one attribute test per phase). On
 timer synchronizes at each mark, or the forward pass's time would land in whichever phase
 first waits for the GPU; that costs the overlap a real run has, so a breakdown is taken in a
 run of its own, never in the one whose throughput is reported.
+
+Phases: `schedule`; `prepare_inputs` (the runner's batch update, the connector's load start and
+the step's input tensors); `forward` (the model and the logits); `sample` (sampling and the
+runner's bookkeeping); `kv_connector` (finished transfers, and the whole of a step that had
+nothing to compute); `update` (the scheduler's output processing).
 """
 
 from __future__ import annotations
