@@ -75,9 +75,11 @@ def start(
     return where
 
 
-# Ray waits a fixed 30 s for its raylet to register with the GCS; on a loaded 2-core machine
-# that start-up has been seen to miss it once in many runs. A second try then succeeds.
+# Ray waits a fixed time for its GCS to publish its port and for its raylet to register; on a
+# loaded 2-core machine each has been seen to miss it once in many runs (the GCS left no log at
+# all). A second try, after ending what the first started, then succeeds.
 _RAY_START_ATTEMPTS = 2
+_RAY_START_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 
 
 def _init_local_ray(num_cpus: int, options: ServeOptions) -> None:
@@ -99,16 +101,18 @@ def _init_local_ray(num_cpus: int, options: ServeOptions) -> None:
             )
             _ray_roots[:] = [c for c in psutil.Process().children() if c.pid not in before]
             return
-        except Exception as exc:  # Ray raises a bare Exception for this timeout
-            if "timed out during startup" not in str(exc) or attempt == _RAY_START_ATTEMPTS:
+        except Exception as exc:  # Ray raises a bare Exception (or RuntimeError) for these
+            timed_out = any(text in str(exc) for text in _RAY_START_TIMEOUTS)
+            if not timed_out or attempt == _RAY_START_ATTEMPTS:
                 raise
             logger.warning("Ray's node did not start in time; starting it again")
             ray.shutdown()
+            _ray_roots[:] = [c for c in psutil.Process().children() if c.pid not in before]
+            _end(_ray_processes())
 
 
 def stop() -> None:
     """Shut Serve and Ray down, and wait for every process Ray started to be gone."""
-    import psutil
     import ray
     from ray import serve
 
@@ -118,7 +122,14 @@ def stop() -> None:
     ray_processes = _ray_processes()
     serve.shutdown()
     ray.shutdown()
-    _, alive = psutil.wait_procs(ray_processes, timeout=_GRACE_S)
+    _end(ray_processes)
+
+
+def _end(processes: list[Any]) -> None:
+    """Wait for `processes` to exit; SIGTERM, then SIGKILL, what does not in time."""
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=_GRACE_S)
     for process in alive:
         with contextlib.suppress(psutil.Error):
             process.terminate()

@@ -296,6 +296,11 @@ def test_a_ray_start_that_times_out_is_tried_once_more(monkeypatch) -> None:
     outcomes[:] = [timeout, timeout]
     with pytest.raises(Exception, match="timed out during startup"):
         launch._init_local_ray(2, launch.ServeOptions())
+    calls.clear()
+    gcs = RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_abc")
+    outcomes[:] = [gcs, None]
+    launch._init_local_ray(2, launch.ServeOptions())
+    assert calls == ["init", "shutdown", "init"]
     outcomes[:] = [RuntimeError("port in use")]
     with pytest.raises(RuntimeError, match="port in use"):
         launch._init_local_ray(2, launch.ServeOptions())
