@@ -99,7 +99,7 @@ def _init_local_ray(num_cpus: int, options: ServeOptions) -> None:
                 _metrics_export_port=options.metrics_export_port,
                 logging_level=logging.WARNING,
             )
-            _ray_roots[:] = [c for c in psutil.Process().children() if c.pid not in before]
+            _ray_roots[:] = _children_since(before)
             return
         except Exception as exc:  # Ray raises a bare Exception (or RuntimeError) for these
             timed_out = any(text in str(exc) for text in _RAY_START_TIMEOUTS)
@@ -107,7 +107,7 @@ def _init_local_ray(num_cpus: int, options: ServeOptions) -> None:
                 raise
             logger.warning("Ray's node did not start in time; starting it again")
             ray.shutdown()
-            _ray_roots[:] = [c for c in psutil.Process().children() if c.pid not in before]
+            _ray_roots[:] = _children_since(before)
             _end(_ray_processes())
 
 
@@ -143,6 +143,13 @@ _GRACE_S = 5.0  # how long Ray's processes get to end on their own, then after S
 # The processes ray.init() started here (GCS, raylet, dashboard, log monitor, ...): the roots of
 # Ray's process tree, told apart from any other child of this process by when they appeared.
 _ray_roots: list[Any] = []
+
+
+def _children_since(before: set[int]) -> list[Any]:
+    """This process's children that were not among `before` (pids): what ray.init started."""
+    import psutil
+
+    return [child for child in psutil.Process().children() if child.pid not in before]
 
 
 def _ray_processes() -> list[Any]:

@@ -37,7 +37,7 @@ from deployments.errors import DeadlineExceeded, EngineFailure, public_message
 from deployments.openai_format import ChatFormat, CompletionFormat, ResponseFormat, sse_events
 from deployments.openai_tools import template_kwargs
 from deployments.orchestrator import Orchestrator
-from deployments.protocol import GenerateInput
+from deployments.protocol import GenerateInput, chat_chars
 from engine.request import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -330,7 +330,7 @@ def build_openai_app(
             if body.model is not None and body.model != model_name:
                 raise ValueError(f"model {body.model!r} is not served here; use {model_name!r}")
             # A chat is rendered and tokenized here: off the event loop when it is long.
-            cost = sum(len(str(m.content or "")) for m in getattr(body, "messages", ()))
+            cost = chat_chars([{"content": m.content} for m in getattr(body, "messages", ())])
             gen_input = await flow.text_work.run(cost, to_input, body, flow)
         except ValueError as exc:
             flow.telemetry.rejected(carrier, str(exc))  # refused before the flow saw it

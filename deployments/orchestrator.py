@@ -226,7 +226,7 @@ class Orchestrator:
             observed.end()
 
     async def _generate(self, prepared: PreparedRequest) -> AsyncGenerator[ResponseChunk, None]:
-        stream = ResponseStream(self.tokenizer, prepared, self.text_work.pool)
+        stream = ResponseStream(self.tokenizer, prepared, self.text_work)
         if self.prefill is None:
             source = self._decode_leg(prepared, stream, ROUTE_COLOCATED)
         elif len(prepared.prompt_token_ids) < max(1, self.config.min_remote_prefill_tokens):

@@ -49,7 +49,7 @@ class RequestLimits:
 
     def check_chat_chars(self, messages: Sequence[Mapping[str, Any]]) -> None:
         """A conversation counts its contents together."""
-        self.check_prompt_chars(sum(len(str(m.get("content") or "")) for m in messages))
+        self.check_prompt_chars(chat_chars(messages))
 
     def check(self, request: GenerateInput) -> None:
         """ValueError for a request over a limit (the prompt as given: text, or chat turns)."""
@@ -75,6 +75,11 @@ class RequestLimits:
                 f"request id has {len(request.request_id)} characters; the limit is "
                 f"{self.max_request_id_chars} (max_request_id_chars)"
             )
+
+
+def chat_chars(messages: Sequence[Mapping[str, Any]]) -> int:
+    """A conversation's size: its messages' contents together."""
+    return sum(len(str(m.get("content") or "")) for m in messages)
 
 
 @dataclass

@@ -6,15 +6,13 @@ disaggregated request, so its text is exactly the colocated text; plus usage and
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import functools
 import time
-from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from deployments.errors import EngineFailure
 from deployments.protocol import ResponseChunk, Usage
+from deployments.text_work import TextWork
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, RequestOutput, TokenLogprobs
 from engine.request import SamplingParams
@@ -49,7 +47,7 @@ class ResponseStream:
         self,
         tokenizer: Tokenizer | None,
         prepared: PreparedRequest,
-        executor: Executor | None = None,
+        text_work: TextWork,
     ) -> None:
         self.prepared = prepared
         self.processor = OutputProcessor(tokenizer)
@@ -66,7 +64,7 @@ class ResponseStream:
         self._ttft_s = 0.0
         self._sent_first = False
         self.offload = sum(len(stop) for stop in prepared.params.stop) > INLINE_STOP_CHARS
-        self._executor = executor  # for offloaded text work; None: the loop's default
+        self._text_work = text_work
 
     async def feed_async(
         self, output: EngineCoreOutput, leg: str, final: bool = True
@@ -74,8 +72,7 @@ class ResponseStream:
         """`feed`, in a worker thread when this request's text work is heavy (many or long
         stop strings), so that one request cannot stall the event loop the others share."""
         if self.offload:
-            work = functools.partial(self.feed, output, leg, final)
-            return await asyncio.get_running_loop().run_in_executor(self._executor, work)
+            return await self._text_work.offload(self.feed, output, leg, final)
         return self.feed(output, leg, final)
 
     def feed(self, output: EngineCoreOutput, leg: str, final: bool = True) -> list[ResponseChunk]:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from deployments.protocol import ChatPrompt
+from deployments.protocol import ChatPrompt, chat_chars
 
 # Text work (characters to render and tokenize, entries to serialize) that runs inline; a
 # 1 MB prompt takes ~0.7 s to tokenize on the CI machine.
@@ -33,6 +33,10 @@ class TextWork:
         """`fn(*args)`, whose time grows with `cost`: inline when small, else in the pool."""
         if cost <= INLINE_TEXT_WORK:
             return fn(*args)
+        return await self.offload(fn, *args)
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the pool, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(
             self.pool, functools.partial(fn, *args)
         )
@@ -42,5 +46,5 @@ def prompt_chars(prompt: str | list[int] | ChatPrompt) -> int:
     """How much text work a prompt is: its characters (a conversation's together), or the
     number of token ids to check."""
     if isinstance(prompt, ChatPrompt):
-        return sum(len(str(m.get("content") or "")) for m in prompt.messages)
+        return chat_chars(prompt.messages)
     return len(prompt)

@@ -87,7 +87,7 @@ class StreamedHead(nn.Module):
         return out.view(*leading, self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = "rows_gemv" if self._kernel is not None else "matmul"
+        kernel = "rows_gemv" if self._kernel is not None else "F.linear"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kernel}"
 
 
@@ -95,7 +95,7 @@ def _rows_gemv_kernel() -> Any:
     try:
         return cpu_kernels.load("rows_gemv", _GEMV_SOURCE, "the CPU output-head kernel")
     except cpu_kernels.KernelBuildError as exc:
-        logger.warning("%s; the output head uses torch's matmul", exc)
+        logger.warning("%s; the output head uses F.linear", exc)
         return None
 
 
