@@ -17,6 +17,7 @@ import threading
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import torch
 from ray import serve
 
 from deployments.protocol import EngineRequest
@@ -59,6 +60,7 @@ class EngineServer:
         if kv is not None:
             kv.setdefault("side_channel_host", node_ip())
             kv.setdefault("side_channel_port", 0)
+        engine_args = self.role_engine_args(engine_args)
         self.engine = AsyncEngine(model, **engine_args, kv_transfer_config=kv)
         core = self.engine.core
         self.model_name = model
@@ -71,6 +73,11 @@ class EngineServer:
         logger.info(
             "%s engine %s ready (%d KV blocks)", self.role, self.replica_id, core.num_kv_blocks
         )
+
+    @staticmethod
+    def role_engine_args(engine_args: dict[str, Any]) -> dict[str, Any]:
+        """The engine arguments this role runs with (the prefill role adjusts them)."""
+        return engine_args
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         """Stream a request's token ids. Bad input raises ValueError before anything runs; a
@@ -195,6 +202,19 @@ class PrefillServer(EngineServer):
     """Runs prompts (max_tokens=1) and holds their KV blocks for a decode replica."""
 
     role = "prefill"
+
+    @staticmethod
+    def role_engine_args(engine_args: dict[str, Any]) -> dict[str, Any]:
+        """On CPUs a prefill-only engine packs its linears for oneDNN, whose GEMM runs long
+        prompts ~1.3x faster than the decode-tuned blocked kernel `auto` picks (and it never
+        takes the fused decode step). An explicit `linear_backend` wins."""
+        if engine_args.get("linear_backend", "auto") != "auto":
+            return engine_args
+        device = engine_args.get("device", "auto")
+        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+        if not on_cpu or not torch.backends.mkldnn.is_available():
+            return engine_args
+        return {**engine_args, "linear_backend": "onednn"}
 
 
 class DecodeServer(EngineServer):

@@ -14,15 +14,11 @@ os.environ.setdefault(
 
 
 def pytest_sessionstart(session) -> None:
-    """Compile the CPU kernels (attention, output head) once, up front, into the session
-    cache: engine subprocesses and Ray replicas then load them instead of racing to build them
-    under their start-up timeouts. A machine that cannot build them falls back (and
-    tests/unit/test_attention_backends.py and test_linear.py say so)."""
-    from torch import nn
+    """Compile the CPU kernels once, up front, into the session cache: engine subprocesses and
+    Ray replicas then load them instead of racing to build them under their start-up timeouts.
+    A machine that cannot build them falls back (and tests/unit/test_attention_backends.py,
+    test_linear.py and test_fused_decode.py say so)."""
+    from engine.layers import cpu_kernels
 
-    from engine.layers.attention.cpu import KernelBuildError, load_kernel
-    from engine.layers.linear import StreamedHead
-
-    with contextlib.suppress(KernelBuildError):
-        load_kernel()
-    StreamedHead(nn.Linear(1, 1, bias=False))  # builds the output-head kernel (or warns)
+    with contextlib.suppress(cpu_kernels.KernelBuildError):
+        cpu_kernels.load()

@@ -1,9 +1,10 @@
-"""C++ kernels for CPUs, compiled on first use with torch's JIT extension builder.
+"""The C++ kernels for CPUs, one module compiled on first use with torch's JIT extension builder.
 
-Each kernel is built once per machine and cached under the pdserve cache: the build directory
-is keyed by the source, torch's version, the flags and the CPU's instruction-set flags (kernels
-are built with -march=native). Building needs a C++ compiler and ninja; callers fall back to
-plain torch on `KernelBuildError`.
+csrc/cpu_ops.cpp includes the kernels (paged attention, dense linears, the fused decode step);
+the module is built once per machine and cached under the pdserve cache: the build directory
+is keyed by every file in csrc/, torch's version, the flags and the CPU's instruction-set
+flags (kernels are built with -march=native). Building needs a C++ compiler and ninja; callers
+fall back to plain torch on `KernelBuildError`.
 """
 
 from __future__ import annotations
@@ -39,37 +40,42 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build_directory(name: str, source: Path) -> Path:
-    """Under the pdserve cache, one directory per (kernel, source, torch, CPU features)."""
+SOURCES = Path(__file__).parent / "csrc"
+_NAME = "cpu_ops"
+
+
+def build_directory() -> Path:
+    """Under the pdserve cache, one directory per (sources, torch, flags, CPU features)."""
     key = hashlib.sha256()
-    for part in (source.read_bytes(), torch.__version__.encode(), _cpu_flags().encode()):
-        key.update(part)
-    for flag in CFLAGS:
-        key.update(flag.encode())
-    return pdserve_cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}"
+    for path in sorted(SOURCES.glob("*.[ch]*")):  # the headers too: cpu_ops.cpp includes them
+        key.update(path.name.encode())
+        key.update(path.read_bytes())
+    for part in (torch.__version__, _cpu_flags(), *CFLAGS):
+        key.update(part.encode())
+    return pdserve_cache_dir() / "kernels" / f"{_NAME}-{key.hexdigest()[:16]}"
 
 
 @functools.cache
-def load(name: str, source: Path, what: str) -> ModuleType:
-    """Compile (once per machine) and import kernel `name` from `source`; KernelBuildError
-    (naming `what`, e.g. "the CPU attention kernel") when that is impossible here."""
+def load() -> ModuleType:
+    """Compile (once per machine) and import the kernel module; KernelBuildError when that is
+    impossible here."""
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
-    directory = build_directory(name, source)
+    directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     try:
         with _build_lock(directory):
             return cpp_extension.load(
-                name=f"pdserve_{name}",
-                sources=[str(source)],
+                name=f"pdserve_{_NAME}",
+                sources=[str(SOURCES / f"{_NAME}.cpp")],
                 extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
                 verbose=False,
             )
     except Exception as exc:  # compiler, ninja or loader errors all mean "not here"
-        raise KernelBuildError(f"cannot build {what}: {exc}") from exc
+        raise KernelBuildError(f"cannot build the CPU kernels: {exc}") from exc
 
 
 @contextlib.contextmanager

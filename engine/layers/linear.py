@@ -1,31 +1,36 @@
-"""Linear layers on CPUs: weights packed once for oneDNN instead of re-packed by MKL per call.
+"""Linear layers on CPUs: float32 weights packed once after loading, never re-packed per call.
 
 torch's CPU linear goes to MKL's sgemm, which copies the weight matrix into its blocked layout
-on every call — at decode batch sizes the copy costs as much as the multiply — and on non-Intel
-CPUs picks a code path without AVX-512. oneDNN packs the weight once into its own layout and
-JIT-compiles for the instruction set it finds. On the 2-core AMD EPYC of CI, a decode step's
-linears (default model, 32 rows) run ~1.5x faster. vLLM's CPU backend packs for oneDNN too.
+on every call — at decode batch sizes the copy costs as much as the multiply. Two packed forms,
+each replacing the dense weight (one copy of every matrix):
 
-The packed weight is an opaque oneDNN tensor: packing happens after the checkpoint is loaded,
-and the dense weight is released. A tied output head keeps its dense weight (it is the
-embedding table; a packed copy would double the largest matrix of small models) and becomes a
-`StreamedHead`: up to 8 rows (decode) go through a C++ kernel that streams the table once
-(csrc/rows_gemv.cpp); more rows, and machines that cannot build it, through F.linear.
+- `BlockedLinear` (backend `blocked`, the default on CPUs): column blocks read by our C++
+  kernel (csrc/blocked_gemm.h). Fastest where decode lives — at one row it reads weights at
+  ~1.4x oneDNN's speed, at 32 rows it is on par — and its weights are what the fused decode
+  step (engine/models/llama_fused.py) reads. Long prefills run ~1.4x slower than oneDNN.
+- `PackedLinear` (backend `onednn`): oneDNN's opaque blocked layout, JIT-compiled for the CPU;
+  the better choice for an engine that only prefills.
+
+A tied output head keeps its dense weight (it is the embedding table; a packed copy would
+double the largest matrix of small models) and becomes a `StreamedHead`: up to 128 rows (decode
+batches) go through a kernel that streams the table once (csrc/dense_gemm.h); more rows, and
+machines that cannot build the kernels, through F.linear.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from engine.layers import cpu_kernels
 
-LINEAR_BACKENDS = ("auto", "torch", "onednn")
+LINEAR_BACKENDS = ("auto", "torch", "onednn", "blocked")
 _EXACT_ROWS = 64
 _WARM_UP_MAX_ELEMENTS = 1 << 23
 
@@ -61,11 +66,43 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
-# Up to this many rows (decode batches) the streaming kernel beats MKL; beyond, MKL's blocked
-# GEMM catches up (measured on the CI machine's 2 cores, 49152 x 576: 4 vs 11 ms at 1 row,
-# 15 vs 19 ms at 8, even at 16).
-_STREAMED_MAX_ROWS = 8
-_GEMV_SOURCE = Path(__file__).parent / "csrc" / "rows_gemv.cpp"
+class BlockedLinear(nn.Module):
+    """y = x W^T + b with W in column blocks [N/16, K, 16] (any number of rows, any leading
+    dims); `residual` adds a skip connection in the same pass."""
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear, kernel: Any) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self._kernel = kernel
+        self.register_buffer("packed", kernel.pack_blocked(linear.weight.detach()), False)
+        bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.register_buffer("bias", bias, False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        leading = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        if residual is not None:
+            residual = residual.reshape(-1, self.out_features)
+        with record_function("pdserve::blocked_linear"):  # named in profiler traces
+            out = self._kernel.blocked_linear(
+                rows, self.packed, self.out_features, self.bias, residual
+            )
+        return out.view(*leading, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocked"
+
+
+# Up to this many rows (a decode batch's logits) the streaming kernel beats MKL; beyond, MKL's
+# blocked GEMM catches up (measured on the CI machine's 2 cores, 49152 x 576: 4.0 vs 8.4 ms at 1
+# row, 19 vs 29 at 32, 58 vs 64 at 128).
+_STREAMED_MAX_ROWS = 128
 
 
 class StreamedHead(nn.Module):
@@ -76,26 +113,26 @@ class StreamedHead(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight  # the embedding's Parameter: still one tensor
-        self._kernel = _rows_gemv_kernel()
+        self._kernel = _cpu_kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         if self._kernel is None or rows.shape[0] > _STREAMED_MAX_ROWS:
             return F.linear(x, self.weight)
-        out = self._kernel.rows_gemv(rows.contiguous(), self.weight.contiguous())
+        out = self._kernel.dense_linear(rows.contiguous(), self.weight.contiguous())
         return out.view(*leading, self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = "rows_gemv" if self._kernel is not None else "F.linear"
+        kernel = "dense_linear" if self._kernel is not None else "F.linear"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kernel}"
 
 
-def _rows_gemv_kernel() -> Any:
+def _cpu_kernels() -> Any:
     try:
-        return cpu_kernels.load("rows_gemv", _GEMV_SOURCE, "the CPU output-head kernel")
+        return cpu_kernels.load()
     except cpu_kernels.KernelBuildError as exc:
-        logger.warning("%s; the output head uses F.linear", exc)
+        logger.warning("%s; linears use oneDNN or torch", exc)
         return None
 
 
@@ -129,9 +166,10 @@ def warm_up(model: nn.Module, max_rows: int) -> None:
 
 
 def pack_linears(model: nn.Module, backend: str, device: torch.device) -> int:
-    """Swap the model's nn.Linear layers for PackedLinear where `backend` says so; returns how
-    many were packed. `auto` packs float32 weights on a CPU with oneDNN, else leaves them;
-    `onednn` insists (ValueError where it cannot); `torch` leaves every layer alone."""
+    """Swap the model's nn.Linear layers for packed ones where `backend` says so; returns how
+    many were packed. `auto`: on a CPU, float32 weights go to `blocked` (to `onednn` where the
+    kernels cannot be built), anything else stays; `blocked` and `onednn` insist (ValueError
+    where they cannot); `torch` leaves every layer alone."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear backend {backend!r}; choose from {LINEAR_BACKENDS}")
     if backend == "torch":
@@ -139,10 +177,9 @@ def pack_linears(model: nn.Module, backend: str, device: torch.device) -> int:
     if device.type != "cpu":
         if backend == "auto":
             return 0
-        raise ValueError("linear backend 'onednn' needs a CPU device")
-    if not torch.backends.mkldnn.is_available():
-        if backend == "onednn":
-            raise ValueError("linear backend 'onednn': this torch build has no oneDNN")
+        raise ValueError(f"linear backend {backend!r} needs a CPU device")
+    make = _packer(backend)
+    if make is None:
         return 0
     tied = _tied_output_heads(model)
     packed = 0
@@ -154,17 +191,33 @@ def pack_linears(model: nn.Module, backend: str, device: torch.device) -> int:
                 if child.weight.dtype == torch.float32 and child.bias is None:
                     setattr(parent, name, StreamedHead(child))
                 continue
-            if backend == "auto" and child.weight.dtype != torch.float32:
+            if child.weight.dtype != torch.float32 and backend != "onednn":
+                if backend == "blocked":
+                    raise ValueError("linear backend 'blocked' needs float32 weights")
                 continue
             try:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, make(child))
             except RuntimeError as exc:  # e.g. bf16 on a CPU without bf16 support
                 if backend == "onednn":
                     raise ValueError(f"linear backend 'onednn' cannot pack {name}: {exc}") from exc
-                logger.warning("oneDNN cannot pack %s (%s); keeping torch's linears", name, exc)
+                logger.warning("cannot pack %s (%s); keeping torch's linears", name, exc)
                 return packed  # the others would fail the same way
             packed += 1
     return packed
+
+
+def _packer(backend: str) -> Callable[[nn.Linear], nn.Module] | None:
+    """What packs one layer for `backend` on this machine (None: nothing can, under auto)."""
+    kernel = _cpu_kernels() if backend in ("auto", "blocked") else None
+    if kernel is not None:
+        return lambda linear: BlockedLinear(linear, kernel)
+    if backend == "blocked":
+        raise ValueError("linear backend 'blocked': the CPU kernels cannot be built here")
+    if not torch.backends.mkldnn.is_available():
+        if backend == "onednn":
+            raise ValueError("linear backend 'onednn': this torch build has no oneDNN")
+        return None
+    return PackedLinear
 
 
 def _tied_output_heads(model: nn.Module) -> set[int]:

@@ -6,6 +6,8 @@ scaling and sliding windows. Parameter names follow Hugging Face so checkpoints 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,9 @@ from engine.layers.attention import AttentionBackend, AttentionMetadata
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RopeTables, RotaryEmbedding
 from engine.models.config import ModelArchConfig
+
+if TYPE_CHECKING:  # llama_fused imports this module
+    from engine.models.llama_fused import FusedDecodeStep
 
 
 class StackedLinear(nn.Linear):
@@ -145,6 +150,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, max_positions)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        # Set by the model runner where it applies (CPU, float32, blocked linears).
+        self.fused_decode: FusedDecodeStep | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head (again after `to_empty`, which unties)."""
@@ -159,6 +166,8 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        if self.fused_decode is not None and self.fused_decode.applies(metadata):
+            return self.fused_decode(input_ids, positions, kv_caches, metadata)
         hidden = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.tables(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):

@@ -19,6 +19,7 @@ from engine.layers.linear import pack_linears
 from engine.layers.linear import warm_up as warm_up_linears
 from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.models.llama_fused import FusedDecodeStep
 from engine.models.loader import load_model
 from engine.outputs import TokenLogprobs
 from engine.request import SamplingParams
@@ -96,6 +97,7 @@ class ModelRunner:
         )
         if pack_linears(self.model, self.config.model.linear_backend, self.device):
             warm_up_linears(self.model, self.config.scheduler.max_num_seqs)
+        self.model.fused_decode = FusedDecodeStep.build(self.model, self.attn_backend)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(

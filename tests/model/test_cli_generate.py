@@ -160,13 +160,15 @@ def test_bench_latency_reports_decode_speed_bound_breakdown_and_a_trace(tmp_path
     )
     trace = json.loads(Path(report["profile"]).read_text())
     names = {event.get("name", "") for event in trace["traceEvents"]}
-    assert any("linear" in name or "mm" in name for name in names)
+    # The prefill's linears and the fused decode steps (a CPU's defaults) are named.
+    assert {"pdserve::blocked_linear", "pdserve::fused_decode_step"} <= names
 
 
 def test_weight_bytes_counts_a_tied_head_once_and_packed_linears():
     from torch import nn
 
-    from engine.layers.linear import PackedLinear
+    from engine.layers import cpu_kernels
+    from engine.layers.linear import BlockedLinear, PackedLinear
     from pdserve.bench.latency import weight_bytes
 
     class Tiny(nn.Module):
@@ -185,6 +187,9 @@ def test_weight_bytes_counts_a_tied_head_once_and_packed_linears():
     assert weight_bytes(model) == 4 * (16 * 32 + 2 * 16 + 100 * 16)
     del model.head
     assert weight_bytes(model) == 4 * (16 * 32 + 2 * 16)  # no head: the table is not read
+    # A blocked linear counts its matrix (not its padding to 16 columns) and its bias.
+    model.proj = BlockedLinear(nn.Linear(16, 20, bias=True), cpu_kernels.load())
+    assert weight_bytes(model) == 4 * (16 * 20 + 20 + 2 * 16)
 
 
 def test_bench_structured_reports_both_runs_on_the_same_token_count():

@@ -280,7 +280,17 @@ def test_decode_leg_that_fails_before_reading_releases_the_prefill_blocks(server
     assert idle(servers[0], timeout_s=5.0)
 
 
-def test_deadline_aborts_on_the_engines(servers):
+def test_deadline_aborts_on_the_engines(servers, monkeypatch):
+    # Decode steps of at least 10 ms: 100 tokens cannot beat the 0.2 s deadline however fast
+    # the machine (the tiny model's own steps take well under a millisecond).
+    runner = servers[1].engine.core.runner
+    step = runner.execute_model
+
+    def slow_step(scheduler_output):
+        time.sleep(0.01)
+        return step(scheduler_output)
+
+    monkeypatch.setattr(runner, "execute_model", slow_step)
     with pytest.raises(DeadlineExceeded, match="deadline"):
         run(
             make_flow(servers, request_timeout_s=0.2),

@@ -9,7 +9,7 @@ import pytest
 from engine.layers.attention import TorchReferenceBackend
 from engine.layers.attention.cpu import CpuBackend
 from engine.layers.attention.cuda import CudaBackend
-from engine.layers.linear import PackedLinear
+from engine.layers.linear import BlockedLinear, PackedLinear
 from engine.llm import LLM
 from engine.request import SamplingParams
 from tests.model.hf_models import ARCHITECTURES
@@ -44,8 +44,10 @@ def check_against_hf(ref, llm: LLM, prompt_list, params=GREEDY) -> None:
 def test_batch_of_prompts_matches_hf(hf_refs, arch, prefix_caching):
     ref = hf_refs[arch]
     llm = make_llm(ref, enable_prefix_caching=prefix_caching)
+    model = llm.engine.runner.model
     assert isinstance(llm.engine.runner.attn_backend, CpuBackend)  # the CPU defaults
-    assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj, PackedLinear)
+    assert isinstance(model.model.layers[0].mlp.down_proj, BlockedLinear)
+    assert model.fused_decode is not None
     check_against_hf(ref, llm, prompts())
     # A second round reuses the cached prefixes of the first (when caching is on).
     check_against_hf(ref, llm, prompts())
@@ -77,8 +79,21 @@ def test_torch_reference_backend_matches_hf(hf_refs, arch):
     ref = hf_refs[arch]
     llm = make_llm(ref, attention_backend="torch", linear_backend="torch")
     assert type(llm.engine.runner.attn_backend) is TorchReferenceBackend
-    assert not any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules())
+    model = llm.engine.runner.model
+    assert not any(isinstance(m, (BlockedLinear, PackedLinear)) for m in model.modules())
+    assert model.fused_decode is None
     check_against_hf(ref, llm, prompts(4))
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_qk_norm"])
+def test_onednn_linears_match_hf(hf_refs, arch):
+    """The prefill deployment's linears (oneDNN-packed): same tokens, no fused step."""
+    ref = hf_refs[arch]
+    llm = make_llm(ref, linear_backend="onednn")
+    model = llm.engine.runner.model
+    assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
+    assert model.fused_decode is None
+    check_against_hf(ref, llm, prompts(5))
 
 
 def test_batched_prefill_backend_matches_hf(hf_refs):

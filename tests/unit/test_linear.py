@@ -1,4 +1,4 @@
-"""oneDNN-packed linear layers against torch's, and which layers get packed."""
+"""Packed linear layers (column-blocked, oneDNN) against torch's, and which layers get packed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from engine.layers.linear import PackedLinear, StreamedHead, pack_linears, row_bucket, warm_up
+from engine.layers import cpu_kernels
+from engine.layers.linear import (
+    BlockedLinear,
+    PackedLinear,
+    StreamedHead,
+    pack_linears,
+    row_bucket,
+    warm_up,
+)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 65, 100, 300])
@@ -19,6 +27,38 @@ def test_packed_linear_matches_torch(rows, bias):
     got = packed(x)
     assert got.shape == (rows, 80)  # rows padded to a bucket are cut off again
     torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
+
+
+# Output widths around the 16-column block (padding), input widths off the 8-lane vector, and
+# row counts across the 3-row register tile and the 64-row panel.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64, 65, 130])
+@pytest.mark.parametrize(("in_features", "out_features"), [(48, 80), (37, 15), (64, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_blocked_linear_matches_torch(rows, in_features, out_features, bias):
+    torch.manual_seed(rows * out_features)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    blocked = BlockedLinear(linear, cpu_kernels.load())
+    x = torch.randn(rows, in_features)
+    with torch.inference_mode():
+        got = blocked(x)
+        torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
+        # The residual is added in the same pass; leading dimensions are kept.
+        residual = torch.randn(rows, out_features)
+        torch.testing.assert_close(blocked(x, residual), linear(x) + residual, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(blocked(x.view(1, rows, -1)), linear(x).view(1, rows, -1))
+
+
+def test_blocked_linear_refuses_mismatched_inputs():
+    kernel = cpu_kernels.load()
+    packed = kernel.pack_blocked(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernel.blocked_linear(torch.randn(2, 9), packed, 20)
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernel.blocked_linear(torch.randn(2, 8), packed, 40)
+    with pytest.raises(RuntimeError, match="residual must be"):
+        kernel.blocked_linear(torch.randn(2, 8), packed, 20, None, torch.randn(2, 19))
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.blocked_linear(torch.randn(2, 8).double(), packed, 20)
 
 
 def test_packed_linear_keeps_leading_dimensions():
@@ -44,26 +84,34 @@ class Tiny(nn.Module):
             self.head.weight = self.embed.weight
 
 
-def test_auto_packs_float32_linears_and_streams_a_tied_head():
+def test_auto_blocks_float32_linears_and_streams_a_tied_head():
     model = Tiny(tied=True)
     assert pack_linears(model, "auto", torch.device("cpu")) == 1
-    assert isinstance(model.proj, PackedLinear)
+    assert isinstance(model.proj, BlockedLinear)
+    assert not any(isinstance(b, nn.Parameter) for b in model.proj.buffers())  # one copy
     # The head is the embedding table: no packed copy, the same tensor, streamed.
     assert isinstance(model.head, StreamedHead) and model.head.weight is model.embed.weight
     untied = Tiny(tied=False)
     assert pack_linears(untied, "auto", torch.device("cpu")) == 2
+    assert isinstance(untied.head, BlockedLinear)
+
+
+def test_onednn_backend_packs_for_onednn():
+    untied = Tiny(tied=False)
+    assert pack_linears(untied, "onednn", torch.device("cpu")) == 2
+    assert isinstance(untied.proj, PackedLinear) and isinstance(untied.head, PackedLinear)
     warm_up(untied, max_rows=70)  # builds every bucket up to 70 rows without error
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40, 128, 129])
 def test_streamed_head_matches_torch_on_both_paths(rows):
-    """Up to 8 rows through the C++ kernel (which must build here), more through F.linear."""
+    """Up to 128 rows through the C++ kernel (which must build here), more through F.linear."""
     torch.manual_seed(rows)
     table = nn.Embedding(1000, 64)
     head = nn.Linear(64, 1000, bias=False)
     head.weight = table.weight
     streamed = StreamedHead(head)
-    assert "rows_gemv" in repr(streamed)
+    assert "dense_linear" in repr(streamed)
     with torch.inference_mode():
         x = torch.randn(rows, 64)
         torch.testing.assert_close(streamed(x), head(x), rtol=1e-5, atol=1e-5)
@@ -76,10 +124,41 @@ def test_torch_backend_and_half_precision_under_auto_stay_unpacked():
     half = Tiny(tied=False).to(torch.bfloat16)
     assert pack_linears(half, "auto", torch.device("cpu")) == 0
     assert type(half.proj) is nn.Linear
+    with pytest.raises(ValueError, match="'blocked' needs float32"):
+        pack_linears(Tiny(tied=False).to(torch.bfloat16), "blocked", torch.device("cpu"))
 
 
 def test_bad_linear_backend_is_refused():
     with pytest.raises(ValueError, match="unknown linear backend 'mkl'"):
         pack_linears(Tiny(tied=False), "mkl", torch.device("cpu"))
-    with pytest.raises(ValueError, match="needs a CPU device"):
-        pack_linears(Tiny(tied=False), "onednn", torch.device("meta"))
+    for backend in ("onednn", "blocked"):
+        with pytest.raises(ValueError, match="needs a CPU device"):
+            pack_linears(Tiny(tied=False), backend, torch.device("meta"))
+
+
+def test_blocked_backend_refuses_where_the_kernels_cannot_build(monkeypatch, caplog):
+    def fail():
+        raise cpu_kernels.KernelBuildError("cannot build the CPU kernels: no compiler")
+
+    monkeypatch.setattr(cpu_kernels, "load", fail)
+    with pytest.raises(ValueError, match="'blocked': the CPU kernels cannot be built"):
+        pack_linears(Tiny(tied=False), "blocked", torch.device("cpu"))
+    model = Tiny(tied=False)
+    assert pack_linears(model, "auto", torch.device("cpu")) == 2  # auto falls back to oneDNN
+    assert isinstance(model.proj, PackedLinear)
+    assert "no compiler" in caplog.text
+
+
+def test_prefill_engines_pack_for_onednn_on_cpus_unless_told_otherwise():
+    from deployments.engine_server import DecodeServer, PrefillServer
+
+    assert PrefillServer.role_engine_args({"max_model_len": 64}) == {
+        "max_model_len": 64,
+        "linear_backend": "onednn",  # no GPU here: "auto" means a CPU
+    }
+    assert PrefillServer.role_engine_args({"device": "cpu"})["linear_backend"] == "onednn"
+    explicit = {"linear_backend": "blocked"}
+    assert PrefillServer.role_engine_args(explicit) == explicit
+    on_gpu = {"device": "cuda"}
+    assert PrefillServer.role_engine_args(on_gpu) == on_gpu
+    assert DecodeServer.role_engine_args({}) == {}  # decode engines keep auto: blocked + fused

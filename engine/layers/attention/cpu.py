@@ -1,9 +1,9 @@
 """CPU fast path: decodes read the paged KV cache in place through a small C++ kernel.
 
-The kernel (csrc/paged_decode.cpp) is compiled on first use and cached per machine
-(engine/layers/cpu_kernels.py). Prefills keep the reference path: SDPA's blocked CPU kernel is
-already GEMM-shaped there. When the kernel cannot be built, `get_attention_backend("auto",
-cpu)` falls back to the reference.
+The kernel (engine/layers/csrc/paged_attention.h) is compiled on first use and cached per
+machine (engine/layers/cpu_kernels.py). Prefills keep the reference path: SDPA's blocked CPU
+kernel is already GEMM-shaped there. When the kernel cannot be built,
+`get_attention_backend("auto", cpu)` falls back to the reference.
 """
 
 from __future__ import annotations
@@ -18,17 +18,14 @@ from engine.layers.attention.backend import AttentionMetadata
 from engine.layers.attention.torch_ref import TorchReferenceBackend
 from engine.layers.cpu_kernels import KernelBuildError
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-_NAME = "paged_decode"
-
 
 def build_directory() -> Path:
-    return cpu_kernels.build_directory(_NAME, _SOURCE)
+    return cpu_kernels.build_directory()
 
 
 def load_kernel() -> ModuleType:
     """Compile (once per machine) and import the kernel; KernelBuildError when impossible."""
-    return cpu_kernels.load(_NAME, _SOURCE, "the CPU attention kernel")
+    return cpu_kernels.load()
 
 
 __all__ = ["CpuBackend", "KernelBuildError", "build_directory", "load_kernel"]

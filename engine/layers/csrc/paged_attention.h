@@ -1,4 +1,4 @@
-// Paged decode attention for CPUs: one query token per request, read straight from the
+// Paged decode attention for CPUs (header of the cpu_ops kernel module, cpu_ops.cpp): one query token per request, read straight from the
 // block-contiguous KV cache through the block table.
 //
 // Why a kernel: in plain torch a decode first gathers every context slot into a new
@@ -10,6 +10,8 @@
 // run), handed out longest first to whichever thread is free. Two passes over the context:
 // scores (q . k), 16 tokens at a time, then softmax and the weighted sum of V. Accumulation is
 // in float32 for every dtype.
+
+#pragma once
 
 #include <torch/extension.h>
 
@@ -24,7 +26,7 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+namespace pdserve::attention {
 
 // 16 floats: one AVX-512 register; the compiler splits it on narrower machines.
 constexpr int64_t kLanes = 16;
@@ -275,7 +277,7 @@ void run(const torch::Tensor& out, const torch::Tensor& query, const torch::Tens
 // out[B, Hq, D] (contiguous) = attention of query[B, Hq, D] over the paged context.
 // cache: one layer's [num_blocks, 2, block_size, Hkv, D] view (each token's heads contiguous);
 // block_table: [B, max_blocks] int64; seq_lens: [B] int64, each >= 1; window <= 0: none.
-void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor cache,
+inline void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor cache,
                             torch::Tensor block_table, torch::Tensor seq_lens, int64_t window,
                             double scale) {
   TORCH_CHECK(query.dim() == 3 && cache.dim() == 5, "query [B,Hq,D], cache [N,2,bs,Hkv,D]");
@@ -306,7 +308,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
 
 // Scatter this step's K and V ([T, Hkv, D], each token's heads contiguous) into their slots:
 // one memcpy per token and side instead of two advanced-indexing writes per layer.
-void write_kv(torch::Tensor cache, torch::Tensor key, torch::Tensor value,
+inline void write_kv(torch::Tensor cache, torch::Tensor key, torch::Tensor value,
               torch::Tensor slot_block, torch::Tensor slot_offset) {
   TORCH_CHECK(cache.dim() == 5 && key.dim() == 3 && value.dim() == 3, "cache, key, value ranks");
   TORCH_CHECK(key.scalar_type() == cache.scalar_type() && value.scalar_type() == cache.scalar_type(),
@@ -342,10 +344,4 @@ void write_kv(torch::Tensor cache, torch::Tensor key, torch::Tensor value,
   }
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a paged KV cache (CPU)");
-  m.def("write_kv", &write_kv, "Write K/V rows into their paged slots (CPU)");
-}
+}  // namespace pdserve::attention

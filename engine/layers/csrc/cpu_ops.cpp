@@ -1,0 +1,61 @@
+// The CPU kernel module (one build, cached per machine by engine/layers/cpu_kernels.py):
+// paged decode attention and K/V writes (paged_attention.h), float32 linears over column-blocked
+// (blocked_gemm.h) and row-major (dense_gemm.h) weights, the fused decode step of the Llama
+// family (fused_decode.h), and a read-bandwidth probe.
+
+#include <torch/extension.h>
+
+#include "blocked_gemm.h"
+#include "dense_gemm.h"
+#include "fused_decode.h"
+#include "paged_attention.h"
+
+namespace {
+
+// The sum of a float32 buffer, read as fast as this machine's threads can stream memory: four
+// independent 8-lane accumulators per thread, threads on contiguous halves. `pdserve bench
+// latency` times it over a buffer far larger than the caches to set the bandwidth bound.
+double stream_sum(const torch::Tensor& buffer) {
+  TORCH_CHECK(buffer.scalar_type() == torch::kFloat && buffer.is_contiguous(),
+              "a contiguous float32 buffer");
+  typedef float Vec __attribute__((vector_size(32)));
+  const float* p = buffer.data_ptr<float>();
+  const int64_t vectors = buffer.numel() / 8;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<double> partial(static_cast<size_t>(threads), 0.0);
+  at::parallel_for(0, vectors, (vectors + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    Vec acc[4] = {};
+    int64_t i = begin;
+    for (; i + 4 <= end; i += 4)
+      for (int64_t u = 0; u < 4; ++u) {
+        Vec v;
+        std::memcpy(&v, p + (i + u) * 8, sizeof v);
+        acc[u] += v;
+      }
+    double sum = 0;
+    for (const Vec& a : acc)
+      for (int64_t l = 0; l < 8; ++l) sum += a[l];
+    for (; i < end; ++i)
+      for (int64_t l = 0; l < 8; ++l) sum += p[i * 8 + l];
+    partial[static_cast<size_t>(at::get_thread_num())] += sum;
+  });
+  double total = 0;
+  for (double s : partial) total += s;
+  return total;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &pdserve::attention::paged_decode_attention,
+        "Decode attention over a paged KV cache (CPU)");
+  m.def("write_kv", &pdserve::attention::write_kv, "Write K/V rows into their paged slots (CPU)");
+  m.def("pack_blocked", &pdserve::blocked::pack, "W [N, K] -> column blocks [N/16, K, 16]");
+  m.def("blocked_linear", &pdserve::blocked::linear,
+        "y = x W^T (+ bias) (+ residual), float32, W from pack_blocked", pybind11::arg("x"),
+        pybind11::arg("packed"), pybind11::arg("out_features"),
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none());
+  m.def("dense_linear", &pdserve::dense::linear, "y = x W^T, float32, W row-major [N, K]");
+  pdserve::fused::bind(m);
+  m.def("stream_sum", &stream_sum, "Sum of a float32 buffer at full read bandwidth");
+}

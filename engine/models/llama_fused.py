@@ -1,0 +1,107 @@
+"""The fused decode step: a whole decode-only step of a Llama-family model in one C++ call.
+
+Used on CPUs for float32 models whose linears are packed in column blocks (`BlockedLinear`) and
+whose attention runs on the CPU kernel: then a step in which every scheduled request decodes
+one token skips the per-layer Python and torch dispatch (csrc/fused_decode.h says what it
+fuses). Anything else — prefills, chunks, mixed steps, other devices — goes through the
+modules, which stay the reference the fused step is tested against.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.profiler import record_function
+
+from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.layers.attention.cpu import CpuBackend
+from engine.layers.linear import BlockedLinear
+
+if TYPE_CHECKING:  # engine.models.llama imports this module
+    from engine.models.llama import LlamaForCausalLM
+
+
+class FusedDecodeStep:
+    def __init__(self, model: LlamaForCausalLM, kernel: Any) -> None:
+        config = model.config
+        self.model = model
+        self.decoder = kernel.Decoder(
+            [_layer_tensors(layer) for layer in model.model.layers],
+            model.model.norm.weight.detach(),
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.rms_norm_eps,
+        )
+        self.scale = config.head_dim**-0.5
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, backend: AttentionBackend) -> FusedDecodeStep | None:
+        """The fused step for `model`, or None where it does not apply."""
+        if not isinstance(backend, CpuBackend):
+            return None
+        if model.model.embed_tokens.weight.dtype != torch.float32:
+            return None
+        for layer in model.model.layers:
+            if not all(isinstance(linear, BlockedLinear) for linear in _linears(layer)):
+                return None
+        return cls(model, backend.kernel)
+
+    def applies(self, metadata: AttentionMetadata) -> bool:
+        """Every scheduled token is a decode (one query token per request)."""
+        return metadata.num_tokens > 0 and metadata.num_decodes == metadata.num_tokens
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The final-normed hidden states of this step's tokens, as the modules give them."""
+        inner = self.model.model
+        hidden = inner.embed_tokens(input_ids)
+        rope = inner.rotary.tables(positions, hidden.dtype)
+        rows = hidden.shape[0]
+        with record_function("pdserve::fused_decode_step"):  # named in profiler traces
+            return self.decoder.forward(
+                hidden,
+                rope.cos.reshape(rows, -1).contiguous(),
+                rope.sin.reshape(rows, -1).contiguous(),
+                kv_caches,
+                metadata.slot_block,
+                metadata.slot_offset,
+                metadata.decode_block_table,
+                metadata.decode_seq_lens,
+                metadata.sliding_window or 0,
+                self.scale,
+            )
+
+
+def _linears(layer: Any) -> tuple[Any, Any, Any, Any]:
+    """A decoder layer's qkv, o, gate_up and down projections."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _layer_tensors(layer: Any) -> list[torch.Tensor | None]:
+    """In the order csrc/fused_decode.h's Slot enum lists them; absent ones are None."""
+    attn = layer.self_attn
+    qkv, o, gate_up, down = _linears(layer)
+    q_norm = attn.q_norm.weight.detach() if attn.qk_norm else None
+    k_norm = attn.k_norm.weight.detach() if attn.qk_norm else None
+    return [
+        layer.input_layernorm.weight.detach(),
+        qkv.packed,
+        qkv.bias,
+        q_norm,
+        k_norm,
+        o.packed,
+        o.bias,
+        layer.post_attention_layernorm.weight.detach(),
+        gate_up.packed,
+        gate_up.bias,
+        down.packed,
+        down.bias,
+    ]
