@@ -137,7 +137,9 @@ class EngineServer:
             return
         core = self.engine.core
         stats = core.stats()
-        self.metrics.sample(stats, core.take_prefix_cache_stats())
+        speculator = core.scheduler.speculator
+        spec = speculator.stats if speculator is not None else None
+        self.metrics.sample(stats, core.take_prefix_cache_stats(), spec)
 
     def stats(self) -> dict[str, Any]:
         """KV blocks and queues (pdserve.v1.EngineStats), a snapshot that may lag a step."""

@@ -16,6 +16,7 @@ Metrics go through `ray.serve.metrics`, so Ray's Prometheus endpoint exports the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from engine.request import RequestTiming, SamplingParams
+from engine.spec_decode.ngram import SpecDecodeStats
 
 if TYPE_CHECKING:
     from engine.core.kv_cache_manager import PrefixCacheStats
@@ -332,9 +334,25 @@ class EngineMetrics:
             "KV transfers that failed",
             _tags("transport", "outcome"),
         )
+        # Speculative decoding (vLLM's spec_decode counters): acceptance rate = accepted / draft
+        # tokens, mean accepted length = 1 + accepted / drafts.
+        self.spec_counters = {
+            field: metrics.Counter(f"pdserve_spec_decode_{field}", help_text)
+            for field, help_text in (
+                ("num_drafts", "Verification steps of requests with drafts"),
+                ("num_draft_tokens", "Draft tokens verified"),
+                ("num_accepted_tokens", "Draft tokens accepted"),
+            )
+        }
+        self.spec_acceptance = metrics.Gauge(
+            "pdserve_spec_decode_acceptance_rate", "Accepted / draft tokens since the engine began"
+        )
         self._preemptions_seen = 0
+        self._spec_seen = SpecDecodeStats()
 
-    def sample(self, stats: EngineStats, prefix: PrefixCacheStats) -> None:
+    def sample(
+        self, stats: EngineStats, prefix: PrefixCacheStats, spec: SpecDecodeStats | None = None
+    ) -> None:
         """Periodic: gauges from a stats snapshot, counters from the deltas since last time."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
@@ -348,6 +366,14 @@ class EngineMetrics:
         if preemptions > self._preemptions_seen:
             self.preemptions.inc(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions
+        if spec is not None and spec.num_drafts > self._spec_seen.num_drafts:
+            current = dataclasses.replace(spec)  # one reading of counters another thread moves
+            for field, counter in self.spec_counters.items():
+                delta = getattr(current, field) - getattr(self._spec_seen, field)
+                if delta > 0:  # Ray's counters refuse an increment of 0
+                    counter.inc(delta)
+            self.spec_acceptance.set(current.acceptance_rate)
+            self._spec_seen = current
 
     def observe_transfer(self, timing: RequestTiming, transport: str, block_bytes: int) -> None:
         if timing.kv_load_start is None or timing.kv_load_end is None:

@@ -14,6 +14,7 @@ from engine.config import (
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     check_known_keys,
     config_from_dict,
 )
@@ -43,6 +44,8 @@ class EngineArgs:
     linear_backend: str = "auto"
     logits_processors: tuple[str, ...] = ()
     kv_transfer_config: dict[str, Any] | None = None
+    # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}
+    speculative_config: dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -101,6 +104,11 @@ class EngineArgs:
             kv_transfer = config_from_dict(
                 "kv_transfer_config", self.kv_transfer_config, KVTransferConfig
             )
+        speculative = None
+        if self.speculative_config is not None:
+            speculative = config_from_dict(
+                "speculative_config", self.speculative_config, SpeculativeConfig
+            )
         config = EngineConfig(
             model,
             cache,
@@ -108,6 +116,7 @@ class EngineArgs:
             self.kv_cache_memory_bytes,
             self.gpu_memory_utilization,
             kv_transfer,
+            speculative,
         )
         return config, arch
 

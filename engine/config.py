@@ -166,6 +166,40 @@ def check_load_failure_policy(policy: object, what: str = "load_failure_policy")
         raise ValueError(f"{what} must be one of {KV_LOAD_FAILURE_POLICIES}, got {policy!r}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (the `speculative_config` engine argument, vLLM's names).
+
+    `ngram`: prompt lookup — drafts copied from where the sequence's last n tokens occurred
+    before (engine/spec_decode/ngram.py).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None  # the draft model of method "draft_model" (not supported yet)
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model":
+            raise ValueError("speculative method 'draft_model' is not supported yet; use 'ngram'")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
+            )
+        _require_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        _require_int("prompt_lookup_min", self.prompt_lookup_min, 1)
+        _require_int("prompt_lookup_max", self.prompt_lookup_max, 1)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an EngineCore is built from. `cache.num_blocks` may stay None: the worker
@@ -177,3 +211,4 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_transfer: KVTransferConfig | None = None
+    speculative: SpeculativeConfig | None = None

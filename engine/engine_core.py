@@ -57,7 +57,7 @@ class EngineCore:
             connector = create_kv_connector(config, arch)
         self.connector = connector
         # The scheduler refuses a pool too small for one max_model_len sequence.
-        self.scheduler = Scheduler(config.scheduler, cache, connector)
+        self.scheduler = Scheduler(config.scheduler, cache, connector, config.speculative)
         self.runner.connector = connector
         self.runner.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks

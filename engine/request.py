@@ -271,6 +271,7 @@ class Request:
         "prompt_token_ids",
         "request_id",
         "sampling_params",
+        "spec_token_ids",
         "status",
         "stop_reason",
         "timing",
@@ -310,6 +311,8 @@ class Request:
         self.timing = RequestTiming(self.arrival_time)
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # Drafts for the tokens after all_token_ids (speculative decoding), verified next step.
+        self.spec_token_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self._block_hasher: BlockHasher | None = None
         self._hash_block_size = 0

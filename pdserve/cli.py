@@ -207,7 +207,7 @@ def _build_parser() -> argparse.ArgumentParser:
     make_model.add_argument("--seed", type=int, default=None)
     bench = commands.add_parser("bench", help="benchmarks; each prints one JSON object")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    from pdserve.bench import kv, latency, offline, sched, structured
+    from pdserve.bench import kv, latency, offline, sched, spec, structured
     from pdserve.bench import serve as bench_serve
 
     structured.add_arguments(
@@ -219,6 +219,9 @@ def _build_parser() -> argparse.ArgumentParser:
     kv.add_arguments(benches.add_parser("kv", help="KV block transfer between two processes"))
     latency.add_arguments(
         benches.add_parser("latency", help="decode tokens/s against the bandwidth bound")
+    )
+    spec.add_arguments(
+        benches.add_parser("spec", help="n-gram speculative decoding vs plain, one stream")
     )
     return parser
 
@@ -403,27 +406,12 @@ def _run_make_model(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from pdserve.bench import kv, offline, sched
+    import importlib
 
-    if args.bench == "serve":
-        from pdserve.bench import serve as bench_serve
-
-        report = bench_serve.run(bench_serve.config_from_args(args))
-    elif args.bench == "sched":
-        report = sched.run(sched.workload_from_args(args))
-    elif args.bench == "kv":
-        report = kv.run(kv.config_from_args(args))
-    elif args.bench == "structured":
-        from pdserve.bench import structured
-
-        report = structured.run(structured.config_from_args(args))
-    elif args.bench == "latency":
-        from pdserve.bench import latency
-
-        report = latency.run(latency.config_from_args(args))
-    else:
-        report = offline.run(offline.config_from_args(args))
-    print(json.dumps(report, indent=2))
+    # Each bench module reads its own arguments (`sched` calls its config a workload).
+    module = importlib.import_module(f"pdserve.bench.{args.bench}")
+    read_config = getattr(module, "config_from_args", None) or module.workload_from_args
+    print(json.dumps(module.run(read_config(args)), indent=2))
     return 0
 
 

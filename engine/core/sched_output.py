@@ -66,6 +66,9 @@ class SchedulerOutput:
     # Newly allocated block ids this step (a worker may zero them).
     new_block_ids_to_zero: list[int] = field(default_factory=list)
     kv_connector_metadata: Any = None
+    # {req_id: drafts}: tokens after the request's last one, computed this step to be verified
+    # (they count in num_scheduled_tokens; a request without drafts is absent).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

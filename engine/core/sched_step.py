@@ -20,6 +20,7 @@ class Step:
         "scheduled_resumed",
         "scheduled_running",
         "skipped",
+        "spec_tokens",
     )
 
     def __init__(self, budget: int) -> None:
@@ -31,6 +32,7 @@ class Step:
         self.scheduled_resumed: list[Request] = []
         self.preempted: list[Request] = []
         self.skipped: list[Request] = []  # back to skipped_waiting once the step is decided
+        self.spec_tokens: dict[str, list[int]] = {}  # drafts scheduled for verification
 
 
 def build_scheduler_output(
@@ -77,4 +79,5 @@ def build_scheduler_output(
         preempted_req_ids={r.request_id for r in step.preempted},
         finished_req_ids=finished_req_ids,
         new_block_ids_to_zero=kv_cache_manager.take_new_block_ids(),
+        scheduled_spec_decode_tokens=step.spec_tokens,
     )

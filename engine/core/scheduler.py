@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_cache_utils import KVCacheBlock, cdiv
 from engine.core.kv_transfer_state import KVTransferState
@@ -21,6 +21,7 @@ from engine.core.stop import check_stop
 from engine.kv_connector import KVConnectorBase
 from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason, Request, RequestStatus, finish_reason_of
+from engine.spec_decode.scheduling import Speculator
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
@@ -34,8 +35,10 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         connector: KVConnectorBase | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
+        self.speculator = Speculator.create(speculative, scheduler_config.max_model_len)
         self.cache_config = cache_config
         self.connector = connector
         self.max_model_len = scheduler_config.max_model_len
@@ -136,7 +139,9 @@ class Scheduler:
         i = 0
         while i < len(running) and step.budget > 0:
             request = running[i]
-            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
+            # Drafts are computed with the last token, to be verified (num_tokens_with_spec).
+            drafts = request.spec_token_ids
+            num_new_tokens = len(request.all_token_ids) + len(drafts) - request.num_computed_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if num_new_tokens > step.budget:
@@ -155,6 +160,10 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new_tokens
             if new_blocks:
                 new_blocks_by_req[request.request_id] = new_blocks
+            if drafts:  # those that fit in this step's share of the budget
+                fit = request.num_computed_tokens + num_new_tokens - len(request.all_token_ids)
+                if fit > 0:
+                    step.spec_tokens[request.request_id] = drafts[:fit]
             step.budget -= num_new_tokens
             i += 1
 
@@ -189,12 +198,14 @@ class Scheduler:
         step.scheduled_running.remove(victim)
         step.budget += step.num_scheduled.pop(req_id)
         step.new_blocks.pop(req_id, None)
+        step.spec_tokens.pop(req_id, None)
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop every block; prefix caching may win some back."""
         self.kv_cache_manager.free(request)
         request.status = _PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
@@ -332,6 +343,9 @@ class Scheduler:
                 continue  # aborted during the step, or its logits came from bad KV
             if not request.output_token_ids:
                 request.timing.first_token = time.time()
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and self.speculator is not None:
+                self.speculator.settle(request, len(drafts), len(token_ids) - 1)
             if len(token_ids) == 1:  # the decode fast path: one token, usually no stop
                 request.append_output_token_ids(token_ids[0])
                 status = check_stop(request, token_ids[0], max_model_len)
@@ -345,6 +359,8 @@ class Scheduler:
             outputs.append(output)
         if any_stopped:
             self.running = [r for r in self.running if r.status == _RUNNING]
+        if self.speculator is not None:
+            self.speculator.propose(self.requests, outputs[first_output:])
         if model_runner_output.logprobs is not None:
             _attach_logprobs(outputs[first_output:], model_runner_output)
         outputs.extend(self._pending_outputs)

@@ -25,6 +25,7 @@ from engine.outputs import TokenLogprobs
 from engine.request import SamplingParams
 from engine.sample import LogprobsOutput, Sampler, SamplingMetadata
 from engine.sample.logits_processor import LogitsProcessorConfig, build_logits_processors
+from engine.spec_decode.verify import DraftVerification
 from engine.step_timer import StepTimer
 from engine.tokenizer import Tokenizer
 from engine.worker.input_batch import CachedRequestState, InputBatch
@@ -145,8 +146,15 @@ class ModelRunner:
     def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model is not None, "load_model() first"
         timer = self.step_timer
+        drafts = so.scheduled_spec_decode_tokens
+        if drafts:
+            self._place_drafts(drafts)
         inputs = prepare_step_inputs(
-            self.input_batch, so.num_scheduled_tokens, self.device, self.arch.sliding_window
+            self.input_batch,
+            so.num_scheduled_tokens,
+            self.device,
+            self.arch.sliding_window,
+            drafts.keys(),
         )
         if timer is not None:
             timer.mark("prepare_inputs")
@@ -157,10 +165,22 @@ class ModelRunner:
             inputs.attn_metadata,
             self.attn_backend,
         )
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        verification = None
+        if drafts:
+            req_ids = [self.input_batch.req_ids[r] or "" for r in inputs.rows.tolist()]
+            verification = DraftVerification.build(
+                req_ids, inputs.num_scheduled, drafts, self.device
+            )
+            all_logits = self.model.compute_logits(hidden[verification.logits_indices])
+            logits = all_logits[verification.sampler_rows()]
+            predictions = all_logits.argmax(dim=-1).tolist()
+        else:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if timer is not None:
             timer.mark("forward")
         output = self._sample_and_record(logits, inputs)
+        if verification is not None:
+            self._keep_accepted(output, inputs, verification, predictions)
         if timer is not None:
             timer.mark("sample")
         return output
@@ -201,6 +221,38 @@ class ModelRunner:
         # Every step, scheduled tokens or not: processors must see each row change in order
         # (a row freed now may be reused by the next step's first new request).
         self.logitsprocs.update_state(batch.batch_update_builder.get_and_reset(batch.num_reqs))
+
+    def _place_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Drafts go after each request's last token in the persistent batch, where the step's
+        inputs are read from (its token count stays: they are not tokens yet)."""
+        batch = self.input_batch
+        for req_id, tokens in drafts.items():
+            row = batch.req_id_to_index[req_id]
+            start = int(batch.num_tokens[row])
+            batch.token_ids[row, start : start + len(tokens)] = tokens
+
+    def _keep_accepted(
+        self,
+        output: ModelRunnerOutput,
+        inputs: StepInputs,
+        verification: DraftVerification,
+        predictions: list[int],
+    ) -> None:
+        """Extend each verified request's sampled token with its accepted drafts' successors;
+        rejected drafts are not computed tokens."""
+        batch = self.input_batch
+        for i, row in enumerate(inputs.rows.tolist()):
+            num_drafts = int(verification.num_drafts[i])
+            if not num_drafts or not output.sampled_token_ids[i]:
+                continue
+            tokens = verification.accepted(i, output.sampled_token_ids[i][0], predictions)
+            for token in tokens[1:]:
+                batch.append_token(row, token)
+            output.sampled_token_ids[i] = tokens
+            batch.num_computed_tokens[row] -= num_drafts - (len(tokens) - 1)
+            state = batch.states[row]
+            assert state is not None
+            state.num_computed_tokens = int(batch.num_computed_tokens[row])
 
     def validate_params(self, params: SamplingParams) -> None:
         """Refuse, at admission, what a logits processor could only fail on mid-step."""

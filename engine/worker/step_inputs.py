@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,12 +29,19 @@ def prepare_step_inputs(
     num_scheduled_tokens: dict[str, int],
     device: torch.device,
     sliding_window: int | None,
+    verifying: Collection[str] = (),
 ) -> StepInputs:
     """Tokens of every scheduled request, one after the other, in batch-row order.
 
     # num_scheduled = [2, 5, 3]  ->  req_of_token = [0,0, 1,1,1,1,1, 2,2,2]
     #                                offsets      = [0,1, 0,1,2,3,4, 0,1,2]
     # positions = num_computed_tokens[req] + offsets
+
+    Decodes (one token) are batched for attention token by token. So are the tokens of the
+    requests in `verifying` (a last token and its drafts): every layer writes the step's K/V
+    before attending, so token j attending over positions [0, its own] through the request's
+    block table is exactly causal attention — and a step of decodes and verifications stays
+    a decode-only step (the fused CPU step takes it).
     """
     rows = np.array(
         sorted(batch.req_id_to_index[req_id] for req_id in num_scheduled_tokens), dtype=np.int64
@@ -52,7 +60,9 @@ def prepare_step_inputs(
     block_size = batch.block_table.block_size
     table = batch.block_table.table[rows, : cdiv(int(seq_lens.max()), block_size)]
     is_decode = num_scheduled == 1
-    decode = np.nonzero(is_decode)[0]
+    if verifying:
+        is_decode |= np.array([req_ids[r] in verifying for r in rows], dtype=bool)
+    decode_tokens = np.nonzero(is_decode[req_of_token])[0]
     prefills = [
         PrefillSlice(int(i), int(starts[i]), int(num_scheduled[i]), int(seq_lens[i]))
         for i in np.nonzero(~is_decode)[0]
@@ -68,9 +78,9 @@ def prepare_step_inputs(
         slot_block=t(slot_block),
         slot_offset=t(slot_offset),
         block_table=t(table),
-        decode_token_indices=t(starts[decode]),
-        decode_block_table=t(table[decode]),
-        decode_seq_lens=t(seq_lens[decode]),
+        decode_token_indices=t(decode_tokens),
+        decode_block_table=t(table[req_of_token[decode_tokens]]),
+        decode_seq_lens=t(positions[decode_tokens] + 1),
         prefills=prefills,
         sliding_window=sliding_window,
     )

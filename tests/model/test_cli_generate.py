@@ -164,6 +164,22 @@ def test_bench_latency_reports_decode_speed_bound_breakdown_and_a_trace(tmp_path
     assert {"pdserve::blocked_linear", "pdserve::fused_decode_step"} <= names
 
 
+def test_bench_spec_reports_speedup_acceptance_and_identical_outputs():
+    result = pdserve("bench", "spec", "--model", "tiny", "--output-len", "16", "--repeats", "1")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["greedy_outputs_identical"] is True
+    ngram, plain = report["ngram"], report["plain"]
+    ratio = ngram["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+    assert report["speedup"] == pytest.approx(ratio, rel=0.02)
+    assert ngram["num_drafts"] > 0  # the code-edit prompt recurs in the answer
+    accepted, drafted = ngram["num_accepted_tokens"], ngram["num_draft_tokens"]
+    assert ngram["acceptance_rate"] == pytest.approx(accepted / drafted, abs=0.001)
+    assert ngram["mean_accepted_length"] == pytest.approx(
+        1 + accepted / ngram["num_drafts"], abs=0.001
+    )
+
+
 def test_weight_bytes_counts_a_tied_head_once_and_packed_linears():
     from torch import nn
 

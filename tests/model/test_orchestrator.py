@@ -355,3 +355,24 @@ def test_constrained_output_is_the_same_disaggregated_and_colocated(servers, off
     assert set(value) == {"ok", "tag"} and value["tag"] in ("red", "green", "blue")
     assert disaggregated[-1].finish_reason == "stop"
     assert all(idle(s) for s in servers)
+
+
+def test_a_speculating_decode_engine_equals_offline(servers, offline):
+    """In P/D the decode engine speculates (n-gram drafts, once the prefill's token is out):
+    the same greedy tokens as offline generation without speculation."""
+    kv = {"connector": "grpc", "secret": SECRET, "lease_seconds": 30}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    decode = EngineServer("tiny", {**ENGINE_ARGS, "speculative_config": spec}, kv)
+    try:
+        prompt = f"{PROMPT}. {PROMPT}."
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        expected = offline.generate([prompt], params)[0]
+        chunks = run(
+            make_flow((servers[0], decode)), prompt, max_tokens=40, temperature=0.0, ignore_eos=True
+        )
+        assert tokens(chunks) == expected.outputs[0].token_ids
+        assert {c.route for c in chunks} == {"disaggregated"}
+        assert decode.engine.core.scheduler.speculator.stats.num_accepted_tokens > 0
+        assert idle(servers[0]) and idle(decode)
+    finally:
+        decode.__del__()

@@ -109,3 +109,39 @@ def test_prompt_of_exactly_one_block_and_block_boundaries(hf_refs):
     llm = LLM(ref.path, max_model_len=64, block_size=8, num_gpu_blocks_override=64)
     boundary = [[(i * 7) % 300 + 1 for i in range(n)] for n in (7, 8, 9, 16)]
     check_against_hf(ref, llm, boundary)
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_ngram_speculation_matches_hf(hf_refs, arch):
+    """Drafts verified against the argmax: the same greedy tokens as HF, with drafts accepted
+    (random tiny models loop, and the prompts repeat themselves)."""
+    ref = hf_refs[arch]
+    llm = make_llm(ref, speculative_config=NGRAM)
+    repeating = [p * 2 for p in prompts(8)[:4]] + prompts(8)[4:]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    check_against_hf(ref, llm, repeating, params)
+    stats = llm.engine.scheduler.speculator.stats
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
+    assert llm.engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 399
+
+
+def test_ngram_speculation_leaves_sampled_and_stopping_requests_as_they_were(hf_refs):
+    """Seeded sampled requests beside speculating greedy ones, stop tokens inside accepted
+    runs, max_tokens mid-run: every output equals the run without speculation."""
+    ref = hf_refs["llama_gqa"]
+    batch = [p * 2 for p in prompts(9)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=17, ignore_eos=True)
+    plain = make_llm(ref).generate(batch, [greedy, seeded] * 4)
+    stops = {t for out in plain[::2] for t in out.outputs[0].token_ids[5:9]}
+    stopping = SamplingParams(temperature=0.0, max_tokens=17, stop_token_ids=sorted(stops)[:2])
+    plain += make_llm(ref).generate(batch[:2], stopping)
+    llm = make_llm(ref, speculative_config=NGRAM)
+    fast = llm.generate(batch, [greedy, seeded] * 4) + llm.generate(batch[:2], stopping)
+    for a, b in zip(plain, fast, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+    assert llm.engine.scheduler.speculator.stats.num_accepted_tokens > 0

@@ -24,6 +24,7 @@ def make_scheduler(
     policy: str = "fcfs",
     enable_prefix_caching: bool = True,
     connector=None,
+    speculative=None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -40,6 +41,7 @@ def make_scheduler(
             enable_prefix_caching=enable_prefix_caching,
         ),
         connector=connector,
+        speculative=speculative,
     )
 
 

@@ -143,3 +143,11 @@ def test_engine_metrics_sample_a_prefix_cache_with_lookups_and_no_hits() -> None
     metrics.sample(stats, PrefixCacheStats(requests=1, queries=32, hits=0))
     metrics.sample(stats, PrefixCacheStats(requests=1, queries=32, hits=16))
     metrics.sample(stats, PrefixCacheStats())
+    # Speculative decoding: drafts all rejected (no accepted-token increment), then accepted.
+    from engine.spec_decode.ngram import SpecDecodeStats
+
+    metrics.sample(stats, PrefixCacheStats(), SpecDecodeStats(2, 6, 0))
+    live = SpecDecodeStats(3, 9, 4)
+    metrics.sample(stats, PrefixCacheStats(), live)
+    live.num_drafts += 1  # the engine moves on: the metrics kept their own reading
+    assert metrics._spec_seen == SpecDecodeStats(3, 9, 4)

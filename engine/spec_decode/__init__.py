@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers and the bookkeeping the scheduler keeps of them."""

@@ -1,0 +1,52 @@
+"""The scheduler's side of speculative decoding: proposing drafts, settling verified ones."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from engine.config import SpeculativeConfig
+from engine.outputs import EngineCoreOutput
+from engine.request import Request, RequestStatus
+from engine.spec_decode.ngram import SpecDecodeStats, can_speculate, propose_ngram
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats()
+
+    @classmethod
+    def create(cls, config: SpeculativeConfig | None, max_model_len: int) -> Speculator | None:
+        return cls(config, max_model_len) if config is not None else None
+
+    def settle(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """The step computed KV for every draft; those rejected are not computed tokens (their
+        slots are overwritten when the request gets that far again)."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        request.spec_token_ids = []
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+
+    def propose(self, requests: Mapping[str, Request], outputs: list[EngineCoreOutput]) -> None:
+        """Drafts for the next step of every request that got tokens and is still running."""
+        config = self.config
+        for output in outputs:
+            request = requests.get(output.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.spec_token_ids = []
+            if not can_speculate(request.sampling_params, request.num_output_tokens):
+                continue
+            # Never past the context, nor past max_tokens (the token verified last is free).
+            room = min(
+                config.num_speculative_tokens,
+                self.max_model_len - request.num_tokens,
+                request.max_tokens - request.num_output_tokens - 1,
+            )
+            if room > 0:
+                request.spec_token_ids = propose_ngram(
+                    request.all_token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max
+                )

@@ -1,0 +1,129 @@
+"""`pdserve bench spec`: n-gram speculative decoding against plain decoding, one stream.
+
+The workload is where prompt lookup pays: a code edit — the model is asked to repeat a piece of
+source (a module of this package) with one change, so its answer copies long spans of its own
+prompt. Both engines load the same weights in this process and run alternately (a noisy moment
+hurts both alike); decode speed excludes the prompt (a max_tokens=1 run is taken off a full
+one, best of `repeats`). Greedy outputs must be identical: drafts only change how many tokens a
+step verifies, never which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from engine.models.catalog import SMOLLM2_MODEL
+
+
+@dataclass(frozen=True)
+class SpecBenchConfig:
+    model: str = SMOLLM2_MODEL
+    output_len: int = 128
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    repeats: int = 3
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.output_len < 2:
+            raise ValueError(f"output_len must be >= 2, got {self.output_len}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+
+
+def code_edit_messages() -> list[dict[str, str]]:
+    from engine.spec_decode import ngram
+
+    source = inspect.getsource(ngram.propose_ngram)
+    request = "Rewrite this Python function with the parameter `token_ids` renamed to `tokens`."
+    return [{"role": "user", "content": f"{request} Reply with the code only.\n\n{source}"}]
+
+
+def run(config: SpecBenchConfig) -> dict[str, Any]:
+    from engine.llm import LLM, render_chat
+
+    speculative = {
+        "method": "ngram",
+        "num_speculative_tokens": config.num_speculative_tokens,
+        "prompt_lookup_max": config.prompt_lookup_max,
+        "prompt_lookup_min": config.prompt_lookup_min,
+    }
+    common = {"device": config.device, "enable_prefix_caching": False, "max_model_len": 2048}
+    plain = LLM(config.model, **common)
+    ngram = LLM(config.model, speculative_config=speculative, **common)
+    _, prompt = render_chat(plain.tokenizer, code_edit_messages())
+    runs: dict[str, list[float]] = {"plain": [], "ngram": []}
+    outputs: dict[str, list[int]] = {}
+    speculator = ngram.engine.scheduler.speculator
+    assert speculator is not None  # built from speculative_config
+    stats = speculator.stats
+    for _ in range(config.repeats):
+        for name, llm in (("plain", plain), ("ngram", ngram)):
+            seconds, tokens = _decode_seconds(llm, prompt, config.output_len)
+            runs[name].append(seconds)
+            outputs[name] = tokens
+    decode_tokens = config.output_len - 1
+    speeds = {name: decode_tokens / min(seconds) for name, seconds in runs.items()}
+    return {
+        "benchmark": "spec",
+        "config": asdict(config),
+        "workload": "code-edit",
+        "prompt_tokens": len(prompt),
+        "plain": {"decode_tokens_per_s": round(speeds["plain"], 1)},
+        "ngram": {
+            "decode_tokens_per_s": round(speeds["ngram"], 1),
+            "acceptance_rate": round(stats.acceptance_rate, 3),
+            "mean_accepted_length": round(stats.mean_accepted_length, 3),
+            "num_drafts": stats.num_drafts,
+            "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens,
+        },
+        "speedup": round(speeds["ngram"] / speeds["plain"], 3),
+        "greedy_outputs_identical": outputs["plain"] == outputs["ngram"],
+    }
+
+
+def _decode_seconds(llm: Any, prompt: list[int], output_len: int) -> tuple[float, list[int]]:
+    """Seconds of a full run minus its prefill (a max_tokens=1 run), and the full run's
+    tokens."""
+    from engine.request import SamplingParams
+
+    def timed(max_tokens: int) -> tuple[float, list[int]]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+        return time.perf_counter() - start, list(out.outputs[0].token_ids)
+
+    prefill, _ = timed(1)
+    full, tokens = timed(output_len)
+    return max(full - prefill, 1e-9), tokens
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = SpecBenchConfig()
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--output-len", type=int, default=defaults.output_len)
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens
+    )
+    parser.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max)
+    parser.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min)
+    parser.add_argument("--repeats", type=int, default=defaults.repeats)
+    parser.add_argument("--device", default=defaults.device)
+
+
+def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
+    return SpecBenchConfig(
+        model=args.model,
+        output_len=args.output_len,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_max=args.prompt_lookup_max,
+        prompt_lookup_min=args.prompt_lookup_min,
+        repeats=args.repeats,
+        device=args.device,
+    )
