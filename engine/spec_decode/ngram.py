@@ -42,15 +42,15 @@ def propose_ngram(
 
 
 def can_speculate(params: SamplingParams, num_output_tokens: int = 0) -> bool:
-    """Requests whose next token is the plain argmax of the model's logits. Their drafts are
-    verified by comparing with the argmax at each drafted position, which gives exactly the
-    tokens plain greedy decoding gives. Sampling, and anything that reshapes logits by what
-    was generated so far (penalties, min_tokens, grammars, budgets, custom processors),
-    decode one token at a time; forced first tokens (a disaggregated decode continuing the
-    prefill's token) only until they are out."""
+    """Requests whose tokens depend only on the model's logits, the temperature, top-k/top-p
+    and the seed: their drafts are verified by sampling each drafted position the way plain
+    decoding would (engine/spec_decode/verify.py). Anything that reshapes logits by what was
+    generated so far or by a per-row state (penalties, min_p, min_tokens, logit bias, grammars,
+    budgets, custom processors) and logprobs decode one token at a time; forced first tokens
+    (a disaggregated decode continuing the prefill's token) only until they are out."""
     return (
-        params.temperature == 0.0
-        and params.logprobs is None
+        params.logprobs is None
+        and params.min_p == 0.0
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
         and params.repetition_penalty == 1.0

@@ -2,10 +2,19 @@
 
 A request with k drafts is scheduled 1 + k tokens: its last real token, then the drafts. The
 logits at all 1 + k positions are computed; the first goes through the sampler like any
-request's (so the emitted token is exactly what plain decoding would emit), the other k are
-argmaxes (drafts are only proposed for plain-greedy requests: engine/spec_decode/ngram.py).
-Draft j is accepted while it equals the token predicted at its position; the emitted tokens
-are the predictions up to and including the first mismatch (the correction), or all k + 1.
+request's, the other k are sampled the same way (temperature, top-k/top-p, the exponential
+race with the request's seed at that output position; drafts are only proposed where nothing
+else shapes the logits: engine/spec_decode/ngram.py). Draft j is accepted while it equals the
+token sampled at the position before it; the emitted tokens are the samples up to and
+including the first mismatch, or all k + 1.
+
+Why this preserves the target distribution: every emitted token is an ordinary sample from
+the model's distribution given the tokens before it (a draft is only kept when it equals what
+was sampled there, so the context of the next sample is the true one). For a draft that is a
+single token (n-gram drafts are), accepting it with probability p(draft) and otherwise taking
+a sample conditioned on differing from it is exactly the rejection sampler of speculative
+decoding. With a seed, the samples are keyed by (seed, output position) as in plain decoding,
+so seeded output is draw for draw the same with and without speculation.
 """
 
 from __future__ import annotations
@@ -46,9 +55,16 @@ class DraftVerification:
         """Rows of the computed logits that the sampler sees: one per request."""
         return torch.from_numpy(self.first).to(self.logits_indices.device)
 
+    def draft_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows of the computed logits at draft positions, j of each: 1..k), in order."""
+        counts = self.num_drafts
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        return np.repeat(self.first, counts) + 1 + offsets, 1 + offsets
+
     def accepted(self, i: int, sampled: int, predictions: list[int]) -> list[int]:
         """The tokens request i emits: `sampled` (its first position's token), then for each
-        draft that matched the prediction before it, the prediction at that draft."""
+        draft that matched the sample before it, the sample at that draft (`predictions`:
+        per computed-logits row)."""
         out = [sampled]
         first = int(self.first[i])
         for j, draft in enumerate(self.drafts[i], start=1):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -24,7 +25,11 @@ from engine.models.loader import load_model
 from engine.outputs import TokenLogprobs
 from engine.request import SamplingParams
 from engine.sample import LogprobsOutput, Sampler, SamplingMetadata
-from engine.sample.logits_processor import LogitsProcessorConfig, build_logits_processors
+from engine.sample.logits_processor import (
+    LogitsProcessorConfig,
+    LogitsProcessors,
+    build_logits_processors,
+)
 from engine.spec_decode.verify import DraftVerification
 from engine.step_timer import StepTimer
 from engine.tokenizer import Tokenizer
@@ -38,6 +43,7 @@ from engine.worker.kv_cache import (
 )
 from engine.worker.step_inputs import StepInputs, prepare_step_inputs
 
+_NO_PROCESSORS = LogitsProcessors()
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -173,7 +179,7 @@ class ModelRunner:
             )
             all_logits = self.model.compute_logits(hidden[verification.logits_indices])
             logits = all_logits[verification.sampler_rows()]
-            predictions = all_logits.argmax(dim=-1).tolist()
+            predictions = self._sample_drafted(all_logits, verification, inputs)
         else:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if timer is not None:
@@ -230,6 +236,35 @@ class ModelRunner:
             row = batch.req_id_to_index[req_id]
             start = int(batch.num_tokens[row])
             batch.token_ids[row, start : start + len(tokens)] = tokens
+
+    def _sample_drafted(
+        self, all_logits: torch.Tensor, verification: DraftVerification, inputs: StepInputs
+    ) -> list[int]:
+        """A token at every draft position, sampled as plain decoding would sample it there:
+        the request's params at output position outputs-so-far + j (no processors: requests
+        that have any do not speculate). Indexed by computed-logits row."""
+        rows, js = verification.draft_rows()
+        batch = self.input_batch
+        params, prompts, outputs = [], [], []
+        for request_index, j in zip(
+            np.repeat(np.arange(len(inputs.rows)), verification.num_drafts),
+            js.tolist(),
+            strict=True,
+        ):
+            state = batch.states[int(inputs.rows[request_index])]
+            assert state is not None
+            params.append(state.sampling_params)
+            prompts.append(state.prompt_token_ids)
+            drafts = verification.drafts[request_index]
+            outputs.append(state.output_token_ids + drafts[:j])
+        metadata = SamplingMetadata.build(
+            params, prompts, outputs, _NO_PROCESSORS, self.device, self.generator
+        )
+        predictions = [0] * all_logits.shape[0]
+        sampled = self.sampler.sample(all_logits[torch.from_numpy(rows)], metadata).tolist()
+        for row, token in zip(rows.tolist(), sampled, strict=True):
+            predictions[row] = token
+        return predictions
 
     def _keep_accepted(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine.layers.attention import TorchReferenceBackend
 from engine.layers.attention.cpu import CpuBackend
@@ -145,3 +146,40 @@ def test_ngram_speculation_leaves_sampled_and_stopping_requests_as_they_were(hf_
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
     assert llm.engine.scheduler.speculator.stats.num_accepted_tokens > 0
+
+
+def test_ngram_speculation_with_sampling_follows_the_target_distribution(hf_refs):
+    """Unseeded sampling (temperature 3 over the top 3) with n-gram drafts: the joint
+    frequencies of the first three output tokens (the third sampled at a drafted position when
+    the second matched its draft) stay within a small total-variation distance of the model's
+    exact distribution; drafts were both accepted and rejected. Argmax at drafted positions,
+    or a draft kept without being sampled, moves the distance far past the bound."""
+    ref = hf_refs["llama_gqa"]
+    temperature, top_k, samples = 3.0, 3, 3000
+
+    def top_probs(tokens: list[int]) -> dict[int, float]:
+        with torch.no_grad():
+            logits = ref.model(torch.tensor([tokens])).logits[0, -1] / temperature
+        values, ids = logits.topk(top_k)
+        return dict(zip(ids.tolist(), torch.softmax(values, -1).tolist(), strict=True))
+
+    # The model's own greedy loop as the prompt: its likely continuations recur in it, so the
+    # drafts are often among the tokens it may sample.
+    seed_prompt = [11, 12, 13, 14]
+    prompt = seed_prompt + ref.greedy(seed_prompt, 40)
+    expected: dict[tuple[int, ...], float] = {}
+    for a, pa in top_probs(prompt).items():
+        for b, pb in top_probs([*prompt, a]).items():
+            for c, pc in top_probs([*prompt, a, b]).items():
+                expected[(a, b, c)] = pa * pb * pc
+    llm = make_llm(ref, speculative_config=NGRAM, max_num_seqs=128)
+    params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3)
+    counts: dict[tuple[int, ...], int] = {}
+    for out in llm.generate([prompt] * samples, params):
+        triple = tuple(out.outputs[0].token_ids)
+        counts[triple] = counts.get(triple, 0) + 1
+    assert set(counts) <= set(expected)
+    distance = 0.5 * sum(abs(counts.get(k, 0) / samples - p) for k, p in expected.items())
+    assert distance < 0.08
+    stats = llm.engine.scheduler.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

@@ -26,11 +26,11 @@ def test_ngram_proposes_what_followed_the_most_recent_occurrence():
     assert propose_ngram([a], 3, 1, 3) == [] and propose_ngram([a, a], 0, 1, 1) == []
 
 
-def test_only_plain_greedy_requests_speculate():
-    greedy = SamplingParams(temperature=0.0)
-    assert can_speculate(greedy)
+def test_requests_whose_tokens_depend_only_on_logits_and_seed_speculate():
+    assert can_speculate(SamplingParams(temperature=0.0))
+    assert can_speculate(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1))
     for changed in (
-        {"temperature": 0.7},
+        {"min_p": 0.1},
         {"logprobs": 2},
         {"presence_penalty": 0.5},
         {"repetition_penalty": 1.2},
@@ -102,15 +102,15 @@ def test_drafts_respect_the_budget_max_tokens_and_preemption():
     assert request.spec_token_ids == [1]
     so = scheduler.schedule()
     assert so.num_scheduled_tokens == {"r": 2}
-    # A budget of 2 cuts drafts: a sampled request never gets any.
-    sampled = make_request("s", [1, 2, 1], max_tokens=5, temperature=1.0)
+    # A request with penalties never gets drafts.
+    sampled = make_request("s", [1, 2, 1], max_tokens=5, temperature=1.0, presence_penalty=0.5)
     scheduler.add_request(sampled)
     scheduler.update_from_output(so, sampled_output(so, {"r": [1, 2]}))
     assert request.is_finished  # max_tokens reached exactly, not passed
     assert request.output_token_ids == [2, 1, 2]
     so = scheduler.schedule()
     so = _finish_prefill(scheduler, so, "s", 2)
-    assert sampled.spec_token_ids == []  # "1 2 1 2" recurs, but s samples
+    assert sampled.spec_token_ids == []  # "1 2 1 2" recurs, but s has a penalty
     # Preemption (by recompute) drops drafts with the KV they would have been verified on.
     sampled.spec_token_ids = [1, 2]
     scheduler.running.remove(sampled)
