@@ -47,8 +47,7 @@ class DraftVerification:
         counts = num_drafts + 1
         first = np.cumsum(counts) - counts
         # Positions ends-1-k .. ends-1 of each request, one after the other.
-        offsets = np.arange(int(counts.sum())) - np.repeat(first, counts)
-        positions = np.repeat(ends - 1 - num_drafts, counts) + offsets
+        positions = np.repeat(ends - 1 - num_drafts, counts) + _offsets(counts)
         return cls(torch.from_numpy(positions).to(device), first, num_drafts, drafts)
 
     def sampler_rows(self) -> torch.Tensor:
@@ -58,8 +57,8 @@ class DraftVerification:
     def draft_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """(rows of the computed logits at draft positions, j of each: 1..k), in order."""
         counts = self.num_drafts
-        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        return np.repeat(self.first, counts) + 1 + offsets, 1 + offsets
+        j = 1 + _offsets(counts)
+        return np.repeat(self.first, counts) + j, j
 
     def accepted(self, i: int, sampled: int, predictions: list[int]) -> list[int]:
         """The tokens request i emits: `sampled` (its first position's token), then for each
@@ -72,3 +71,8 @@ class DraftVerification:
                 break
             out.append(predictions[first + j])
         return out
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    """0..c-1 for each count c, concatenated: [2, 0, 3] -> [0, 1, 0, 1, 2]."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
