@@ -40,6 +40,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     scheduling_policy: str = "fcfs"
+    # Off by default: on a CPU whose cores all run the forward pass it costs more than it
+    # hides (docs/ARCHITECTURE.md §12); the runner thread's overlap is for accelerators.
+    async_scheduling: bool = False
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     logits_processors: tuple[str, ...] = ()
@@ -98,6 +101,7 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,  # type: ignore[arg-type]
+            async_scheduling=self.async_scheduling,
         )
         kv_transfer = None
         if self.kv_transfer_config is not None:

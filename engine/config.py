@@ -54,12 +54,16 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     policy: SchedulingPolicy = "fcfs"
+    # Schedule step N+1 while step N computes (engine_core.AsyncRunner).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _require_int("max_num_seqs", self.max_num_seqs, 1)
         _require_int("max_model_len", self.max_model_len, 1)
         _require_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if self.policy not in _POLICIES:
             raise ValueError(f"policy must be one of {_POLICIES}, got {self.policy!r}")
         if not self.enable_chunked_prefill:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import PrefixCacheStats
+from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.kv_connector import KVConnectorBase, create_kv_connector
 from engine.models import ModelArchConfig
@@ -61,6 +63,7 @@ class EngineCore:
         self.runner.connector = connector
         self.runner.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+        self._async = AsyncRunner(self) if config.scheduler.async_scheduling else None
 
     # ------------------------------------------------------------------ requests
 
@@ -93,6 +96,11 @@ class EngineCore:
         self.scheduler.finish_requests(ids, status)
 
     def step(self) -> list[EngineCoreOutput]:
+        """One step's outputs. With async scheduling the step after it is scheduled and sent
+        to the runner first, so it computes while this one's outputs are settled and handed
+        out (`AsyncRunner`)."""
+        if self._async is not None:
+            return self._async.step()
         timer = self.runner.step_timer
         if timer is not None:
             timer.start()
@@ -100,8 +108,7 @@ class EngineCore:
         if timer is not None:
             timer.mark("schedule")
         runner_output = self.runner.execute_model(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens == 0 and self._waiting_on_transfers():
-            time.sleep(_IDLE_POLL_S)  # nothing to compute until a transfer moves: do not spin
+        self._idle_wait(scheduler_output)
         if timer is not None:
             timer.mark("kv_connector")
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -109,16 +116,42 @@ class EngineCore:
             timer.end_step()
         return outputs
 
+    def _idle_wait(self, scheduler_output: SchedulerOutput) -> None:
+        if scheduler_output.total_num_scheduled_tokens == 0 and self._waiting_on_transfers():
+            time.sleep(_IDLE_POLL_S)  # nothing to compute until a transfer moves: do not spin
+
     def time_steps(self, timer: StepTimer | None) -> None:
-        """Measure where each step's time goes into `timer` (None: stop measuring)."""
+        """Measure where each step's time goes into `timer` (None: stop measuring). Phases
+        are marked in step order: steps run synchronously while measured."""
         self.runner.step_timer = timer
+        self.set_async_scheduling(timer is None and self.config.scheduler.async_scheduling)
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self._async is not None
+
+    def set_async_scheduling(self, on: bool) -> None:
+        """Switch step modes on an idle engine (benchmarks compare both on one engine)."""
+        if on == (self._async is not None):
+            return
+        if self.has_requests():
+            raise RuntimeError("async scheduling can only be switched on an idle engine")
+        if self._async is not None:
+            self._async.close()
+        self._async = AsyncRunner(self) if on else None
 
     def has_requests(self) -> bool:
-        """Anything to step for: requests, outputs not handed out, transfers in flight."""
-        return self.scheduler.has_requests() or self._waiting_on_transfers()
+        """Anything to step for: requests, outputs not handed out, transfers in flight, a
+        step in flight."""
+        return self.scheduler.has_requests() or self._waiting_on_transfers() or self.step_in_flight
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    @property
+    def step_in_flight(self) -> bool:
+        """Async scheduling: a step was scheduled ahead; the next step() settles it."""
+        return self._async is not None and self._async.in_flight
 
     def _waiting_on_transfers(self) -> bool:
         return self.connector is not None and self.connector.has_pending_transfers()
@@ -181,5 +214,56 @@ class EngineCore:
         self.connector.inject_load_failure(after)
 
     def close(self) -> None:
+        if self._async is not None:
+            self._async.close()
         if self.connector is not None:
             self.connector.close()
+
+
+class AsyncRunner:
+    """Async scheduling: the model runner works in a thread of its own, one step behind the
+    scheduler.
+
+    Each `step()` sends step N+1 to the runner before it waits for step N, so the runner goes
+    from one forward pass straight into the next while this thread settles step N's outputs,
+    hands them out and takes new requests and aborts. Step N+1 is scheduled without N's
+    samples: each request that N makes sample owes a placeholder (`num_output_placeholders`),
+    which the scheduler counts as a token, and the runner, which runs the steps in order,
+    already holds the sample when N+1 reads its inputs. Outputs are those of synchronous
+    scheduling, token for token: samples depend on (seed, output position), never on the
+    step. The scheduler declines to run ahead where a step's outputs decide the next one
+    (`Scheduler.may_schedule_ahead`); then a step is synchronous.
+
+    Blocks freed while a step is in flight (an abort, a stop) may be handed to a request of
+    the next step: the runner writes into them only after the step in flight is done.
+    """
+
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-runner")
+        self._pending: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """A step scheduled ahead is with the runner."""
+        return self._pending is not None
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler = self._core.scheduler
+        pending = self._pending or self._schedule()
+        self._pending = None
+        scheduler_output, future = pending
+        if scheduler_output.total_num_scheduled_tokens and scheduler.may_schedule_ahead():
+            self._pending = self._schedule()
+        runner_output = future.result()
+        self._core._idle_wait(scheduler_output)
+        return scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _schedule(self) -> tuple[SchedulerOutput, Future[ModelRunnerOutput]]:
+        scheduler_output = self._core.scheduler.schedule()
+        return scheduler_output, self._pool.submit(
+            self._core.runner.execute_model, scheduler_output
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

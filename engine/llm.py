@@ -90,6 +90,8 @@ class LLM:
                 self.engine.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
             finals.update((r.request_id, r) for r in results if r.finished)
         if not self.engine.has_unfinished_requests():
+            if self.engine.step_in_flight:
+                self.engine.step()  # settle the step scheduled ahead (async scheduling)
             self.engine.step()  # let the worker drop the finished requests' state now
         return [finals[request_id] for request_id in order]
 

@@ -264,6 +264,7 @@ class Request:
         "num_cached_tokens",
         "num_computed_tokens",
         "num_external_computed_tokens",
+        "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
         "output_token_ids",
@@ -313,6 +314,9 @@ class Request:
         self.error: str | None = None
         # Drafts for the tokens after all_token_ids (speculative decoding), verified next step.
         self.spec_token_ids: list[int] = []
+        # Async scheduling: samples of steps scheduled but not yet back (each step that reaches
+        # the end of the known tokens owes one). The next schedule() counts them as tokens.
+        self.num_output_placeholders = 0
         self.block_hashes: list[bytes] = []
         self._block_hasher: BlockHasher | None = None
         self._hash_block_size = 0

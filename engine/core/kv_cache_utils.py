@@ -6,6 +6,7 @@ import hashlib
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 
+from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
 
 # A block hash is the sha256 digest of (parent hash, the block's token ids, extra keys).
@@ -187,3 +188,18 @@ def make_block_hasher(block_size: int, hash_fn: HashFunction) -> Callable[[Reque
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def check_capacity(scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    """A pool that cannot hold one max_model_len sequence would let a lone request preempt
+    itself forever; refuse the configuration instead."""
+    if cache_config.num_blocks is None or cache_config.sliding_window is not None:
+        return
+    needed = cdiv(scheduler_config.max_model_len, cache_config.block_size)
+    usable = cache_config.num_blocks - 1
+    if needed > usable:
+        raise ValueError(
+            f"the KV cache ({usable} usable blocks of {cache_config.block_size} tokens) cannot "
+            f"hold one sequence of max_model_len={scheduler_config.max_model_len} tokens "
+            f"({needed} blocks); raise num_blocks or lower max_model_len"
+        )

@@ -13,7 +13,7 @@ request with FINISHED_ERROR. Either way no invalid block enters the prefix cache
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from engine.config import KVLoadFailurePolicy
@@ -111,8 +111,13 @@ class KVTransferState:
                 request.num_computed_tokens = min(request.num_computed_tokens, valid)
         return outcome
 
-    def end_step(self) -> None:
-        self._sync_loads.clear()
+    def end_step(self, scheduled_req_ids: Iterable[str]) -> None:
+        """A step's outputs are settled: its synchronous loads are over (a step scheduled
+        ahead keeps its own)."""
+        self._sync_loads.difference_update(scheduled_req_ids)
+
+    def has_sync_loads(self) -> bool:
+        return bool(self._sync_loads)
 
     def update_from_xfer_finished(self, kv_output: KVConnectorOutput) -> list[Request]:
         """Note the loads that ended; returns the finished requests whose blocks no transfer

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import TokenLogprobs
+from engine.outputs import EngineCoreOutput, TokenLogprobs
 from engine.request import Request, SamplingParams
 
 
@@ -95,6 +95,15 @@ class ModelRunnerOutput:
     kv_connector_output: KVConnectorOutput | None = None
     # Parallel to req_ids when some request asked for logprobs.
     logprobs: list[list[TokenLogprobs]] | None = None
+
+    def attach_logprobs(self, outputs: list[EngineCoreOutput]) -> None:
+        """Each output gets the logprobs of the tokens it carries."""
+        assert self.logprobs is not None
+        by_req = dict(zip(self.req_ids, self.logprobs, strict=True))
+        for output in outputs:
+            entries = by_req.get(output.request_id)
+            if entries:
+                output.new_logprobs = entries[: len(output.new_token_ids)]
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

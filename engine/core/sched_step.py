@@ -40,13 +40,14 @@ def build_scheduler_output(
 ) -> SchedulerOutput:
     """Describe the step for the worker, then advance every scheduled request's
     `num_computed_tokens`: the worker computes those tokens now, and the next schedule()
-    builds on that. (The output keeps the values from before the step.)"""
+    builds on that. (The output keeps the values from before the step.) A request that will
+    sample owes a placeholder until the step's output is back."""
     get_block_ids = kv_cache_manager.get_block_ids
     num_scheduled = step.num_scheduled
     new_reqs = []
     for request in step.scheduled_new:
         new_reqs.append(NewRequestData.from_request(request, get_block_ids(request.request_id)))
-        request.num_computed_tokens += num_scheduled[request.request_id]
+        _advance(request, num_scheduled[request.request_id])
     cached = CachedRequestData()
     req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
     num_computed_tokens, num_output_tokens = (
@@ -60,8 +61,9 @@ def build_scheduler_output(
         req_ids.append(req_id)
         new_block_ids.append([b.block_id for b in blocks] if blocks else None)
         num_computed_tokens.append(request.num_computed_tokens)
-        num_output_tokens.append(len(request.output_token_ids))
-        request.num_computed_tokens += num_scheduled[req_id]
+        # The worker holds the samples of steps still in flight too.
+        num_output_tokens.append(len(request.output_token_ids) + request.num_output_placeholders)
+        _advance(request, num_scheduled[req_id])
     for request in step.scheduled_resumed:
         req_id = request.request_id
         req_ids.append(req_id)
@@ -70,7 +72,7 @@ def build_scheduler_output(
         num_computed_tokens.append(request.num_computed_tokens)
         num_output_tokens.append(len(request.output_token_ids))
         cached.resumed_token_ids[req_id] = list(request.all_token_ids)
-        request.num_computed_tokens += num_scheduled[req_id]
+        _advance(request, num_scheduled[req_id])
     return SchedulerOutput(
         scheduled_new_reqs=new_reqs,
         scheduled_cached_reqs=cached,
@@ -81,3 +83,11 @@ def build_scheduler_output(
         new_block_ids_to_zero=kv_cache_manager.take_new_block_ids(),
         scheduled_spec_decode_tokens=step.spec_tokens,
     )
+
+
+def _advance(request: Request, num_scheduled: int) -> None:
+    """The step computes these tokens; one that reaches past the known tokens samples, and
+    that sample is owed (a placeholder) until the step's output is back."""
+    request.num_computed_tokens += num_scheduled
+    if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+        request.num_output_placeholders += 1

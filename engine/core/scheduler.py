@@ -3,6 +3,10 @@
 There is no prefill phase and no decode phase. A request has `num_computed_tokens` and
 `num_tokens`; each step hands out `{request_id: num_new_tokens}` so that the former catches up
 with the latter. A decode is a request one token behind; a prefill chunk is one further behind.
+
+Why this file is long: scheduling and settling a step's outputs are one state machine over
+the same queues and request states (running, waiting, preempted, loading, finished); split
+apart, each half would have to reach into the other's invariants.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from collections.abc import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_cache_utils import KVCacheBlock, cdiv
+from engine.core.kv_cache_utils import KVCacheBlock, check_capacity
 from engine.core.kv_transfer_state import KVTransferState
 from engine.core.request_queue import RequestQueue, create_request_queue
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -27,6 +31,8 @@ _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
+# A step's sample is kept for requests in these states (preempted: after the step was sent).
+_SAMPLING = (_RUNNING, _PREEMPTED)
 
 
 class Scheduler:
@@ -43,7 +49,7 @@ class Scheduler:
         self.connector = connector
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
-        _check_capacity(scheduler_config, cache_config)
+        check_capacity(scheduler_config, cache_config)
         self.kv_cache_manager = KVCacheManager(cache_config, scheduler_config.max_model_len)
         self.requests: dict[str, Request] = {}
         self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
@@ -139,9 +145,15 @@ class Scheduler:
         i = 0
         while i < len(running) and step.budget > 0:
             request = running[i]
-            # Drafts are computed with the last token, to be verified (num_tokens_with_spec).
+            placeholders = request.num_output_placeholders
+            if placeholders and self._owes_its_last_token(request):
+                i += 1  # async skip-ahead: the samples in flight end it, nothing to schedule
+                continue
+            # Drafts are computed with the last token, to be verified (num_tokens_with_spec);
+            # placeholders are tokens sampled by a step still in flight (async scheduling).
             drafts = request.spec_token_ids
-            num_new_tokens = len(request.all_token_ids) + len(drafts) - request.num_computed_tokens
+            num_tokens = len(request.all_token_ids) + placeholders + len(drafts)
+            num_new_tokens = num_tokens - request.num_computed_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if num_new_tokens > step.budget:
@@ -167,6 +179,26 @@ class Scheduler:
             step.budget -= num_new_tokens
             i += 1
 
+    def _owes_its_last_token(self, request: Request) -> bool:
+        """The steps in flight already sample up to a length limit (max_tokens or the
+        context): scheduling the request again would compute tokens nobody reads."""
+        placeholders = request.num_output_placeholders
+        return (
+            request.num_output_tokens + placeholders >= request.max_tokens
+            or request.num_tokens + placeholders >= self.max_model_len
+        )
+
+    def may_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the outputs of the one in flight are
+        back (async scheduling). Not while a step in flight loads KV synchronously (a failed
+        load rewinds its requests), nor while a running request speculates: its drafts are
+        proposed from its newest token, which is only known once the step is back. Nor when
+        nothing is left to run."""
+        if not self.has_unfinished_requests() or self.kv_transfers.has_sync_loads():
+            return False
+        speculator = self.speculator
+        return speculator is None or not any(map(speculator.wants_drafts, self.running))
+
     def _preempt_until_fits(
         self, request: Request, num_new_tokens: int, index: int, step: Step
     ) -> tuple[list[KVCacheBlock] | None, int]:
@@ -180,7 +212,8 @@ class Scheduler:
                 victim_index = self.running.index(victim)
                 del self.running[victim_index]
                 if victim_index < index:
-                    self._unschedule(victim, step)
+                    if victim.request_id in step.num_scheduled:  # not if it was skipped
+                        self._unschedule(victim, step)
                     index -= 1
             else:
                 victim = self.running.pop()  # the most recently admitted
@@ -328,7 +361,7 @@ class Scheduler:
             discarded = outcome.discarded
             for failed, error in outcome.failed:
                 self.fail_request(failed, error)
-        self.kv_transfers.end_step()
+        self.kv_transfers.end_step(scheduler_output.num_scheduled_tokens)
         requests = self.requests
         max_model_len = self.max_model_len
         any_stopped = False
@@ -339,8 +372,17 @@ class Scheduler:
             if not token_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request = requests.get(req_id)
-            if request is None or request.status != _RUNNING or req_id in discarded:
+            if request is None:
+                continue  # finished and gone
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1  # this step's sample is here
+            if request.status not in _SAMPLING or req_id in discarded:
                 continue  # aborted during the step, or its logits came from bad KV
+            if request.status == _PREEMPTED:
+                # Preempted while this step was in flight (async scheduling): the sample is
+                # good (computed over KV it still held); it resumes with it, or ends here.
+                outputs.append(self._append_to_preempted(request, token_ids))
+                continue
             if not request.output_token_ids:
                 request.timing.first_token = time.time()
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
@@ -362,7 +404,7 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.propose(self.requests, outputs[first_output:])
         if model_runner_output.logprobs is not None:
-            _attach_logprobs(outputs[first_output:], model_runner_output)
+            model_runner_output.attach_logprobs(outputs[first_output:])
         outputs.extend(self._pending_outputs)
         self._pending_outputs = []
         if kv_output is not None:
@@ -371,6 +413,12 @@ class Scheduler:
             if self.connector is not None:
                 self.connector.update_connector_output(kv_output)
         return outputs
+
+    def _append_to_preempted(self, request: Request, token_ids: list[int]) -> EngineCoreOutput:
+        output = self._append_tokens(request, token_ids)
+        if output.finish_reason is not None:
+            self.waiting.remove_requests([request])
+        return output
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> EngineCoreOutput:
         """Several tokens in one step (speculative decoding): stop at the first stop."""
@@ -424,27 +472,3 @@ class Scheduler:
                 request.request_id, [], FinishReason.ERROR, error=error, timing=request.timing
             )
         )
-
-
-def _check_capacity(scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
-    """A pool that cannot hold one max_model_len sequence would let a lone request preempt
-    itself forever; refuse the configuration instead."""
-    if cache_config.num_blocks is None or cache_config.sliding_window is not None:
-        return
-    needed = cdiv(scheduler_config.max_model_len, cache_config.block_size)
-    usable = cache_config.num_blocks - 1
-    if needed > usable:
-        raise ValueError(
-            f"the KV cache ({usable} usable blocks of {cache_config.block_size} tokens) cannot "
-            f"hold one sequence of max_model_len={scheduler_config.max_model_len} tokens "
-            f"({needed} blocks); raise num_blocks or lower max_model_len"
-        )
-
-
-def _attach_logprobs(outputs: list[EngineCoreOutput], runner_output: ModelRunnerOutput) -> None:
-    assert runner_output.logprobs is not None
-    by_req = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=True))
-    for output in outputs:
-        entries = by_req.get(output.request_id)
-        if entries:
-            output.new_logprobs = entries[: len(output.new_token_ids)]

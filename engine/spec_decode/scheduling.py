@@ -30,6 +30,9 @@ class Speculator:
         stats.num_draft_tokens += num_drafts
         stats.num_accepted_tokens += num_accepted
 
+    def wants_drafts(self, request: Request) -> bool:
+        return can_speculate(request.sampling_params, request.num_output_tokens)
+
     def propose(self, requests: Mapping[str, Request], outputs: list[EngineCoreOutput]) -> None:
         """Drafts for the next step of every request that got tokens and is still running."""
         config = self.config
@@ -38,7 +41,8 @@ class Speculator:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             request.spec_token_ids = []
-            if not can_speculate(request.sampling_params, request.num_output_tokens):
+            # A sample still in flight (async scheduling) would sit before any draft made now.
+            if request.num_output_placeholders or not self.wants_drafts(request):
                 continue
             # Never past the context, nor past max_tokens (the token verified last is free).
             room = min(

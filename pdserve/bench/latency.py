@@ -4,7 +4,9 @@ time goes.
 Decode of a small batch reads every weight once per step, so tokens/s cannot pass
 (read bandwidth / weight bytes); both are measured here, in the same run, on the same device
 and threads. Decode speed excludes the prompt: a request of max_tokens=1 (prefill and first
-token) is timed and taken off a request of output_len tokens, best of `repeats`. The breakdown
+token) is timed and taken off a request of output_len tokens, best of `repeats`, with async
+scheduling on and off in turn on the same engine (the report's figure is the engine's default
+mode's). The breakdown
 comes from a run of its own with the engine's StepTimer on (it synchronizes a GPU at each
 phase); `outside_steps` is the time between steps (the offline loop's output processing).
 """
@@ -87,16 +89,22 @@ def run(config: LatencyBenchConfig) -> dict[str, Any]:
         "bandwidth_bound_tokens_per_s": round(bound, 1),
         "batches": {},
     }
+    report["async_scheduling"] = llm.engine.async_scheduling
     peer: list[float] = []
     for size in config.batch_sizes:
         prompts = _prompts(rng, vocab, config.input_len, size)
         if size == 1 and config.llamacpp_python:
-            decode_tps, peer = _alternating_with_llamacpp(llm, prompts, config)
+            modes, peer = _alternating_with_llamacpp(llm, prompts, config)
         else:
-            decode_tps = _decode_tokens_per_s(llm, prompts, config)
+            modes = _decode_tokens_per_s(llm, prompts, config)
+        decode_tps = modes[llm.engine.async_scheduling]
         entry: dict[str, Any] = {
             "decode_tokens_per_s": round(decode_tps, 1),
             "ms_per_step": round(1000 * size / decode_tps, 2),
+            # Both step modes on this engine, alternating: what async scheduling gains.
+            "async_scheduling_tokens_per_s": round(modes[True], 1),
+            "sync_scheduling_tokens_per_s": round(modes[False], 1),
+            "async_scheduling_gain": round(modes[True] / modes[False], 3),
             "breakdown_ms_per_step": _breakdown(llm, prompts, config.output_len, device),
         }
         if size == 1:
@@ -124,31 +132,44 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def _decode_tokens_per_s(llm: Any, prompts: list[list[int]], config: LatencyBenchConfig) -> float:
-    """Decode tokens per second: a full run minus its prefill, best of `repeats` (alternating
-    the two, so a noisy moment hurts both alike)."""
-    best = float("inf")
-    for _ in range(config.repeats):
-        prefill = _generate(llm, prompts, 1)
-        full = _generate(llm, prompts, config.output_len)
-        best = min(best, full - prefill)
-    return len(prompts) * (config.output_len - 1) / max(best, 1e-9)
+def _decode_tokens_per_s(
+    llm: Any, prompts: list[list[int]], config: LatencyBenchConfig
+) -> dict[bool, float]:
+    """Decode tokens per second with async scheduling on (True) and off (False): a full run
+    minus its prefill, best of `repeats`, alternating runs and modes so that a noisy moment
+    hurts all alike. The engine is left in its own mode."""
+    engine = llm.engine
+    default = engine.async_scheduling
+    best = {True: float("inf"), False: float("inf")}
+    try:
+        for _ in range(config.repeats):
+            for mode in (True, False):
+                engine.set_async_scheduling(mode)
+                prefill = _generate(llm, prompts, 1)
+                full = _generate(llm, prompts, config.output_len)
+                best[mode] = min(best[mode], full - prefill)
+    finally:
+        engine.set_async_scheduling(default)
+    tokens = len(prompts) * (config.output_len - 1)
+    return {mode: tokens / max(seconds, 1e-9) for mode, seconds in best.items()}
 
 
 def _alternating_with_llamacpp(
     llm: Any, prompts: list[list[int]], config: LatencyBenchConfig
-) -> tuple[float, list[float]]:
-    """Single-stream decode, the engine then llama.cpp, `repeats` times: a noisy moment of the
-    machine hurts both alike. Returns the engine's best and llama.cpp's runs."""
+) -> tuple[dict[bool, float], list[float]]:
+    """Single-stream decode, the engine (both step modes) then llama.cpp, `repeats` times: a
+    noisy moment of the machine hurts both alike. Returns the engine's best per mode and
+    llama.cpp's runs."""
     from engine.models.catalog import is_gguf_path
 
     model = llm.engine.config.model.model
     if not is_gguf_path(model):
         raise ValueError("--llamacpp-python compares on the same GGUF file: give --model x.gguf")
     once = dataclasses.replace(config, repeats=1)
-    engine, peer = 0.0, []
+    engine, peer = {True: 0.0, False: 0.0}, []
     for _ in range(config.repeats):
-        engine = max(engine, _decode_tokens_per_s(llm, prompts, once))
+        for mode, tps in _decode_tokens_per_s(llm, prompts, once).items():
+            engine[mode] = max(engine[mode], tps)
         peer.append(_llamacpp_tokens_per_s(config.llamacpp_python, model, prompts[0], config))
     return engine, peer
 

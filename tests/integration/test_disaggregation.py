@@ -40,8 +40,10 @@ def kv_config(transport: str, **overrides) -> dict:
 
 
 def engine(transport: str, **overrides) -> EngineProcess:
+    """A P/D engine; it schedules asynchronously (the colocated oracle does not)."""
     kv = kv_config(transport, **overrides.pop("kv", {}))
-    return EngineProcess("tiny", **{**ENGINE, **overrides}, kv_transfer_config=kv)
+    args = {**ENGINE, "async_scheduling": True, **overrides}
+    return EngineProcess("tiny", **args, kv_transfer_config=kv)
 
 
 @pytest.fixture(scope="module")

@@ -35,8 +35,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[EngineServer, EngineServer]]:
     kv = {"connector": "grpc", "secret": SECRET, "lease_seconds": 30}
-    prefill = EngineServer("tiny", ENGINE_ARGS, kv)
-    decode = EngineServer("tiny", ENGINE_ARGS, kv)
+    # Both engines schedule asynchronously; the offline oracle does not.
+    prefill = EngineServer("tiny", {**ENGINE_ARGS, "async_scheduling": True}, kv)
+    decode = EngineServer("tiny", {**ENGINE_ARGS, "async_scheduling": True}, kv)
     yield prefill, decode
     for server in (prefill, decode):
         server.__del__()

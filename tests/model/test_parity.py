@@ -27,6 +27,12 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return out
 
 
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def scheduling(request) -> dict:
+    """Both step orders: async scheduling must give the same tokens."""
+    return {"async_scheduling": request.param}
+
+
 def make_llm(ref, **overrides) -> LLM:
     """The parity engine: small blocks, so every prompt spans several of them."""
     args = dict(max_model_len=96, block_size=4, num_gpu_blocks_override=400)
@@ -42,9 +48,9 @@ def check_against_hf(ref, llm: LLM, prompt_list, params=GREEDY) -> None:
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_batch_of_prompts_matches_hf(hf_refs, arch, prefix_caching):
+def test_batch_of_prompts_matches_hf(hf_refs, arch, prefix_caching, scheduling):
     ref = hf_refs[arch]
-    llm = make_llm(ref, enable_prefix_caching=prefix_caching)
+    llm = make_llm(ref, enable_prefix_caching=prefix_caching, **scheduling)
     model = llm.engine.runner.model
     assert isinstance(llm.engine.runner.attn_backend, CpuBackend)  # the CPU defaults
     assert isinstance(model.model.layers[0].mlp.down_proj, BlockedLinear)
@@ -57,17 +63,17 @@ def test_batch_of_prompts_matches_hf(hf_refs, arch, prefix_caching):
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_qk_norm"])
-def test_chunked_prefill_in_several_chunks_matches_hf(hf_refs, arch):
+def test_chunked_prefill_in_several_chunks_matches_hf(hf_refs, arch, scheduling):
     ref = hf_refs[arch]
-    llm = make_llm(ref, max_num_batched_tokens=16, long_prefill_token_threshold=5)
+    llm = make_llm(ref, max_num_batched_tokens=16, long_prefill_token_threshold=5, **scheduling)
     check_against_hf(ref, llm, prompts(1))
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen2_bias"])
-def test_preemption_with_a_tiny_pool_matches_hf(hf_refs, arch):
+def test_preemption_with_a_tiny_pool_matches_hf(hf_refs, arch, scheduling):
     ref = hf_refs[arch]
     # 26 usable blocks of 4 tokens: one 96-token sequence fits, the batch does not.
-    llm = make_llm(ref, num_gpu_blocks_override=27)
+    llm = make_llm(ref, num_gpu_blocks_override=27, **scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     check_against_hf(ref, llm, prompts(2), params)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -116,11 +122,11 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_ngram_speculation_matches_hf(hf_refs, arch):
+def test_ngram_speculation_matches_hf(hf_refs, arch, scheduling):
     """Drafts verified against the argmax: the same greedy tokens as HF, with drafts accepted
     (random tiny models loop, and the prompts repeat themselves)."""
     ref = hf_refs[arch]
-    llm = make_llm(ref, speculative_config=NGRAM)
+    llm = make_llm(ref, speculative_config=NGRAM, **scheduling)
     repeating = [p * 2 for p in prompts(8)[:4]] + prompts(8)[4:]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     check_against_hf(ref, llm, repeating, params)

@@ -76,7 +76,8 @@ def check_step(scheduler: Scheduler, so, config) -> None:
         assert not so.scheduled_new_reqs and not so.scheduled_cached_reqs.resumed_req_ids
     assert not so.preempted_req_ids & so.num_scheduled_tokens.keys()
     for request in scheduler.running:
-        assert request.num_computed_tokens <= request.num_tokens
+        # Samples still in flight (async scheduling) count as tokens.
+        assert request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders
     pool = scheduler.kv_cache_manager.block_pool
     for new in so.scheduled_new_reqs:
         request = scheduler.requests[new.req_id]
@@ -87,34 +88,71 @@ def check_step(scheduler: Scheduler, so, config) -> None:
     scheduler.kv_cache_manager.check_integrity()
 
 
-@settings(
-    max_examples=200,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(workloads())
-def test_random_runs_keep_every_invariant(workload):
+def fresh(request: Request) -> Request:
+    """The same request, never scheduled (each run needs its own objects)."""
+    return Request(
+        request.request_id,
+        request.prompt_token_ids,
+        request.sampling_params,
+        eos_token_id=request.eos_token_id,
+        arrival_time=request.arrival_time,
+        priority=request.priority,
+    )
+
+
+class PipelinedSteps:
+    """Async scheduling's order of events, made as hostile as the threads allow: step N+1 is
+    scheduled before step N has executed, and step N+1 executes only after step N's outputs
+    were settled, new requests and aborts taken, and step N+2 scheduled."""
+
+    def __init__(self, scheduler: Scheduler, runner, config) -> None:
+        self.scheduler, self.runner, self.config = scheduler, runner, config
+        self.pending = None
+        self.num_ahead = 0
+
+    def __call__(self):
+        scheduler = self.scheduler
+        so = self.pending or self._schedule()
+        self.pending = None
+        if so.total_num_scheduled_tokens and scheduler.may_schedule_ahead():
+            self.pending = self._schedule()
+            self.num_ahead += 1
+        return scheduler.update_from_output(so, self.runner.execute(so))
+
+    def _schedule(self):
+        so = self.scheduler.schedule()
+        check_step(self.scheduler, so, self.config)
+        return so
+
+
+def run_workload(workload, async_scheduling: bool):
+    """Every request's emitted tokens and finish reason, and the ids the run aborted."""
     config, arrivals, aborts = workload
     scheduler = make_scheduler(**config)
     runner = runner_for(scheduler)
     pending = sorted(arrivals, key=lambda a: a.step)
-    requests = {a.request.request_id: a.request for a in arrivals}
+    requests = {a.request.request_id: fresh(a.request) for a in arrivals}
     emitted: dict[str, list[int]] = {r: [] for r in requests}
     finals: dict[str, FinishReason] = {}
     aborted: set[str] = set()
+    pipeline = PipelinedSteps(scheduler, runner, config)
+
+    def sync_step():
+        so = scheduler.schedule()
+        check_step(scheduler, so, config)
+        return scheduler.update_from_output(so, runner.execute(so))
+
     for step_index in range(2000):
         while pending and pending[0].step <= step_index:
-            scheduler.add_request(pending.pop(0).request)
+            scheduler.add_request(requests[pending.pop(0).request.request_id])
         for at, index in aborts:
             req_id = f"r{index}"
             if at == step_index and req_id in scheduler.requests:
                 scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
                 aborted.add(req_id)
-        if not pending and not scheduler.has_requests():
+        if not pending and not scheduler.has_requests() and pipeline.pending is None:
             break
-        so = scheduler.schedule()
-        check_step(scheduler, so, config)
-        for out in scheduler.update_from_output(so, runner.execute(so)):
+        for out in pipeline() if async_scheduling else sync_step():
             emitted[out.request_id] += out.new_token_ids
             if out.finished:
                 assert out.request_id not in finals, "finished twice"
@@ -122,6 +160,18 @@ def test_random_runs_keep_every_invariant(workload):
         scheduler.kv_cache_manager.check_integrity()
     else:
         raise AssertionError("the run did not finish")
+    return scheduler, requests, emitted, finals, aborted, pipeline.num_ahead
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(workloads(), st.booleans())
+def test_random_runs_keep_every_invariant(workload, async_scheduling):
+    config = workload[0]
+    scheduler, requests, emitted, finals, aborted, _ = run_workload(workload, async_scheduling)
 
     # Every request ended: with an output, or by the abort we sent.
     assert set(finals) | aborted == set(requests)
@@ -137,3 +187,22 @@ def test_random_runs_keep_every_invariant(workload):
             assert len(emitted[req_id]) == request.max_tokens or request.num_tokens >= MAX_MODEL_LEN
         if reason == FinishReason.STOP:
             assert emitted[req_id][-1] == request.eos_token_id
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(workloads())
+def test_async_scheduling_emits_what_synchronous_scheduling_emits(workload):
+    """Same workload, both step orders: every request that was not aborted emits the same
+    tokens and ends the same way (the fake runner samples by request and position, as seeded
+    sampling does), through preemption, chunking, prefix hits, stops and max_tokens."""
+    *_, sync_emitted, sync_finals, sync_aborted, _ = run_workload(workload, False)
+    *_, emitted, finals, aborted, num_ahead = run_workload(workload, True)
+    for req_id in set(sync_finals) - sync_aborted - aborted:
+        assert emitted[req_id] == sync_emitted[req_id], req_id
+        assert finals[req_id] == sync_finals[req_id], req_id
+    if any(len(out) > 1 for out in sync_emitted.values()):
+        assert num_ahead > 0  # decodes followed decodes: some step was scheduled ahead

@@ -46,16 +46,22 @@ double stream_sum(const torch::Tensor& buffer) {
 
 }  // namespace
 
+// Every kernel lets go of the GIL while it computes, as torch's own operators do: with async
+// scheduling the engine schedules the next step in Python while this one runs.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("paged_decode_attention", &pdserve::attention::paged_decode_attention,
-        "Decode attention over a paged KV cache (CPU)");
-  m.def("write_kv", &pdserve::attention::write_kv, "Write K/V rows into their paged slots (CPU)");
+        "Decode attention over a paged KV cache (CPU)", NoGil());
+  m.def("write_kv", &pdserve::attention::write_kv, "Write K/V rows into their paged slots (CPU)",
+        NoGil());
   m.def("pack_blocked", &pdserve::blocked::pack, "W [N, K] -> column blocks [N/16, K, 16]");
   m.def("blocked_linear", &pdserve::blocked::linear,
         "y = x W^T (+ bias) (+ residual), float32, W from pack_blocked", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("out_features"),
-        pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none());
-  m.def("dense_linear", &pdserve::dense::linear, "y = x W^T, float32, W row-major [N, K]");
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none(),
+        NoGil());
+  m.def("dense_linear", &pdserve::dense::linear, "y = x W^T, float32, W row-major [N, K]",
+        NoGil());
   pdserve::fused::bind(m);
   m.def("stream_sum", &stream_sum, "Sum of a float32 buffer at full read bandwidth");
 }
