@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,8 @@ class EngineArgs:
             speculative = config_from_dict(
                 "speculative_config", self.speculative_config, SpeculativeConfig
             )
+            if speculative.uses_draft_model:
+                speculative = _resolve_draft_model(speculative, arch)
         config = EngineConfig(
             model,
             cache,
@@ -153,3 +155,17 @@ def _resolve_dtype(dtype: str, device: str, arch: ModelArchConfig) -> str:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return dtype
+
+
+def _resolve_draft_model(config: SpeculativeConfig, target: ModelArchConfig) -> SpeculativeConfig:
+    """The draft model's path, once it is known to share the target's vocabulary (its drafts
+    are token ids the target verifies)."""
+    assert config.model is not None
+    path = resolve_model(config.model)
+    draft = ModelArchConfig.from_pretrained(path)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"the draft model {config.model!r} has a vocabulary of {draft.vocab_size} tokens, "
+            f"the target {target.vocab_size}: a draft model must share the target's tokenizer"
+        )
+    return replace(config, model=str(path))

@@ -170,7 +170,7 @@ def check_load_failure_policy(policy: object, what: str = "load_failure_policy")
         raise ValueError(f"{what} must be one of {KV_LOAD_FAILURE_POLICIES}, got {policy!r}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -178,22 +178,26 @@ class SpeculativeConfig:
     """Speculative decoding (the `speculative_config` engine argument, vLLM's names).
 
     `ngram`: prompt lookup — drafts copied from where the sequence's last n tokens occurred
-    before (engine/spec_decode/ngram.py).
+    before (engine/spec_decode/ngram.py). `draft_model`: a smaller model sharing the target's
+    vocabulary drafts greedily (`model`; engine/worker/draft_model.py).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    model: str | None = None  # the draft model of method "draft_model" (not supported yet)
+    model: str | None = None  # the draft model of method "draft_model" (a name or a path)
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
-            raise ValueError("speculative method 'draft_model' is not supported yet; use 'ngram'")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
             )
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative method 'draft_model' needs a draft 'model'")
+        elif self.model is not None:
+            raise ValueError(f"'model' is for method 'draft_model', not {self.method!r}")
         _require_int("num_speculative_tokens", self.num_speculative_tokens, 1)
         _require_int("prompt_lookup_min", self.prompt_lookup_min, 1)
         _require_int("prompt_lookup_max", self.prompt_lookup_max, 1)
@@ -202,6 +206,10 @@ class SpeculativeConfig:
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                 f"({self.prompt_lookup_max})"
             )
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,8 @@ class ModelRunnerOutput:
     kv_connector_output: KVConnectorOutput | None = None
     # Parallel to req_ids when some request asked for logprobs.
     logprobs: list[list[TokenLogprobs]] | None = None
+    # Speculative method draft_model: {req_id: drafts} proposed after this step's samples.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def attach_logprobs(self, outputs: list[EngineCoreOutput]) -> None:
         """Each output gets the logprobs of the tokens it carries."""

@@ -161,7 +161,7 @@ class Scheduler:
             if num_new_tokens <= 0:
                 i += 1
                 continue
-            new_blocks = allocate_slots(request, num_new_tokens)
+            new_blocks = allocate_slots(request, num_new_tokens, 0, (), self._lookahead(request))
             if new_blocks is None:
                 new_blocks, i = self._preempt_until_fits(request, num_new_tokens, i, step)
                 if new_blocks is None:
@@ -178,6 +178,10 @@ class Scheduler:
                     step.spec_tokens[request.request_id] = drafts[:fit]
             step.budget -= num_new_tokens
             i += 1
+
+    def _lookahead(self, request: Request) -> int:
+        speculator = self.speculator
+        return speculator.lookahead_tokens(request) if speculator is not None else 0
 
     def _owes_its_last_token(self, request: Request) -> bool:
         """The steps in flight already sample up to a length limit (max_tokens or the
@@ -221,7 +225,9 @@ class Scheduler:
             step.preempted.append(victim)
             if victim is request:
                 return None, index
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=self._lookahead(request)
+            )
             if new_blocks is not None:
                 return new_blocks, index
 
@@ -296,6 +302,7 @@ class Scheduler:
             num_new_tokens,
             num_local,
             new_computed_blocks,
+            num_lookahead_tokens=self._lookahead(request),
             num_external_computed_tokens=num_external,
             # KV that arrives from elsewhere is not cached until it has arrived intact.
             delay_cache_blocks=num_external > 0,
@@ -402,7 +409,9 @@ class Scheduler:
         if any_stopped:
             self.running = [r for r in self.running if r.status == _RUNNING]
         if self.speculator is not None:
-            self.speculator.propose(self.requests, outputs[first_output:])
+            self.speculator.propose(
+                self.requests, outputs[first_output:], model_runner_output.draft_token_ids
+            )
         if model_runner_output.logprobs is not None:
             model_runner_output.attach_logprobs(outputs[first_output:])
         outputs.extend(self._pending_outputs)

@@ -33,8 +33,24 @@ class Speculator:
     def wants_drafts(self, request: Request) -> bool:
         return can_speculate(request.sampling_params, request.num_output_tokens)
 
-    def propose(self, requests: Mapping[str, Request], outputs: list[EngineCoreOutput]) -> None:
-        """Drafts for the next step of every request that got tokens and is still running."""
+    def lookahead_tokens(self, request: Request) -> int:
+        """KV slots to hold past a step's tokens: a draft model writes the K/V of its drafts
+        there once the step's sample is out (method draft_model; n-gram drafts need none)."""
+        if not self.config.uses_draft_model:
+            return 0
+        after_this_step = request.num_output_tokens + request.num_output_placeholders + 1
+        return self.config.num_speculative_tokens * can_speculate(
+            request.sampling_params, after_this_step
+        )
+
+    def propose(
+        self,
+        requests: Mapping[str, Request],
+        outputs: list[EngineCoreOutput],
+        model_drafts: Mapping[str, list[int]],
+    ) -> None:
+        """Drafts for the next step of every request that got tokens and is still running:
+        found by n-gram lookup, or those the runner's draft model proposed."""
         config = self.config
         for output in outputs:
             request = requests.get(output.request_id)
@@ -50,7 +66,11 @@ class Speculator:
                 self.max_model_len - request.num_tokens,
                 request.max_tokens - request.num_output_tokens - 1,
             )
-            if room > 0:
+            if room <= 0:
+                continue
+            if config.uses_draft_model:
+                request.spec_token_ids = list(model_drafts.get(output.request_id, ()))[:room]
+            else:
                 request.spec_token_ids = propose_ngram(
                     request.all_token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max
                 )

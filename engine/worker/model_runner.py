@@ -30,9 +30,11 @@ from engine.sample.logits_processor import (
     LogitsProcessors,
     build_logits_processors,
 )
+from engine.spec_decode.ngram import can_speculate
 from engine.spec_decode.verify import DraftVerification
 from engine.step_timer import StepTimer
 from engine.tokenizer import Tokenizer
+from engine.worker.draft_model import DraftModelProposer
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -89,6 +91,7 @@ class ModelRunner:
             config.model.logits_processors,
         )
         self.model: LlamaForCausalLM | None = None
+        self.drafter: DraftModelProposer | None = None  # speculative method draft_model
         self.connector: KVConnectorBase | None = None
         self.kv_cache: torch.Tensor | None = None
         self.kv_layers: list[torch.Tensor] = []
@@ -97,14 +100,28 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
 
     def load_model(self) -> None:
+        self.model = self._build_model(self.config.model.model, self.arch)
+        speculative = self.config.speculative
+        if speculative is not None and speculative.uses_draft_model:
+            assert speculative.model is not None  # checked by SpeculativeConfig
+            arch = ModelArchConfig.from_pretrained(speculative.model)
+            self.drafter = DraftModelProposer(
+                self._build_model(speculative.model, arch),
+                arch,
+                speculative.num_speculative_tokens,
+                self.max_model_len,
+                self.attn_backend,
+                self.device,
+            )
+
+    def _build_model(self, path: str, arch: ModelArchConfig) -> LlamaForCausalLM:
         # +1 position: the token sampled at max_model_len - 1 is never fed back, but the
         # rotary table is indexed by every position the runner may see.
-        self.model = load_model(
-            self.config.model.model, self.arch, self.dtype, self.device, self.max_model_len + 1
-        )
-        if pack_linears(self.model, self.config.model.linear_backend, self.device):
-            warm_up_linears(self.model, self.config.scheduler.max_num_seqs)
-        self.model.fused_decode = FusedDecodeStep.build(self.model, self.attn_backend)
+        model = load_model(path, arch, self.dtype, self.device, self.max_model_len + 1)
+        if pack_linears(model, self.config.model.linear_backend, self.device):
+            warm_up_linears(model, self.config.scheduler.max_num_seqs)
+        model.fused_decode = FusedDecodeStep.build(model, self.attn_backend)
+        return model
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(
@@ -116,18 +133,25 @@ class ModelRunner:
         )
 
     def determine_num_blocks(self) -> int:
-        """From the override, or the memory budget of this device."""
+        """From the override, or the memory budget of this device (a draft model's KV shares
+        it: each block id holds K/V of both models)."""
         if self.config.cache.num_blocks is not None:
             return self.config.cache.num_blocks
         if self.device.type == "cuda":
             budget = cuda_kv_cache_budget(self.device, self.config.gpu_memory_utilization)
         else:
             budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
-        return self.kv_cache_spec().num_blocks_for(budget)
+        per_block = self.kv_cache_spec().bytes_per_block
+        if self.drafter is not None:
+            block_size = self.config.cache.block_size
+            per_block += self.drafter.kv_cache_spec(block_size, self.dtype).bytes_per_block
+        return budget // per_block
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = allocate_kv_cache(self.kv_cache_spec(), num_blocks, self.device)
         self.kv_layers = layer_views(self.kv_cache)
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks, self.config.cache.block_size, self.dtype)
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_cache)
 
@@ -187,17 +211,37 @@ class ModelRunner:
         output = self._sample_and_record(logits, inputs)
         if verification is not None:
             self._keep_accepted(output, inputs, verification, predictions)
+        if self.drafter is not None:
+            output.draft_token_ids = self.drafter.propose(
+                self.input_batch, self._rows_that_speculate(inputs, output)
+            )
         if timer is not None:
             timer.mark("sample")
         return output
 
+    def _rows_that_speculate(self, inputs: StepInputs, output: ModelRunnerOutput) -> list[int]:
+        """Rows that sampled this step and may take drafts for the next."""
+        rows = []
+        for row, tokens in zip(inputs.rows.tolist(), output.sampled_token_ids, strict=True):
+            state = self.input_batch.states[row]
+            assert state is not None
+            params, num_outputs = state.sampling_params, len(state.output_token_ids)
+            if tokens and num_outputs < params.max_tokens and can_speculate(params, num_outputs):
+                rows.append(row)
+        return rows
+
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
+        drafter = self.drafter
         for req_id in so.finished_req_ids:
             batch.remove_request(req_id)
             self.requests.pop(req_id, None)
+            if drafter is not None:
+                drafter.forget(req_id)
         for req_id in so.preempted_req_ids:
             batch.remove_request(req_id)  # the state stays: it comes back resumed
+            if drafter is not None:
+                drafter.forget(req_id)  # its blocks, the draft's K/V with them, are gone
         for new in so.scheduled_new_reqs:
             state = CachedRequestState(
                 new.req_id,

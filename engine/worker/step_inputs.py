@@ -48,20 +48,38 @@ def prepare_step_inputs(
     )
     req_ids = batch.req_ids
     num_scheduled = np.array([num_scheduled_tokens[req_ids[r] or ""] for r in rows], np.int64)
+    is_decode = num_scheduled == 1
+    if verifying:
+        is_decode |= np.array([req_ids[r] in verifying for r in rows], dtype=bool)
+    computed = batch.num_computed_tokens[rows]
+    return build_step_inputs(
+        batch, rows, computed, num_scheduled, is_decode, device, sliding_window
+    )
+
+
+def build_step_inputs(
+    batch: InputBatch,
+    rows: np.ndarray,
+    computed: np.ndarray,
+    num_scheduled: np.ndarray,
+    is_decode: np.ndarray,
+    device: torch.device,
+    sliding_window: int | None,
+) -> StepInputs:
+    """Inputs for `num_scheduled[i]` tokens of batch row `rows[i]` (ascending) from position
+    `computed[i]` on, read from the batch's token ids and block table; `is_decode[i]` batches
+    row i's tokens for attention token by token. The target's steps and a draft model's
+    (engine/worker/draft_model.py) both come through here."""
     ends = np.cumsum(num_scheduled)
     starts = ends - num_scheduled
     req_of_token = np.repeat(np.arange(len(rows)), num_scheduled)
     offsets = np.arange(int(ends[-1])) - np.repeat(starts, num_scheduled)
-    computed = batch.num_computed_tokens[rows]
     positions = computed[req_of_token] + offsets
     token_rows = rows[req_of_token]
     slot_block, slot_offset = batch.block_table.slot_mapping(token_rows, positions)
     seq_lens = computed + num_scheduled
     block_size = batch.block_table.block_size
     table = batch.block_table.table[rows, : cdiv(int(seq_lens.max()), block_size)]
-    is_decode = num_scheduled == 1
-    if verifying:
-        is_decode |= np.array([req_ids[r] in verifying for r in rows], dtype=bool)
     decode_tokens = np.nonzero(is_decode[req_of_token])[0]
     prefills = [
         PrefillSlice(int(i), int(starts[i]), int(num_scheduled[i]), int(seq_lens[i]))

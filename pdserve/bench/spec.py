@@ -1,4 +1,5 @@
-"""`pdserve bench spec`: n-gram speculative decoding against plain decoding, one stream.
+"""`pdserve bench spec`: speculative decoding (n-gram, and a draft model with `--draft-model`)
+against plain decoding, one stream.
 
 The workload is where prompt lookup pays: a code edit — the model is asked to repeat a piece of
 source (a module of this package) with one change, so its answer copies long spans of its own
@@ -26,6 +27,8 @@ class SpecBenchConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    # Also speculate with this draft model (method draft_model; it must share the tokenizer).
+    draft_model: str = ""
     repeats: int = 3
     device: str = "auto"
 
@@ -47,45 +50,61 @@ def code_edit_messages() -> list[dict[str, str]]:
 def run(config: SpecBenchConfig) -> dict[str, Any]:
     from engine.llm import LLM, render_chat
 
-    speculative = {
-        "method": "ngram",
-        "num_speculative_tokens": config.num_speculative_tokens,
-        "prompt_lookup_max": config.prompt_lookup_max,
-        "prompt_lookup_min": config.prompt_lookup_min,
-    }
     common = {"device": config.device, "enable_prefix_caching": False, "max_model_len": 2048}
-    plain = LLM(config.model, **common)
-    ngram = LLM(config.model, speculative_config=speculative, **common)
-    _, prompt = render_chat(plain.tokenizer, code_edit_messages())
-    runs: dict[str, list[float]] = {"plain": [], "ngram": []}
+    k = config.num_speculative_tokens
+    methods = {
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_max": config.prompt_lookup_max,
+            "prompt_lookup_min": config.prompt_lookup_min,
+        }
+    }
+    if config.draft_model:
+        methods["draft_model"] = {
+            "method": "draft_model",
+            "model": config.draft_model,
+            "num_speculative_tokens": k,
+        }
+    engines = {"plain": LLM(config.model, **common)}
+    for name, speculative in methods.items():
+        engines[name] = LLM(config.model, speculative_config=speculative, **common)
+    _, prompt = render_chat(engines["plain"].tokenizer, code_edit_messages())
+    runs: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list[int]] = {}
-    speculator = ngram.engine.scheduler.speculator
-    assert speculator is not None  # built from speculative_config
-    stats = speculator.stats
     for _ in range(config.repeats):
-        for name, llm in (("plain", plain), ("ngram", ngram)):
+        for name, llm in engines.items():
             seconds, tokens = _decode_seconds(llm, prompt, config.output_len)
             runs[name].append(seconds)
             outputs[name] = tokens
     decode_tokens = config.output_len - 1
     speeds = {name: decode_tokens / min(seconds) for name, seconds in runs.items()}
-    return {
+    report: dict[str, Any] = {
         "benchmark": "spec",
         "config": asdict(config),
         "workload": "code-edit",
         "prompt_tokens": len(prompt),
         "plain": {"decode_tokens_per_s": round(speeds["plain"], 1)},
-        "ngram": {
-            "decode_tokens_per_s": round(speeds["ngram"], 1),
+    }
+    for name in methods:
+        speculator = engines[name].engine.scheduler.speculator
+        assert speculator is not None  # built from speculative_config
+        stats = speculator.stats
+        report[name] = {
+            "decode_tokens_per_s": round(speeds[name], 1),
+            "speedup": round(speeds[name] / speeds["plain"], 3),
             "acceptance_rate": round(stats.acceptance_rate, 3),
             "mean_accepted_length": round(stats.mean_accepted_length, 3),
             "num_drafts": stats.num_drafts,
             "num_draft_tokens": stats.num_draft_tokens,
             "num_accepted_tokens": stats.num_accepted_tokens,
-        },
-        "speedup": round(speeds["ngram"] / speeds["plain"], 3),
-        "greedy_outputs_identical": outputs["plain"] == outputs["ngram"],
-    }
+            "greedy_outputs_identical": outputs[name] == outputs["plain"],
+        }
+    report["speedup"] = report["ngram"]["speedup"]
+    report["greedy_outputs_identical"] = all(
+        report[name]["greedy_outputs_identical"] for name in methods
+    )
+    return report
 
 
 def _decode_seconds(llm: Any, prompt: list[int], output_len: int) -> tuple[float, list[int]]:
@@ -113,6 +132,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max)
     parser.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min)
+    parser.add_argument(
+        "--draft-model",
+        default=defaults.draft_model,
+        help="also speculate with this draft model (method draft_model), same prompts",
+    )
     parser.add_argument("--repeats", type=int, default=defaults.repeats)
     parser.add_argument("--device", default=defaults.device)
 
@@ -124,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_max=args.prompt_lookup_max,
         prompt_lookup_min=args.prompt_lookup_min,
+        draft_model=args.draft_model,
         repeats=args.repeats,
         device=args.device,
     )

@@ -165,19 +165,28 @@ def test_bench_latency_reports_decode_speed_bound_breakdown_and_a_trace(tmp_path
 
 
 def test_bench_spec_reports_speedup_acceptance_and_identical_outputs():
-    result = pdserve("bench", "spec", "--model", "tiny", "--output-len", "16", "--repeats", "1")
+    result = pdserve(
+        "bench", "spec", "--model", "tiny", "--output-len", "16", "--repeats", "1",
+        "--draft-model", "tiny",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["greedy_outputs_identical"] is True
-    ngram, plain = report["ngram"], report["plain"]
-    ratio = ngram["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
-    assert report["speedup"] == pytest.approx(ratio, rel=0.02)
-    assert ngram["num_drafts"] > 0  # the code-edit prompt recurs in the answer
-    accepted, drafted = ngram["num_accepted_tokens"], ngram["num_draft_tokens"]
-    assert ngram["acceptance_rate"] == pytest.approx(accepted / drafted, abs=0.001)
-    assert ngram["mean_accepted_length"] == pytest.approx(
-        1 + accepted / ngram["num_drafts"], abs=0.001
-    )
+    plain = report["plain"]
+    assert report["speedup"] == report["ngram"]["speedup"]
+    for name in ("ngram", "draft_model"):
+        method = report[name]
+        assert method["greedy_outputs_identical"] is True
+        ratio = method["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+        assert method["speedup"] == pytest.approx(ratio, rel=0.02)
+        assert method["num_drafts"] > 0  # the code edit recurs; the draft always proposes
+        accepted, drafted = method["num_accepted_tokens"], method["num_draft_tokens"]
+        assert method["acceptance_rate"] == pytest.approx(accepted / drafted, abs=0.001)
+        assert method["mean_accepted_length"] == pytest.approx(
+            1 + accepted / method["num_drafts"], abs=0.001
+        )
+    # The model drafting for itself: its greedy drafts are the target's greedy tokens.
+    assert report["draft_model"]["acceptance_rate"] > 0.9
 
 
 def test_weight_bytes_counts_a_tied_head_once_and_packed_linears():

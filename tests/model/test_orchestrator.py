@@ -358,11 +358,19 @@ def test_constrained_output_is_the_same_disaggregated_and_colocated(servers, off
     assert all(idle(s) for s in servers)
 
 
-def test_a_speculating_decode_engine_equals_offline(servers, offline):
-    """In P/D the decode engine speculates (n-gram drafts, once the prefill's token is out):
-    the same greedy tokens as offline generation without speculation."""
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+        {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3},
+    ],
+    ids=["ngram", "draft_model"],
+)
+def test_a_speculating_decode_engine_equals_offline(servers, offline, spec):
+    """In P/D the decode engine speculates (n-gram drafts, or a draft model that computes the
+    prompt's draft K/V itself, the target's having come from the prefill engine; once the
+    prefill's token is out): the same greedy tokens as offline generation without it."""
     kv = {"connector": "grpc", "secret": SECRET, "lease_seconds": 30}
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
     decode = EngineServer("tiny", {**ENGINE_ARGS, "speculative_config": spec}, kv)
     try:
         prompt = f"{PROMPT}. {PROMPT}."

@@ -189,3 +189,46 @@ def test_ngram_speculation_with_sampling_follows_the_target_distribution(hf_refs
     assert distance < 0.08
     stats = llm.engine.scheduler.speculator.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_qk_norm", "llama3_rope_tied"])
+def test_a_model_drafting_for_itself_is_accepted_and_matches_hf(hf_refs, arch, scheduling):
+    """The target as its own draft model: its greedy drafts are the target's greedy tokens, so
+    nearly all are accepted — unless the draft K/V bookkeeping (catch-up, lookahead slots,
+    rejected drafts recomputed, preemption) is wrong. Output: HF's greedy tokens."""
+    ref = hf_refs[arch]
+    spec = {"method": "draft_model", "model": str(ref.path), "num_speculative_tokens": 3}
+    # A pool that preempts, chunked prompts, and a second round over cached prefixes.
+    llm = make_llm(
+        ref, speculative_config=spec, num_gpu_blocks_override=40, max_num_batched_tokens=24
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    check_against_hf(ref, llm, prompts(6), params)
+    check_against_hf(ref, llm, prompts(6), params)
+    stats = llm.engine.scheduler.speculator.stats
+    assert stats.num_draft_tokens > 50 and stats.acceptance_rate > 0.9
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 39
+
+
+def test_another_model_as_draft_leaves_greedy_and_seeded_outputs_as_they_were(hf_refs):
+    """A draft of another architecture sharing the vocabulary: drafts accepted and rejected,
+    greedy output HF's, seeded sampling draw for draw plain decoding's."""
+    ref = hf_refs["llama_gqa"]
+    draft = hf_refs["qwen2_bias"].path
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
+    llm = make_llm(ref, speculative_config=spec)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    check_against_hf(ref, llm, prompts(7), greedy)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True)
+    plain = make_llm(ref).generate(prompts(7), seeded)
+    drafted = llm.generate(prompts(7), seeded)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.engine.scheduler.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_a_draft_model_must_share_the_vocabulary(hf_refs):
+    spec = {"method": "draft_model", "model": "tiny"}  # another tokenizer
+    with pytest.raises(ValueError, match="must share the target's tokenizer"):
+        make_llm(hf_refs["llama_gqa"], speculative_config=spec)

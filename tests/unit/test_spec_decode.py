@@ -48,8 +48,11 @@ def test_requests_whose_tokens_depend_only_on_logits_and_seed_speculate():
 
 def test_speculative_config_is_checked():
     assert SpeculativeConfig().method == "ngram"
-    with pytest.raises(ValueError, match="'draft_model' is not supported yet"):
-        SpeculativeConfig(method="draft_model", model="small")
+    assert SpeculativeConfig(method="draft_model", model="small").uses_draft_model
+    with pytest.raises(ValueError, match="'draft_model' needs a draft 'model'"):
+        SpeculativeConfig(method="draft_model")
+    with pytest.raises(ValueError, match="'model' is for method 'draft_model'"):
+        SpeculativeConfig(method="ngram", model="small")
     with pytest.raises(ValueError, match="must be one of"):
         SpeculativeConfig(method="eagle")
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1"):
@@ -126,3 +129,31 @@ def _finish_prefill(scheduler, so, req_id, token):
         if done:
             return so
         so = scheduler.schedule()
+
+
+def test_a_draft_model_gets_lookahead_slots_and_its_drafts_are_scheduled():
+    """Method draft_model: the runner proposes, the scheduler keeps what fits (the context,
+    max_tokens) and reserves k slots past each step for the draft's own K/V."""
+    speculative = SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=3)
+    scheduler = make_scheduler(block_size=4, max_model_len=64, speculative=speculative)
+    request = make_request("r", 8, max_tokens=5, temperature=0.0)
+    penalized = make_request("p", 8, max_tokens=5, temperature=1.0, presence_penalty=0.5)
+    scheduler.add_request(request)
+    scheduler.add_request(penalized)
+    so = scheduler.schedule()
+    # 8 prompt tokens + 3 lookahead slots: three blocks for "r"; two for "p", which never
+    # speculates.
+    assert [len(r.block_ids) for r in so.scheduled_new_reqs] == [3, 2]
+    output = sampled_output(so, {"r": [1], "p": [1]})
+    output.draft_token_ids = {"r": [4, 5, 6], "p": [7]}
+    scheduler.update_from_output(so, output)
+    # One output of five: three drafts fit (the token verified last is free).
+    assert request.spec_token_ids == [4, 5, 6] and penalized.spec_token_ids == []
+    so = scheduler.schedule()
+    assert so.scheduled_spec_decode_tokens == {"r": [4, 5, 6]}
+    assert so.num_scheduled_tokens == {"r": 4, "p": 1}
+    output = sampled_output(so, {"r": [4, 5, 9], "p": [2]})
+    output.draft_token_ids = {"r": [1, 2, 3]}
+    scheduler.update_from_output(so, output)
+    assert request.output_token_ids == [1, 4, 5, 9]
+    assert request.spec_token_ids == []  # max_tokens=5 with four outputs: no room for drafts
