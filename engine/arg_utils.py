@@ -163,6 +163,10 @@ def _resolve_draft_model(config: SpeculativeConfig, target: ModelArchConfig) -> 
     assert config.model is not None
     path = resolve_model(config.model)
     draft = ModelArchConfig.from_pretrained(path)
+    if draft.sliding_window is not None or target.sliding_window is not None:
+        # Blocks out of the target's window are freed and reused while the worker's table
+        # still names them: a draft attending over them would read another request's K/V.
+        raise ValueError("speculative method 'draft_model' does not support sliding-window models")
     if draft.vocab_size != target.vocab_size:
         raise ValueError(
             f"the draft model {config.model!r} has a vocabulary of {draft.vocab_size} tokens, "

@@ -123,8 +123,8 @@ class EngineCore:
     def time_steps(self, timer: StepTimer | None) -> None:
         """Measure where each step's time goes into `timer` (None: stop measuring). Phases
         are marked in step order: steps run synchronously while measured."""
-        self.runner.step_timer = timer
         self.set_async_scheduling(timer is None and self.config.scheduler.async_scheduling)
+        self.runner.step_timer = timer
 
     @property
     def async_scheduling(self) -> bool:
@@ -255,7 +255,11 @@ class AsyncRunner:
         scheduler_output, future = pending
         if scheduler_output.total_num_scheduled_tokens and scheduler.may_schedule_ahead():
             self._pending = self._schedule()
-        runner_output = future.result()
+        try:
+            runner_output = future.result()
+        except BaseException:
+            self._drop_pending()  # built on a step that failed: the engine is done for
+            raise
         self._core._idle_wait(scheduler_output)
         return scheduler.update_from_output(scheduler_output, runner_output)
 
@@ -264,6 +268,11 @@ class AsyncRunner:
         return scheduler_output, self._pool.submit(
             self._core.runner.execute_model, scheduler_output
         )
+
+    def _drop_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None and not pending[1].cancel():
+            pending[1].exception()  # wait for it to stop; its own failure is the same story
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

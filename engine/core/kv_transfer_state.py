@@ -13,7 +13,7 @@ request with FINISHED_ERROR. Either way no invalid block enters the prefix cache
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from engine.config import KVLoadFailurePolicy
@@ -86,11 +86,14 @@ class KVTransferState:
         request.status = RequestStatus.WAITING
         return True
 
-    def handle_invalid_blocks(self, invalid_block_ids: set[int]) -> InvalidBlocksOutcome:
+    def handle_invalid_blocks(
+        self, invalid_block_ids: set[int], scheduled_req_ids: Collection[str]
+    ) -> InvalidBlocksOutcome:
         """Apply the load-failure policy: rewind the requests that loaded an invalid block
-        ("recompute"), or say which ones to fail ("fail")."""
+        ("recompute"), or say which ones to fail ("fail"). Synchronous loads count only for
+        the requests of the step reporting (not those of a step scheduled ahead)."""
         outcome = InvalidBlocksOutcome()
-        for req_id, target in self._loads_to_check():
+        for req_id, target in self._loads_to_check(scheduled_req_ids):
             request = self._requests.get(req_id)
             if request is None or request.is_finished:
                 continue
@@ -143,9 +146,9 @@ class KVTransferState:
         self._finished_recving.discard(req_id)
         self._failed_recving.discard(req_id)
 
-    def _loads_to_check(self) -> list[tuple[str, int]]:
+    def _loads_to_check(self, scheduled_req_ids: Collection[str]) -> list[tuple[str, int]]:
         loads = list(self._load_targets.items())
-        for req_id in self._sync_loads:
+        for req_id in self._sync_loads.intersection(scheduled_req_ids):
             request = self._requests.get(req_id)
             if request is not None:
                 loads.append((req_id, request.num_computed_tokens))

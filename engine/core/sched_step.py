@@ -82,6 +82,10 @@ def build_scheduler_output(
         finished_req_ids=finished_req_ids,
         new_block_ids_to_zero=kv_cache_manager.take_new_block_ids(),
         scheduled_spec_decode_tokens=step.spec_tokens,
+        scheduled_requests={
+            r.request_id: r
+            for r in (*step.scheduled_new, *step.scheduled_running, *step.scheduled_resumed)
+        },
     )
 
 

@@ -209,18 +209,14 @@ class Scheduler:
         """Preempt victims until `request` fits. Returns its new blocks (None if the victim
         was `request` itself) and its index in `running`, which shifts left when a victim
         before it is removed."""
-        priority = self.scheduler_config.policy == "priority"
         while True:
-            if priority:
-                victim = max(self.running, key=Request.sort_key)
-                victim_index = self.running.index(victim)
-                del self.running[victim_index]
-                if victim_index < index:
-                    if victim.request_id in step.num_scheduled:  # not if it was skipped
-                        self._unschedule(victim, step)
-                    index -= 1
-            else:
-                victim = self.running.pop()  # the most recently admitted
+            victim = self._choose_victim(request)
+            victim_index = self.running.index(victim)
+            del self.running[victim_index]
+            if victim_index < index:  # only under priority
+                if victim.request_id in step.num_scheduled:  # not if it was skipped
+                    self._unschedule(victim, step)
+                index -= 1
             self._preempt(victim)
             step.preempted.append(victim)
             if victim is request:
@@ -230,6 +226,20 @@ class Scheduler:
             )
             if new_blocks is not None:
                 return new_blocks, index
+
+    def _choose_victim(self, request: Request) -> Request:
+        """FCFS: the most recently admitted; priority: the lowest priority. Never a request
+        whose samples in flight end it (async scheduling): its blocks are free at the next
+        update anyway, and a finished prefill must hand over its KV, not an empty lease.
+        `request` itself is always a candidate."""
+        candidates = [
+            r
+            for r in self.running
+            if r is request or not (r.num_output_placeholders and self._owes_its_last_token(r))
+        ]
+        if self.scheduler_config.policy == "priority":
+            return max(candidates, key=Request.sort_key)
+        return candidates[-1]
 
     def _unschedule(self, victim: Request, step: Step) -> None:
         """Roll back what this step already granted a request that is now preempted."""
@@ -364,12 +374,15 @@ class Scheduler:
         kv_output = model_runner_output.kv_connector_output
         discarded: set[str] = set()
         if kv_output is not None and kv_output.invalid_block_ids:
-            outcome = self.kv_transfers.handle_invalid_blocks(kv_output.invalid_block_ids)
+            outcome = self.kv_transfers.handle_invalid_blocks(
+                kv_output.invalid_block_ids, scheduler_output.num_scheduled_tokens
+            )
             discarded = outcome.discarded
             for failed, error in outcome.failed:
                 self.fail_request(failed, error)
         self.kv_transfers.end_step(scheduler_output.num_scheduled_tokens)
         requests = self.requests
+        scheduled = scheduler_output.scheduled_requests
         max_model_len = self.max_model_len
         any_stopped = False
         first_output = len(outputs)
@@ -379,19 +392,19 @@ class Scheduler:
             if not token_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request = requests.get(req_id)
-            if request is None:
-                continue  # finished and gone
+            if request is None or request is not scheduled.get(req_id):
+                continue  # finished and gone (its id may name a new request by now)
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1  # this step's sample is here
             if request.status not in _SAMPLING or req_id in discarded:
                 continue  # aborted during the step, or its logits came from bad KV
+            if not request.output_token_ids:
+                request.timing.first_token = time.time()
             if request.status == _PREEMPTED:
                 # Preempted while this step was in flight (async scheduling): the sample is
                 # good (computed over KV it still held); it resumes with it, or ends here.
                 outputs.append(self._append_to_preempted(request, token_ids))
                 continue
-            if not request.output_token_ids:
-                request.timing.first_token = time.time()
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts and self.speculator is not None:
                 self.speculator.settle(request, len(drafts), len(token_ids) - 1)

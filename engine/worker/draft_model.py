@@ -39,8 +39,10 @@ class DraftModelProposer:
         max_model_len: int,
         backend: AttentionBackend,
         device: torch.device,
+        max_tokens_per_pass: int,
     ) -> None:
         self.model = model
+        self.max_tokens_per_pass = max_tokens_per_pass  # the engine's token budget
         self.arch = arch
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
@@ -77,7 +79,20 @@ class DraftModelProposer:
         rows_np = np.array(rows, dtype=np.int64)
         lengths = batch.num_tokens[rows_np].astype(np.int64)
         valid = np.array([self._valid_prefix(batch, r) for r in rows], dtype=np.int64)
-        drafts = self._forward(batch, rows_np, valid, lengths - valid)
+        counts = self._catch_up_counts(lengths - valid)
+        drafts = self._forward(batch, rows_np, valid, counts)
+        behind = np.nonzero(valid + counts < lengths)[0]
+        for i in behind.tolist():  # caught up part of the way: no drafts this step
+            req_id = batch.req_ids[rows[i]]
+            assert req_id is not None
+            self._kv_tokens[req_id] = batch.token_ids[rows[i], : valid[i] + counts[i]].copy()
+        if behind.size:
+            ready = np.nonzero(valid + counts >= lengths)[0]
+            rows_np, lengths, room = rows_np[ready], lengths[ready], room[ready]
+            rows = rows_np.tolist()
+            drafts = [drafts[i] for i in ready.tolist()]
+            if not rows:
+                return {}
         proposals = [[d] for d in drafts]
         for step in range(1, int(room.max())):
             live = np.nonzero(room > step)[0]
@@ -96,6 +111,15 @@ class DraftModelProposer:
             self._kv_tokens[req_id] = batch.token_ids[row, :written].copy()
             out[req_id] = proposals[i]
         return out
+
+    def _catch_up_counts(self, needed: np.ndarray) -> np.ndarray:
+        """Tokens each row catches up on this step: all it needs while the step's total stays
+        within the engine's token budget (a long prompt the draft has not seen, from a prefix
+        hit or another engine, is caught up over several steps), at least one per row."""
+        spare = needed - 1
+        budget = max(self.max_tokens_per_pass - len(needed), 0)
+        granted = np.clip(budget - (np.cumsum(spare) - spare), 0, spare)
+        return 1 + granted
 
     def _rows_with_room(self, batch: InputBatch, rows: list[int]) -> tuple[list[int], np.ndarray]:
         """Rows that can take at least one draft, and how many each can: drafts stay inside the

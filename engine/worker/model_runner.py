@@ -112,6 +112,7 @@ class ModelRunner:
                 self.max_model_len,
                 self.attn_backend,
                 self.device,
+                self.config.scheduler.max_num_batched_tokens,
             )
 
     def _build_model(self, path: str, arch: ModelArchConfig) -> LlamaForCausalLM:

@@ -13,6 +13,7 @@ from engine.layers.attention.cuda import CudaBackend
 from engine.layers.linear import BlockedLinear, PackedLinear
 from engine.llm import LLM
 from engine.request import SamplingParams
+from engine.worker.draft_model import DraftModelProposer
 from tests.model.hf_models import ARCHITECTURES
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -192,10 +193,21 @@ def test_ngram_speculation_with_sampling_follows_the_target_distribution(hf_refs
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_qk_norm", "llama3_rope_tied"])
-def test_a_model_drafting_for_itself_is_accepted_and_matches_hf(hf_refs, arch, scheduling):
+def test_a_model_drafting_for_itself_is_accepted_and_matches_hf(
+    hf_refs, arch, scheduling, monkeypatch
+):
     """The target as its own draft model: its greedy drafts are the target's greedy tokens, so
     nearly all are accepted — unless the draft K/V bookkeeping (catch-up, lookahead slots,
-    rejected drafts recomputed, preemption) is wrong. Output: HF's greedy tokens."""
+    rejected drafts recomputed, preemption) is wrong. Output: HF's greedy tokens. The draft's
+    passes stay within the token budget (prompts longer than it are caught up over steps)."""
+    passes = []
+    forward = DraftModelProposer._forward
+
+    def counted(self, batch, rows, starts, counts):
+        passes.append(int(counts.sum()))
+        return forward(self, batch, rows, starts, counts)
+
+    monkeypatch.setattr(DraftModelProposer, "_forward", counted)
     ref = hf_refs[arch]
     spec = {"method": "draft_model", "model": str(ref.path), "num_speculative_tokens": 3}
     # A pool that preempts, chunked prompts, and a second round over cached prefixes.
@@ -209,6 +221,7 @@ def test_a_model_drafting_for_itself_is_accepted_and_matches_hf(hf_refs, arch, s
     assert stats.num_draft_tokens > 50 and stats.acceptance_rate > 0.9
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 39
+    assert max(passes) == 24  # the budget, reached by a catch-up (prompts go up to 40)
 
 
 def test_another_model_as_draft_leaves_greedy_and_seeded_outputs_as_they_were(hf_refs):
@@ -228,7 +241,10 @@ def test_another_model_as_draft_leaves_greedy_and_seeded_outputs_as_they_were(hf
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-def test_a_draft_model_must_share_the_vocabulary(hf_refs):
+def test_a_draft_model_must_share_the_vocabulary_and_attend_to_everything(hf_refs):
     spec = {"method": "draft_model", "model": "tiny"}  # another tokenizer
     with pytest.raises(ValueError, match="must share the target's tokenizer"):
         make_llm(hf_refs["llama_gqa"], speculative_config=spec)
+    windowed = {"method": "draft_model", "model": str(hf_refs["mistral"].path)}
+    with pytest.raises(ValueError, match="does not support sliding-window models"):
+        make_llm(hf_refs["llama_gqa"], speculative_config=windowed)

@@ -87,20 +87,20 @@ def test_no_step_is_scheduled_ahead_for_speculation_sync_loads_or_nothing_to_run
     assert loading.may_schedule_ahead()
 
 
-def outgrowing_pair(second_max_tokens: int):
+def outgrowing_pair(second_max_tokens: int, eos_token_id: int | None = None):
     """4 usable blocks of 4 tokens: two prompts of 8 tokens fit, their next tokens do not.
     Both prompts are scheduled, then the step after them ahead of their samples."""
     scheduler = make_scheduler(num_blocks=5, block_size=4, max_model_len=16)
     first = make_request("a", 8, max_tokens=5)
-    second = make_request("b", 8, max_tokens=second_max_tokens)
+    second = make_request("b", 8, max_tokens=second_max_tokens, eos_token_id=eos_token_id)
     scheduler.add_request(first)
     scheduler.add_request(second)
-    return scheduler, second, scheduler.schedule(), scheduler.schedule()
+    return scheduler, first, second, scheduler.schedule(), scheduler.schedule()
 
 
 def test_a_request_preempted_while_its_step_is_in_flight_keeps_that_sample():
     # Both need a third block for the step ahead: "b" is preempted for "a".
-    scheduler, second, prefill, ahead = outgrowing_pair(5)
+    scheduler, _, second, prefill, ahead = outgrowing_pair(5)
     assert ahead.preempted_req_ids == {"b"} and ahead.num_scheduled_tokens == {"a": 1}
     assert second.status == RequestStatus.PREEMPTED and second.num_computed_tokens == 0
     outputs = scheduler.update_from_output(prefill, sampled_output(prefill, {"a": [1], "b": [2]}))
@@ -108,16 +108,49 @@ def test_a_request_preempted_while_its_step_is_in_flight_keeps_that_sample():
     assert {o.request_id: o.new_token_ids for o in outputs} == {"a": [1], "b": [2]}
     assert second.output_token_ids == [2] and second.num_output_placeholders == 0
     assert second in scheduler.waiting
+    assert second.timing.first_token is not None
 
 
 def test_a_request_preempted_in_flight_whose_sample_ends_it_leaves_the_queue():
-    # "b" owes its only sample: it is skipped, then preempted for "a" all the same.
-    scheduler, second, prefill, ahead = outgrowing_pair(1)
-    assert ahead.preempted_req_ids == {"b"} and second.status == RequestStatus.PREEMPTED
+    scheduler, _, second, prefill, ahead = outgrowing_pair(5, eos_token_id=2)
+    assert ahead.preempted_req_ids == {"b"}
     outputs = scheduler.update_from_output(prefill, sampled_output(prefill, {"a": [1], "b": [2]}))
     finished = [o for o in outputs if o.request_id == "b"]
-    assert finished[0].finish_reason == "length" and finished[0].new_token_ids == [2]
+    assert finished[0].finish_reason == "stop" and finished[0].new_token_ids == [2]
     assert second not in scheduler.waiting and "b" not in scheduler.requests
     assert scheduler.get_num_unfinished_requests() == 1
     scheduler.update_from_output(ahead, sampled_output(ahead, {"a": [3]}))
     scheduler.kv_cache_manager.check_integrity()
+
+
+def test_a_request_whose_samples_in_flight_end_it_is_never_the_victim():
+    """ "b" owes its only sample (a P/D prefill's, say: its blocks must go to the reader with
+    their KV): "a" gives way instead, and keeps its own sample in flight."""
+    scheduler, first, second, prefill, ahead = outgrowing_pair(1)
+    assert ahead.preempted_req_ids == {"a"} and ahead.num_scheduled_tokens == {}
+    assert second.status == RequestStatus.RUNNING
+    outputs = scheduler.update_from_output(prefill, sampled_output(prefill, {"a": [1], "b": [2]}))
+    by_id = {o.request_id: o for o in outputs}
+    assert by_id["b"].finish_reason == "length" and by_id["b"].new_token_ids == [2]
+    assert by_id["a"].new_token_ids == [1] and first in scheduler.waiting
+    scheduler.update_from_output(ahead, sampled_output(ahead, {}))
+    scheduler.kv_cache_manager.check_integrity()
+    resumed = scheduler.schedule()
+    assert resumed.scheduled_cached_reqs.resumed_req_ids == {"a"}
+
+
+def test_an_id_reused_while_a_step_is_in_flight_gets_nothing_of_the_old_request():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("r", 4, max_tokens=8))
+    first = scheduler.schedule()
+    ahead = scheduler.schedule()
+    scheduler.update_from_output(first, sampled_output(first, {"r": [1]}))
+    scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    again = make_request("r", [9, 9, 9], max_tokens=8)
+    scheduler.add_request(again)
+    new = scheduler.schedule()  # admitted while the old request's step is in flight
+    # The old request's sample from the step in flight is not the new one's.
+    assert scheduler.update_from_output(ahead, sampled_output(ahead, {"r": [2]})) == []
+    assert again.output_token_ids == [] and again.num_output_placeholders == 1
+    outputs = scheduler.update_from_output(new, sampled_output(new, {"r": [5]}))
+    assert [o.new_token_ids for o in outputs] == [[5]] and again.output_token_ids == [5]
