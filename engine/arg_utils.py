@@ -11,6 +11,7 @@ import torch
 from engine.config import (
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -49,6 +50,9 @@ class EngineArgs:
     kv_transfer_config: dict[str, Any] | None = None
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}
     speculative_config: dict[str, Any] | None = None
+    # {"enable_kv_cache_events": true}: number the prefix cache's events for a cluster index
+    # (EngineCore.kv_events; vLLM's name and key).
+    kv_events_config: dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -93,6 +97,7 @@ class EngineArgs:
             num_blocks=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             sliding_window=arch.sliding_window,
+            enable_kv_cache_events=self._kv_events_enabled(),
         )
         scheduler = SchedulerConfig(
             max_num_batched_tokens=max_batched,
@@ -125,6 +130,10 @@ class EngineArgs:
             speculative,
         )
         return config, arch
+
+    def _kv_events_enabled(self) -> bool:
+        events = config_from_dict("kv_events_config", self.kv_events_config or {}, KVEventsConfig)
+        return events.enable_kv_cache_events
 
     def _max_model_len(self, arch: ModelArchConfig) -> int:
         if self.max_model_len is None:

@@ -112,6 +112,19 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """The `kv_events_config` engine argument (vLLM's name): publish the prefix cache's events."""
+
+    enable_kv_cache_events: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(
+                f"enable_kv_cache_events must be a bool, got {self.enable_kv_cache_events!r}"
+            )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Which weights, in what precision, on which device."""
 

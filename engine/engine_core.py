@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import PrefixCacheStats
+from engine.core.kv_events import KVEventStream
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.kv_connector import KVConnectorBase, create_kv_connector
@@ -64,6 +65,11 @@ class EngineCore:
         self.runner.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self._async = AsyncRunner(self) if config.scheduler.async_scheduling else None
+        # The prefix cache's events, numbered for a cluster index (kv_events_config).
+        self.kv_events: KVEventStream | None = None
+        if config.cache.enable_kv_cache_events:
+            pool = self.scheduler.kv_cache_manager.block_pool
+            self.kv_events = KVEventStream(pool.take_events, pool.cached_block_hashes)
 
     # ------------------------------------------------------------------ requests
 

@@ -170,6 +170,10 @@ class BlockPool:
         usable = self.num_blocks - 1
         return 1.0 - self.get_num_free_blocks() / usable
 
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """The hash of every cached block (one entry per block)."""
+        return [b.block_hash for b in self.blocks if b.block_hash is not None]
+
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
         return events

@@ -158,30 +158,51 @@ def hash_block_tokens(
     return hash_fn(payload)
 
 
-def block_extra_keys(request: Request, block_index: int) -> bytes:
+def block_extra_keys(cache_salt: str | None, block_index: int) -> bytes:
     """Keys beyond the tokens that separate cache namespaces.
 
     The cache salt goes into the first block only: chaining carries it to every later block.
     """
-    if block_index == 0 and request.cache_salt is not None:
-        return b"salt:" + request.cache_salt.encode()
+    if block_index == 0 and cache_salt is not None:
+        return b"salt:" + cache_salt.encode()
     return b""
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    hash_fn: HashFunction,
+    cache_salt: str | None = None,
+) -> None:
+    """Append the hash of every full block of `token_ids` past those `hashes` has."""
+    start = len(hashes) * block_size
+    while start + block_size <= len(token_ids):
+        parent = hashes[-1] if hashes else None
+        extra = block_extra_keys(cache_salt, len(hashes))
+        hashes.append(
+            hash_block_tokens(hash_fn, parent, token_ids[start : start + block_size], extra)
+        )
+        start += block_size
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[BlockHash]:
+    """The hashes an engine gives the full blocks of these tokens (sha256, the only algorithm):
+    what a router looks up in the cluster's KV index."""
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, token_ids, block_size, HASH_FUNCTIONS["sha256"], cache_salt)
+    return hashes
 
 
 def make_block_hasher(block_size: int, hash_fn: HashFunction) -> Callable[[Request], None]:
     """A hasher that extends `request.block_hashes` with every block that became full."""
 
     def hash_new_full_blocks(request: Request) -> None:
-        hashes = request.block_hashes
-        tokens = request.all_token_ids
-        start = len(hashes) * block_size
-        while start + block_size <= len(tokens):
-            parent = hashes[-1] if hashes else None
-            extra = block_extra_keys(request, len(hashes))
-            hashes.append(
-                hash_block_tokens(hash_fn, parent, tokens[start : start + block_size], extra)
-            )
-            start += block_size
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, block_size, hash_fn, request.cache_salt
+        )
 
     return hash_new_full_blocks
 

@@ -1,7 +1,11 @@
-"""KV cache events: what entered and left the prefix cache, for external indexers/routers."""
+"""KV cache events: what entered and left the prefix cache, for external indexers/routers.
+
+Events are per block: a hash that two blocks hold is stored twice and removed twice."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -28,3 +32,55 @@ class AllBlocksCleared:
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """The events of one engine since its previous batch, in order. `seq` numbers an engine's
+    batches from 0 without gaps within one `epoch` (a start of the engine): a reader that sees
+    a number out of turn knows it lost events."""
+
+    epoch: str
+    seq: int
+    events: tuple[KVCacheEvent, ...]
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """The hash of every block in an engine's prefix cache now (a hash twice when two blocks
+    hold it: events are per block). It covers every event before the batch numbered
+    `next_seq`, and no later one."""
+
+    epoch: str
+    next_seq: int
+    block_hashes: tuple[bytes, ...]
+
+
+class KVEventStream:
+    """An engine's prefix-cache events, numbered for publishing (a router-side index applies
+    them: deployments/kv_index.py). Called from the engine's own thread."""
+
+    def __init__(
+        self,
+        take_events: Callable[[], list[KVCacheEvent]],
+        cached: Callable[[], Iterable[bytes]],
+    ) -> None:
+        self.epoch = uuid.uuid4().hex
+        self._take_events = take_events
+        self._cached = cached
+        self._next_seq = 0
+
+    def take_batch(self) -> KVEventBatch | None:
+        """The events since the last batch, or None when there are none."""
+        events = self._take_events()
+        if not events:
+            return None
+        batch = KVEventBatch(self.epoch, self._next_seq, tuple(events))
+        self._next_seq += 1
+        return batch
+
+    def snapshot(self) -> KVSnapshot:
+        """The cache as it is; events not yet taken are in it, so they are dropped (a reader
+        that applied them on top would count their blocks twice)."""
+        self._take_events()
+        return KVSnapshot(self.epoch, self._next_seq, tuple(self._cached()))

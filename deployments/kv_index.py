@@ -1,0 +1,117 @@
+"""The cluster's KV index: which engine replica holds which prefix-cache blocks.
+
+Engines number their prefix cache's events in batches (engine/core/kv_events.py:
+`KVEventStream`), one numbering per engine start (an epoch). The index applies them per
+replica into a count of blocks per block hash (events are per block: two blocks may hold one
+hash). Block hashes are chained — each covers every token before it — so the blocks of a
+prompt that a replica can reuse are the leading run of the prompt's hashes it holds, which is
+what the engine's own lookup finds (`match`).
+
+Lost or late events never corrupt it silently. A batch numbered out of turn (events were
+lost) or from an epoch the index has not seen (the replica restarted) makes the replica stale:
+its entries are dropped, it matches nothing, and `apply` says a snapshot is needed. A snapshot
+(every hash the engine holds, and the number of the first batch it does not cover) makes the
+replica current again; batches it covers are ignored when they arrive late. A replica that is
+no longer running is forgotten (`retain`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from engine.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVSnapshot,
+)
+
+
+@dataclass
+class _Replica:
+    epoch: str = ""
+    next_seq: int = 0
+    stale: bool = True  # nothing trusted until a snapshot, or batches from number 0
+    blocks: Counter[bytes] = field(default_factory=Counter)
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._replicas: dict[str, _Replica] = {}
+
+    @property
+    def replicas(self) -> list[str]:
+        return list(self._replicas)
+
+    def is_current(self, replica: str) -> bool:
+        state = self._replicas.get(replica)
+        return state is not None and not state.stale
+
+    def apply(self, replica: str, batch: KVEventBatch) -> bool:
+        """Apply one batch of `replica`'s events. False: the replica is stale (a gap, or a new
+        epoch that does not start at batch 0) and needs `load_snapshot`."""
+        state = self._replicas.setdefault(replica, _Replica())
+        if batch.epoch == state.epoch and batch.seq < state.next_seq:
+            return not state.stale  # already covered (by a snapshot, or seen before)
+        if batch.epoch != state.epoch and batch.seq == 0:
+            # A fresh start whose first batch arrived: nothing before it to miss.
+            state.epoch, state.next_seq, state.stale = batch.epoch, 0, False
+            state.blocks.clear()
+        if batch.epoch != state.epoch or batch.seq != state.next_seq or state.stale:
+            self._make_stale(state, batch.epoch)
+            return False
+        _apply_events(state.blocks, batch)
+        state.next_seq += 1
+        return True
+
+    def load_snapshot(self, replica: str, snapshot: KVSnapshot) -> None:
+        state = self._replicas.setdefault(replica, _Replica())
+        state.epoch, state.next_seq, state.stale = snapshot.epoch, snapshot.next_seq, False
+        state.blocks = Counter(snapshot.block_hashes)
+
+    def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        """Per current replica: how many leading blocks of a prompt (its chained hashes) the
+        replica holds; stale replicas count 0."""
+        out: dict[str, int] = {}
+        for replica, state in self._replicas.items():
+            count = 0
+            if not state.stale:
+                blocks = state.blocks
+                for block_hash in block_hashes:
+                    if blocks[block_hash] <= 0:
+                        break
+                    count += 1
+            out[replica] = count
+        return out
+
+    def forget(self, replica: str) -> None:
+        self._replicas.pop(replica, None)
+
+    def retain(self, running: Iterable[str]) -> None:
+        """Forget every replica not in `running` (removed, or replaced after a crash)."""
+        keep = set(running)
+        for replica in [r for r in self._replicas if r not in keep]:
+            del self._replicas[replica]
+
+    @staticmethod
+    def _make_stale(state: _Replica, epoch: str) -> None:
+        state.epoch, state.stale = epoch, True
+        state.blocks.clear()
+
+
+def _apply_events(blocks: Counter[bytes], batch: KVEventBatch) -> None:
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            blocks.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            for block_hash in event.block_hashes:
+                left = blocks[block_hash] - 1
+                if left > 0:
+                    blocks[block_hash] = left
+                else:
+                    del blocks[block_hash]
+        elif isinstance(event, AllBlocksCleared):
+            blocks.clear()

@@ -1,0 +1,83 @@
+"""A real engine's prefix-cache events, applied to the cluster KV index, say exactly what the
+engine's own cache holds — through evictions, lost batches (snapshot) and a restart."""
+
+from __future__ import annotations
+
+import random
+
+from deployments.kv_index import PrefixIndex
+from engine.core.kv_cache_utils import prompt_block_hashes
+from engine.core.kv_events import BlockRemoved
+from engine.llm import LLM
+from engine.request import SamplingParams
+
+BLOCK = 4
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def engine(path: str) -> LLM:
+    # 40 usable blocks: later rounds evict what earlier ones cached.
+    return LLM(
+        path,
+        max_model_len=64,
+        block_size=BLOCK,
+        num_gpu_blocks_override=41,
+        kv_events_config={"enable_kv_cache_events": True},
+    )
+
+
+def cached_run(llm: LLM, token_ids: list[int]) -> int:
+    """What the engine itself would reuse: the leading run of the prompt's blocks it holds."""
+    pool = llm.engine.scheduler.kv_cache_manager.block_pool
+    count = 0
+    for block_hash in prompt_block_hashes(token_ids, BLOCK):
+        if pool.get_cached_block(block_hash) is None:
+            break
+        count += 1
+    return count
+
+
+def test_the_index_follows_the_engine_through_evictions_gaps_and_restarts(hf_refs):
+    path = hf_refs["llama_gqa"].path
+    rng = random.Random(3)
+    shared = [rng.randrange(1, 300) for _ in range(12)]
+    prompts = [[*shared[: rng.randrange(0, 12)], *(rng.randrange(1, 300) for _ in range(14))]]
+    index = PrefixIndex()
+    llm = engine(path)
+    stream = llm.engine.kv_events
+    assert stream is not None
+    lost = needed_snapshot = removed = matched = 0
+    for round_index in range(8):
+        prompts = [
+            [*shared[: rng.randrange(0, 12)], *(rng.randrange(1, 300) for _ in range(14))]
+            for _ in range(4)
+        ] + prompts[:2]
+        llm.generate(prompts, PARAMS)
+        batch = stream.take_batch()
+        assert batch is not None
+        removed += sum(isinstance(e, BlockRemoved) for e in batch.events)
+        if round_index == 3:
+            lost += 1  # never delivered: the index cannot know yet, and lags
+            continue
+        if not index.apply("r1", batch):  # the next batch shows the gap
+            needed_snapshot += 1
+            index.load_snapshot("r1", stream.snapshot())
+        for prompt in prompts:
+            got = index.match(prompt_block_hashes(prompt, BLOCK))["r1"]
+            assert got == cached_run(llm, prompt), round_index
+            matched += got
+    assert lost == needed_snapshot == 1 and matched > 20  # prompts sent again are cached
+    assert removed > 0  # the rounds evicted each other's blocks
+    # The replica restarts: a new engine under the same name, its first batch starts over.
+    llm = engine(path)
+    llm.generate(prompts[:1], PARAMS)
+    batch = llm.engine.kv_events.take_batch()
+    assert batch is not None and batch.seq == 0
+    assert index.apply("r1", batch)
+    for prompt in prompts:
+        assert index.match(prompt_block_hashes(prompt, BLOCK))["r1"] == cached_run(llm, prompt)
+
+
+def test_events_are_off_unless_asked_for(hf_refs):
+    llm = LLM(hf_refs["llama_gqa"].path, max_model_len=32)
+    assert llm.engine.kv_events is None
