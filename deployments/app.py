@@ -45,6 +45,9 @@ class AppConfig:
     lease_seconds: float = 30.0
     kv_load_failure_policy: str = "recompute"
     min_remote_prefill_tokens: int = 0
+    # Route both legs by the engines' prefix caches (deployments/kv_index.py); off: Serve's
+    # default (power of two choices).
+    kv_aware_routing: bool = True
     request_timeout_s: float = 300.0
     prefill_timeout_s: float = 60.0
     # OTLP/gRPC collector for traces; empty: OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing.
@@ -144,23 +147,47 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         colocated = engine.bind(config.model, engine_args, None, config.otlp_endpoint)
         return router.bind(settings, colocated)
     kv = config.kv_transfer_config()
+    if config.kv_aware_routing:
+        # The engines publish their prefix caches' events; both legs' routers read them.
+        engine_args = {"kv_events_config": {"enable_kv_cache_events": True}, **engine_args}
     prefill = PrefillDeployment.options(
         **_engine_options(config, config.prefill_autoscaling, config.prefill_replicas),
-        # Serve's request router for the prefill leg, which also tells the Router when no
-        # prefill replica runs (it then goes decode-only at once).
-        request_router_config={
-            "request_router_class": "deployments.request_routers.ReplicaSetRouter",
-            "request_router_kwargs": {"role": "prefill"},
-        },
+        # The prefill leg's router also tells the Router when no prefill replica runs (it
+        # then goes decode-only at once).
+        request_router_config=_request_router(config, "prefill"),
     )
     decode = DecodeDeployment.options(
-        **_engine_options(config, config.decode_autoscaling, config.decode_replicas)
+        **_engine_options(config, config.decode_autoscaling, config.decode_replicas),
+        **(_decode_router(config)),
     )
     return router.bind(
         settings,
         decode.bind(config.model, engine_args, kv, config.otlp_endpoint),
         prefill.bind(config.model, engine_args, kv, config.otlp_endpoint),
     )
+
+
+def _decode_router(config: AppConfig) -> dict[str, Any]:
+    """Decode replicas are Serve's default choice unless routed by cache."""
+    if not config.kv_aware_routing:
+        return {}
+    return {"request_router_config": _request_router(config, "decode")}
+
+
+def _request_router(config: AppConfig, role: str) -> dict[str, Any]:
+    """Serve's `request_router_config` for one leg's engine deployment."""
+    if not config.kv_aware_routing:
+        return {
+            "request_router_class": "deployments.request_routers.ReplicaSetRouter",
+            "request_router_kwargs": {"role": role},
+        }
+    from engine.arg_utils import EngineArgs
+
+    block_size = int(config.engine_args.get("block_size", EngineArgs.block_size))
+    return {
+        "request_router_class": "deployments.request_routers.KVAwareRouter",
+        "request_router_kwargs": {"role": role, "block_size": block_size},
+    }
 
 
 def _engine_options(

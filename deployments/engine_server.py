@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from ray import serve
 
+from deployments.kv_publisher import KVEventPublisher
 from deployments.protocol import EngineRequest
 from deployments.telemetry import (
     EngineMetrics,
@@ -70,6 +71,7 @@ class EngineServer:
         self.tracing = Tracing(self.role, self.replica_id, otlp_endpoint)
         self.metrics = _engine_metrics()
         self._sampler = _start_sampler(self) if self.metrics is not None else None
+        self._kv_publisher = _start_kv_publisher(self.engine)
         logger.info(
             "%s engine %s ready (%d KV blocks)", self.role, self.replica_id, core.num_kv_blocks
         )
@@ -157,6 +159,9 @@ class EngineServer:
         sampler = getattr(self, "_sampler", None)
         if sampler is not None:
             sampler.set()
+        publisher = getattr(self, "_kv_publisher", None)
+        if publisher is not None:
+            publisher.stop()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
@@ -183,6 +188,15 @@ def _start_sampler(server: EngineServer, period_s: float = 1.0) -> threading.Eve
 
     threading.Thread(target=run, name="engine-metrics", daemon=True).start()
     return stop
+
+
+def _start_kv_publisher(engine: AsyncEngine) -> KVEventPublisher | None:
+    """Inside a Serve replica whose engine numbers its KV events: publish them to the app's
+    index (the KV-aware request routers read it)."""
+    replica_id = serve_replica_id()
+    if replica_id is None or engine.core.kv_events is None:
+        return None
+    return KVEventPublisher(engine, replica_id, serve.get_replica_context().app_name)
 
 
 def serve_replica_id() -> str | None:

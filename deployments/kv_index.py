@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.core.kv_events import (
     AllBlocksCleared,
@@ -115,3 +116,67 @@ def _apply_events(blocks: Counter[bytes], batch: KVEventBatch) -> None:
                     del blocks[block_hash]
         elif isinstance(event, AllBlocksCleared):
             blocks.clear()
+
+
+class KVIndexServer:
+    """The app's one KV index, as a Ray actor: engine replicas push their batches and
+    snapshots (`KVEventPublisher`), the request routers of both legs ask it per request.
+
+    Why an actor: one copy that every router replica shares and every engine reaches through
+    Ray, with no fan-out of events to each router; a router's question is one actor call
+    (~1 ms against a prefill of tens of ms). It is detached so that it outlives the replica
+    that happened to create it; when it is lost all the same, engines re-announce themselves
+    with snapshots and routers fall back to power of two choices meanwhile."""
+
+    def __init__(self) -> None:
+        self.index = PrefixIndex()
+
+    def apply(self, replica: str, batches: list[KVEventBatch]) -> bool:
+        """False: the replica must send a snapshot."""
+        ok = True
+        for batch in batches:
+            ok = self.index.apply(replica, batch) and ok
+        return ok and self.index.is_current(replica)
+
+    def load_snapshot(self, replica: str, snapshot: KVSnapshot) -> None:
+        self.index.load_snapshot(replica, snapshot)
+
+    def match(self, block_hashes: list[bytes]) -> dict[str, int]:
+        return self.index.match(block_hashes)
+
+    def forget(self, replicas: list[str]) -> None:
+        for replica in replicas:
+            self.index.forget(replica)
+
+    def current(self) -> dict[str, bool]:
+        return {replica: self.index.is_current(replica) for replica in self.index.replicas}
+
+
+def index_actor_name(app_name: str) -> str:
+    return f"pdserve-kv-index-{app_name}"
+
+
+def get_index_actor(app_name: str) -> Any:
+    """The app's KV index actor, created by whoever asks first."""
+    import ray
+
+    actor_class = ray.remote(num_cpus=0, max_restarts=-1)(KVIndexServer)
+    return actor_class.options(
+        name=index_actor_name(app_name),
+        namespace="pdserve",
+        get_if_exists=True,
+        lifetime="detached",
+    ).remote()
+
+
+def rank_by_cache(candidates: list[str], matches: dict[str, int]) -> list[list[str]] | None:
+    """Candidates in two ranks — those holding the most of the prompt's leading blocks, then
+    the rest — or None when the cache says nothing (no candidate holds a block, or all hold
+    the same: a system prompt every replica has), and load alone should decide."""
+    held = {c: matches.get(c, 0) for c in candidates}
+    best = max(held.values(), default=0)
+    if best == 0 or min(held.values()) == best:
+        return None
+    first = [c for c in candidates if held[c] == best]
+    rest = sorted((c for c in candidates if held[c] < best), key=lambda c: -held[c])
+    return [first, rest] if rest else [first]

@@ -16,11 +16,13 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator
+from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.arg_utils import EngineArgs
+from engine.core.kv_events import KVEventBatch, KVSnapshot
 from engine.engine_core import EngineCore
 from engine.llm import (
     PromptInput,
@@ -58,6 +60,13 @@ class _End:
     request_id: str
     status: RequestStatus
     sink: _Sink | None = None
+
+
+@dataclass
+class _Snapshot:
+    """Take a snapshot of the prefix cache in the loop thread (its events are ordered there)."""
+
+    result: Future[KVSnapshot]
 
 
 @dataclass
@@ -106,7 +115,9 @@ class AsyncEngine:
         )
         self.max_model_len = config.scheduler.max_model_len
         self._sinks: dict[str, _Sink] = {}
-        self._commands: queue.Queue[_Add | _End | None] = queue.Queue()
+        self._commands: queue.Queue[_Add | _End | _Snapshot | None] = queue.Queue()
+        # Numbered prefix-cache event batches, taken after each step (kv_events_config).
+        self._kv_batches: queue.SimpleQueue[KVEventBatch] = queue.SimpleQueue()
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -225,6 +236,24 @@ class AsyncEngine:
         remote reader: its lease ends)."""
         self._commands.put(_End(request_id, RequestStatus.FINISHED_ABORTED))
 
+    def take_kv_event_batches(self) -> list[KVEventBatch]:
+        """The prefix cache's event batches since the last call, in order (any thread)."""
+        batches = []
+        while True:
+            try:
+                batches.append(self._kv_batches.get_nowait())
+            except queue.Empty:
+                return batches
+
+    def kv_snapshot(self) -> Future[KVSnapshot]:
+        """A snapshot of the prefix cache, taken between steps (any thread). Batches taken
+        before it are covered by it."""
+        if self.core.kv_events is None:
+            raise ValueError("this engine publishes no KV events (kv_events_config)")
+        command = _Snapshot(Future())
+        self._commands.put(command)
+        return command.result
+
     @property
     def dead(self) -> BaseException | None:
         """Why the engine loop stopped, if it has failed."""
@@ -268,6 +297,8 @@ class AsyncEngine:
                 return
             if isinstance(command, _Add):
                 command.sink.put(error)
+            elif isinstance(command, _Snapshot):
+                command.result.set_exception(error)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands; with `block`, wait for the first. False means shut down."""
@@ -280,6 +311,9 @@ class AsyncEngine:
                 return False
             if isinstance(command, _End):
                 self._end(command)
+            elif isinstance(command, _Snapshot):
+                assert self.core.kv_events is not None
+                command.result.set_result(self.core.kv_events.snapshot())
             else:
                 self._add(command)
             try:
@@ -313,8 +347,16 @@ class AsyncEngine:
             del self._sinks[end.request_id]
             sink.put(EngineCoreOutput(end.request_id, [], finish_reason_of(end.status)))
 
+    def _take_kv_events(self) -> None:
+        stream = self.core.kv_events
+        batch = stream.take_batch() if stream is not None else None
+        if batch is not None:
+            self._kv_batches.put(batch)
+
     def _step(self) -> None:
-        for output in self.core.step():
+        outputs = self.core.step()
+        self._take_kv_events()
+        for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is None:
                 continue
