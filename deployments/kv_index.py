@@ -157,16 +157,23 @@ def index_actor_name(app_name: str) -> str:
 
 
 def get_index_actor(app_name: str) -> Any:
-    """The app's KV index actor, created by whoever asks first."""
+    """The app's KV index actor, created by whoever asks first, and killed by
+    `serve.shutdown()` (detached, so that no replica's death takes it along; registered with
+    Serve's controller for clean-up, as Ray Serve LLM's prefix tree actor is). A blocking
+    GCS lookup: call it off an event loop, or rarely."""
     import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
     actor_class = ray.remote(num_cpus=0, max_restarts=-1)(KVIndexServer)
-    return actor_class.options(
+    actor = actor_class.options(
         name=index_actor_name(app_name),
         namespace="pdserve",
         get_if_exists=True,
         lifetime="detached",
     ).remote()
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    controller._register_shutdown_cleanup_actor.remote(actor)
+    return actor
 
 
 def rank_by_cache(candidates: list[str], matches: dict[str, int]) -> list[list[str]] | None:

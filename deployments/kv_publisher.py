@@ -8,11 +8,13 @@ sends a snapshot instead. The first round always sends one: it announces the rep
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any
 
 from engine.async_engine import AsyncEngine
+from engine.core.kv_events import BlockStored, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -34,18 +36,22 @@ class KVEventPublisher:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop publishing and take this replica out of the index (a replica scaled down)."""
         self._stop.set()
+        self._thread.join(timeout=_CALL_TIMEOUT_S)
+        if self._index is not None:
+            self._index.forget.remote([self._replica_id])
 
     def _run(self) -> None:
-        failing = False
-        while not self._stop.wait(self._period_s):
+        failures = 0
+        while not self._stop.wait(self._period_s * (1 << min(failures, 8))):
             try:
                 self._publish()
-                failing = False
+                failures = 0
             except Exception as exc:  # the index is best effort: routing falls back to load
-                if not failing:
+                if not failures:
                     logger.warning("publishing KV events to the index failed: %s", exc)
-                failing = True
+                failures += 1  # back off (up to ~5 s): a snapshot walks every block
                 self._index = None  # look it up again: it may have been recreated
                 self._needs_snapshot = True
 
@@ -68,7 +74,16 @@ class KVEventPublisher:
             )
             self._needs_snapshot = False
             return
-        batches = self._engine.take_kv_event_batches()
+        batches = [_lean(batch) for batch in self._engine.take_kv_event_batches()]
         if batches:
             applied = self._index.apply.remote(self._replica_id, batches)
             self._needs_snapshot = not ray.get(applied, timeout=_CALL_TIMEOUT_S)
+
+
+def _lean(batch: KVEventBatch) -> KVEventBatch:
+    """The batch without the stored blocks' token ids (the index needs only hashes)."""
+    events = tuple(
+        dataclasses.replace(e, token_ids=[]) if isinstance(e, BlockStored) else e
+        for e in batch.events
+    )
+    return dataclasses.replace(batch, events=events)

@@ -24,7 +24,39 @@ from ray.serve.request_router import (
 from deployments import replica_set
 
 
-class ReplicaSetRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
+class _PublishesReplicaSet:
+    """Publishes the deployment's replica-set size to the Router's process whenever Serve
+    changes it (`request_router_kwargs` "role" names the set)."""
+
+    curr_replicas: dict[ReplicaID, RunningReplica]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)  # type: ignore[misc]
+        self._publish()
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)  # type: ignore[misc]
+        self._publish()
+
+    def _publish(self) -> None:
+        replica_set.REPLICA_SETS.publish(getattr(self, "_role", ""), len(self.curr_replicas))
+
+
+def _two_at_random(
+    router: LocalityMixin, pending_request: PendingRequest | None
+) -> list[list[RunningReplica]]:
+    """Serve's default choice: its locality preference (same node, then zone), then two at
+    random; Serve probes their queue lengths and takes the shorter."""
+    ids = list(router.apply_locality_routing(pending_request=pending_request))
+    if not ids:
+        return []
+    replicas = router.curr_replicas  # type: ignore[attr-defined]
+    return [[replicas[i] for i in random.sample(ids, k=min(2, len(ids))) if i in replicas]]
+
+
+class ReplicaSetRouter(
+    FIFOMixin, LocalityMixin, MultiplexMixin, _PublishesReplicaSet, RequestRouter
+):
     """Serve's default policy (locality, then power of two choices), also publishing the
     replica set's size.
     `request_router_kwargs`: {"role": "prefill"}."""
@@ -37,38 +69,24 @@ class ReplicaSetRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        # Serve's locality preference (same node, then zone), then two at random: Serve
-        # probes their queue lengths and takes the shorter.
-        ids = list(self.apply_locality_routing(pending_request=pending_request))
-        if not ids:
-            return []
-        replicas = self.curr_replicas
-        return [[replicas[i] for i in random.sample(ids, k=min(2, len(ids))) if i in replicas]]
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        self._publish()
-
-    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        self._publish()
-
-    def _publish(self) -> None:
-        replica_set.REPLICA_SETS.publish(getattr(self, "_role", ""), len(self.curr_replicas))
+        return _two_at_random(self, pending_request)
 
 
-class KVAwareRouter(ReplicaSetRouter):
+class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, RequestRouter):
     """Replica choice by cache: the replicas holding the most of the prompt's leading KV
     blocks first (the app's KV index, deployments/kv_index.py), the rest after them (Serve
     moves on when the first are full); where the cache says nothing, Serve's default. Used for
     both legs: a prefill replica holding a conversation's earlier turns computes only the new
     ones, a decode replica holding them reads only the tail.
+
+    No FIFOMixin: a replica chosen for one request's prompt must go to that request, not to
+    the oldest one waiting (Ray Serve LLM's prefix-aware router leaves it out too).
     `request_router_kwargs`: {"role": ..., "block_size": the engines' block size}."""
 
     _INDEX_TIMEOUT_S = 0.1
 
     def initialize_state(self, role: str = "", block_size: int = 16, **kwargs: Any) -> None:
-        super().initialize_state(role=role, **kwargs)
+        self._role = role
         self._block_size = block_size
         self._index: Any = None
 
@@ -78,32 +96,31 @@ class KVAwareRouter(ReplicaSetRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         ranks = await self._cache_ranks(candidate_replicas, pending_request)
-        if ranks is not None:
-            return ranks
-        return await super().choose_replicas(candidate_replicas, pending_request)
+        if ranks is None:
+            return _two_at_random(self, pending_request)
+        if pending_request is not None:
+            # If every ranked replica is full, wait before asking again (as Serve's own
+            # locality routing does), not at once in a loop.
+            pending_request.routing_context.should_backoff = True
+        return ranks
 
     async def _cache_ranks(
         self, candidates: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]] | None:
-        from deployments.kv_index import get_index_actor, rank_by_cache
-        from deployments.protocol import EngineRequest
-        from engine.core.kv_cache_utils import prompt_block_hashes
+        from ray.exceptions import RayActorError
 
-        args = pending_request.args if pending_request is not None else ()
-        request = args[0] if args else None
-        if not isinstance(request, EngineRequest) or len(candidates) < 2:
-            return None
-        hashes = prompt_block_hashes(request.prompt_token_ids, self._block_size, request.cache_salt)
-        if not hashes:
+        from deployments.kv_index import rank_by_cache
+
+        hashes = self._prompt_hashes(pending_request)
+        if not hashes or len(candidates) < 2:
             return None
         try:
-            if self._index is None:
-                self._index = get_index_actor(self.app_name)
-            matches = await asyncio.wait_for(
-                self._index.match.remote(hashes), self._INDEX_TIMEOUT_S
-            )
-        except Exception:  # no index (yet): load decides
-            self._index = None
+            index = await self._index_actor()
+            matches = await asyncio.wait_for(index.match.remote(hashes), self._INDEX_TIMEOUT_S)
+        except RayActorError:
+            self._index = None  # gone: look it up again next time
+            return None
+        except Exception:  # slow or not there yet: load decides
             return None
         by_id = {r.replica_id.unique_id: r for r in candidates}
         ranks = rank_by_cache(list(by_id), matches)
@@ -111,10 +128,36 @@ class KVAwareRouter(ReplicaSetRouter):
             return None
         return [[by_id[i] for i in rank] for rank in ranks]
 
+    def _prompt_hashes(self, pending_request: PendingRequest | None) -> list[bytes]:
+        """The prompt's block hashes, computed once per request (Serve may route it again)."""
+        from deployments.protocol import EngineRequest
+        from engine.core.kv_cache_utils import prompt_block_hashes
+
+        if pending_request is None or not pending_request.args:
+            return []
+        cached = getattr(pending_request, "_pdserve_block_hashes", None)
+        if cached is not None:
+            return cached
+        request = pending_request.args[0]
+        hashes: list[bytes] = []
+        if isinstance(request, EngineRequest):
+            hashes = prompt_block_hashes(
+                request.prompt_token_ids, self._block_size, request.cache_salt
+            )
+        pending_request._pdserve_block_hashes = hashes  # type: ignore[attr-defined]
+        return hashes
+
+    async def _index_actor(self) -> Any:
+        """The index actor's handle; the lookup (a blocking GCS call) runs off the loop."""
+        from deployments.kv_index import get_index_actor
+
+        if self._index is None:
+            self._index = await asyncio.to_thread(get_index_actor, self.app_name)
+        return self._index
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        gone = {r.unique_id for r in self.curr_replicas} - {
-            r.replica_id.unique_id for r in replicas
-        }
+        now = {r.replica_id.unique_id for r in replicas}
+        gone = {r.unique_id for r in self.curr_replicas} - now
         super().update_replicas(replicas)
         self._forget(gone)
 
@@ -123,5 +166,6 @@ class KVAwareRouter(ReplicaSetRouter):
         self._forget({replica_id.unique_id})
 
     def _forget(self, replica_ids: set[str]) -> None:
+        """Drop replicas from the index (engines that stop cleanly also drop themselves)."""
         if replica_ids and self._index is not None:
             self._index.forget.remote(sorted(replica_ids))

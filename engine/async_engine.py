@@ -39,6 +39,9 @@ from engine.request import RequestStatus, SamplingParams, finish_reason_of
 logger = logging.getLogger(__name__)
 
 
+_MAX_KV_BATCHES = 4096
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop failed; the request cannot finish."""
 
@@ -350,8 +353,13 @@ class AsyncEngine:
     def _take_kv_events(self) -> None:
         stream = self.core.kv_events
         batch = stream.take_batch() if stream is not None else None
-        if batch is not None:
-            self._kv_batches.put(batch)
+        if batch is None:
+            return
+        if self._kv_batches.qsize() >= _MAX_KV_BATCHES:
+            # Nobody is taking them: drop what waits (a reader sees the gap, asks for a
+            # snapshot) rather than grow without bound.
+            self.take_kv_event_batches()
+        self._kv_batches.put(batch)
 
     def _step(self) -> None:
         outputs = self.core.step()

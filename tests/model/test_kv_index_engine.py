@@ -81,3 +81,37 @@ def test_the_index_follows_the_engine_through_evictions_gaps_and_restarts(hf_ref
 def test_events_are_off_unless_asked_for(hf_refs):
     llm = LLM(hf_refs["llama_gqa"].path, max_model_len=32)
     assert llm.engine.kv_events is None
+
+
+def test_the_async_engine_hands_out_batches_in_order_and_snapshots_between_steps(hf_refs):
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(
+        hf_refs["llama_gqa"].path,
+        max_model_len=64,
+        block_size=BLOCK,
+        kv_events_config={"enable_kv_cache_events": True},
+    )
+    try:
+        prompt = list(range(5, 30))
+
+        async def run() -> None:
+            async for _ in engine.generate_tokens(prompt, PARAMS):
+                pass
+
+        asyncio.run(run())
+        batches = engine.take_kv_event_batches()
+        assert [b.seq for b in batches] == list(range(len(batches))) and batches
+        index = PrefixIndex()
+        assert all(index.apply("r", b) for b in batches)
+        hashes = prompt_block_hashes(prompt, BLOCK)
+        assert index.match(hashes) == {"r": len(hashes)}
+        snapshot = engine.kv_snapshot().result(timeout=10)
+        assert snapshot.next_seq == len(batches) and len(snapshot.block_hashes) >= len(hashes)
+        fresh = PrefixIndex()
+        fresh.load_snapshot("r", snapshot)
+        assert fresh.match(hashes) == {"r": len(hashes)}
+    finally:
+        engine.shutdown()

@@ -79,3 +79,16 @@ def test_replicas_that_stopped_running_are_forgotten():
     assert sorted(index.replicas) == ["a", "c"]
     index.forget("c")
     assert index.match([b"1"]) == {"a": 1}
+
+
+def test_ranking_puts_the_replicas_holding_most_first_and_stays_out_of_ties():
+    from deployments.kv_index import rank_by_cache
+
+    candidates = ["a", "b", "c"]
+    assert rank_by_cache(candidates, {"a": 2, "b": 5, "c": 5}) == [["b", "c"], ["a"]]
+    assert rank_by_cache(candidates, {"a": 1}) == [["a"], ["b", "c"]]
+    # Nothing cached, or everyone holding the same (a shared system prompt): load decides.
+    assert rank_by_cache(candidates, {}) is None
+    assert rank_by_cache(candidates, {"a": 3, "b": 3, "c": 3}) is None
+    # Replicas the index knows but Serve does not offer are not candidates.
+    assert rank_by_cache(["a", "b"], {"a": 1, "z": 9}) == [["a"], ["b"]]
