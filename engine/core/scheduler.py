@@ -21,7 +21,7 @@ from engine.core.kv_transfer_state import KVTransferState
 from engine.core.request_queue import RequestQueue, create_request_queue
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.sched_step import Step, build_scheduler_output
-from engine.core.stop import check_stop
+from engine.core.stop import check_stop, reaches_length_limit
 from engine.kv_connector import KVConnectorBase
 from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason, Request, RequestStatus, finish_reason_of
@@ -186,11 +186,7 @@ class Scheduler:
     def _owes_its_last_token(self, request: Request) -> bool:
         """The steps in flight already sample up to a length limit (max_tokens or the
         context): scheduling the request again would compute tokens nobody reads."""
-        placeholders = request.num_output_placeholders
-        return (
-            request.num_output_tokens + placeholders >= request.max_tokens
-            or request.num_tokens + placeholders >= self.max_model_len
-        )
+        return reaches_length_limit(request, self.max_model_len, request.num_output_placeholders)
 
     def may_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the outputs of the one in flight are

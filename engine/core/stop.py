@@ -22,6 +22,15 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return _STOPPED
-    if num_output_tokens >= request.max_tokens or len(request.all_token_ids) >= max_model_len:
+    if reaches_length_limit(request, max_model_len):
         return _LENGTH_CAPPED
     return None
+
+
+def reaches_length_limit(request: Request, max_model_len: int, pending: int = 0) -> bool:
+    """max_tokens outputs, or a full context, counting `pending` samples not yet appended
+    (async scheduling's placeholders)."""
+    return (
+        request.num_output_tokens + pending >= request.max_tokens
+        or request.num_tokens + pending >= max_model_len
+    )
