@@ -8,6 +8,7 @@ side (PDWorker) owns the side channel, the transport and the reads.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -21,14 +22,19 @@ from connector.metadata import (
     tokens_hash,
 )
 from connector.pd_worker import PDWorker
+from connector.side_channel import Loan
 from engine.config import EngineConfig, KVTransferConfig
 from engine.core.kv_cache_utils import KVCacheBlock, cdiv
 from engine.core.sched_output import SchedulerOutput
-from engine.kv_connector import KVConnectorBase
+from engine.kv_connector import KVConnectorBase, PinPrefix, RunOnEngineThread
 from engine.models import ModelArchConfig
 from engine.request import Request, RequestStatus
 
+logger = logging.getLogger(__name__)
+
 _HANDED_OFF = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+# How long a LendPrefix call waits for the engine thread (a step in progress) to pin blocks.
+_LEND_TIMEOUT_S = 5.0
 
 
 class PDConnector(KVConnectorBase):
@@ -87,6 +93,9 @@ class PDConnector(KVConnectorBase):
         if matched is None:
             return
         remote, num_local, _ = matched
+        # The params were consumed (a preempted and resumed request recomputes locally); a
+        # prefill that borrowed a prefix still hands its KV on to a decode engine.
+        request.kv_transfer_params = _handoff_only(request.kv_transfer_params)
         if num_external_tokens == 0:
             self._meta.releases.append(remote)  # a full local hit: nothing to read
             self._stats["releases_without_read"] += 1
@@ -100,8 +109,6 @@ class PDConnector(KVConnectorBase):
         self._reading.add(request.request_id)
         self._stats["loads_requested"] += 1
         self._stats["blocks_requested"] += len(local_ids)
-        # The params were consumed: a preempted and resumed request recomputes locally.
-        request.kv_transfer_params = None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
         meta, self._meta = self._meta, ConnectorMetadata()
@@ -163,6 +170,31 @@ class PDConnector(KVConnectorBase):
     def cancel_request(self, request_id: str) -> None:
         self.worker.cancel_lease(request_id)
 
+    def enable_prefix_lending(
+        self, pin: PinPrefix, run_on_engine_thread: RunOnEngineThread
+    ) -> None:
+        """Serve LendPrefix on the side channel: pin on the engine thread, lease from there
+        (so blocks pinned after the caller gave up waiting are still under a lease, which
+        expires), answer from the side channel's thread."""
+
+        def lend(block_hashes: list[bytes]) -> Loan | None:
+            lease_request_id = f"lend-{uuid.uuid4().hex}"
+
+            def on_engine_thread() -> Loan | None:
+                block_ids = pin(block_hashes, lease_request_id)
+                if not block_ids:
+                    return None
+                return self.worker.lease_lent_blocks(lease_request_id, block_ids)
+
+            pinned = run_on_engine_thread(on_engine_thread)
+            try:
+                return pinned.result(timeout=_LEND_TIMEOUT_S)
+            except TimeoutError:  # a long step: lend nothing (a late lease just expires)
+                logger.info("lending a prefix: the engine was busy for %.0f s", _LEND_TIMEOUT_S)
+                return None
+
+        self.worker.serve_loans(lend)
+
     @property
     def stats(self) -> dict[str, int]:
         """Counters: loads and blocks requested, blocks read, reads failed, releases."""
@@ -177,3 +209,8 @@ class PDConnector(KVConnectorBase):
 
     def close(self) -> None:
         self.worker.close()
+
+
+def _handoff_only(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What is left of kv_transfer_params once their remote KV is taken care of."""
+    return {"do_remote_decode": True} if params and params.get("do_remote_decode") else None

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 import torch
 
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV, tokens_hash
-from connector.side_channel import SideChannelClient, SideChannelError, SideChannelServer
+from connector.side_channel import (
+    Loan,
+    SideChannelClient,
+    SideChannelError,
+    SideChannelServer,
+)
 from connector.transport import BlockRead, KVTransport
 from engine.config import KVTransferConfig
 
@@ -92,6 +98,17 @@ class PDWorker:
             num_tokens=len(token_ids),
             tokens_hash=tokens_hash(token_ids),
         )
+
+    def serve_loans(self, lend: Callable[[list[bytes]], Loan | None]) -> None:
+        """Answer LendPrefix calls with `lend` (set once the engine can pin blocks)."""
+        assert self.server is not None, "register() first"
+        self.server.lender = lend
+
+    def lease_lent_blocks(self, lease_request_id: str, block_ids: list[int]) -> Loan:
+        """Lent prefix blocks under a lease of their own (`lease_request_id` names it)."""
+        assert self.server is not None, "register() first"
+        lease = self.server.leases.add(lease_request_id, block_ids, self.config.lease_seconds)
+        return Loan(list(block_ids), lease)
 
     def cancel_lease(self, request_id: str) -> None:
         if self.server is not None:

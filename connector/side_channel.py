@@ -14,14 +14,22 @@ Every call carries the shared secret as metadata `x-pdserve-secret`. Refusals:
   block id outside [0, num_blocks)                  OUT_OF_RANGE
   block id not under the lease                      PERMISSION_DENIED
   duplicate block ids                               INVALID_ARGUMENT
+  LendPrefix on an engine that does not lend        FAILED_PRECONDITION
+  LendPrefix without hashes                         INVALID_ARGUMENT
 `Release` is idempotent: a released, expired or unknown lease is answered OK (released=False).
+`LendPrefix` lends the blocks of a prompt's leading cached hashes under a new lease
+(PDConnector.enable_prefix_lending); the reader then reads them like handed-off KV.
+
+Why this file is long: it is one protocol's two ends — the server, the client, and the
+hand-written BlockData framing both share — kept together so that a message changes on both
+ends in one place.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +39,7 @@ import torch
 
 from connector.block_data import BlockChunk, decode_block_data, encode_block_data
 from connector.leases import (
+    Lease,
     LeaseError,
     LeaseTable,
 )
@@ -115,6 +124,9 @@ class SideChannelServer:
         self.transport_name = transport_name
         self.chunk_bytes = chunk_bytes
         self.leases = LeaseTable()
+        # Lends prefix-cache blocks (block hashes -> a loan, or None when none are held);
+        # set by the engine that can (PDConnector.enable_prefix_lending).
+        self.lender: Callable[[list[bytes]], Loan | None] | None = None
         self._max_workers = max_workers
         self._server: Any = None
 
@@ -184,6 +196,11 @@ def _add_servicer(servicer: _KVTransferServicer, server: grpc.Server) -> None:
         ),
         "ReadBlocks": grpc.unary_stream_rpc_method_handler(
             servicer.ReadBlocks, request_deserializer=pb.ReadBlocksRequest.FromString
+        ),
+        "LendPrefix": grpc.unary_unary_rpc_method_handler(
+            servicer.LendPrefix,
+            request_deserializer=pb.LendPrefixRequest.FromString,
+            response_serializer=pb.LendPrefixResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
@@ -259,6 +276,33 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "duplicate block ids")
         return self._stream(request.lease_id, block_ids, context)
 
+    def LendPrefix(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._authorize(context)
+        lender = self.s.lender
+        if lender is None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"engine {self.s.engine_id!r} does not lend prefix blocks",
+            )
+            return None  # abort raised
+        if not request.block_hashes:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no block hashes")
+        try:
+            loan = lender(list(request.block_hashes))
+        except Exception as exc:  # the engine stopped: the caller recomputes instead
+            logger.warning("lending a prefix failed: %r", exc)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the engine cannot lend now")
+            return None  # abort raised
+        if loan is None:
+            return pb.LendPrefixResponse(engine_id=self.s.engine_id)
+        return pb.LendPrefixResponse(
+            engine_id=self.s.engine_id,
+            request_id=loan.lease.request_id,
+            block_ids=loan.block_ids,
+            lease_id=loan.lease.lease_id,
+            expires_in_seconds=loan.lease.lease_seconds,
+        )
+
     def _stream(
         self, lease_id: str, block_ids: list[int], context: grpc.ServicerContext
     ) -> Iterator[Any]:
@@ -301,6 +345,26 @@ class HandshakeReply:
     transport_metadata: bytes
     num_blocks: int
     block_bytes: int
+
+
+@dataclass(frozen=True)
+class Loan:
+    """Prefix blocks an engine lends: the leading blocks it holds, in prompt order, under a
+    lease of their own (the engine frees them when the lease is reported finished)."""
+
+    block_ids: list[int]
+    lease: Lease
+
+
+@dataclass(frozen=True)
+class LendReply:
+    """LendPrefix's answer; `block_ids` empty when nothing was lent."""
+
+    engine_id: str
+    request_id: str
+    block_ids: list[int]
+    lease_id: str
+    lease_seconds: float
 
 
 class BlockStream:
@@ -400,6 +464,17 @@ class SideChannelClient:
     def release(self, lease_id: str) -> bool:
         """True when this call ended a live lease (False: already ended or unknown)."""
         return bool(self._unary(self._stub.Release, pb.LeaseRequest(lease_id=lease_id)).released)
+
+    def lend_prefix(self, block_hashes: list[bytes]) -> LendReply:
+        """Borrow the engine's cached blocks for the leading run of `block_hashes`."""
+        r = self._unary(self._stub.LendPrefix, pb.LendPrefixRequest(block_hashes=block_hashes))
+        return LendReply(
+            r.engine_id,
+            r.request_id,
+            [int(b) for b in r.block_ids],
+            r.lease_id,
+            float(r.expires_in_seconds),
+        )
 
     def open_read(
         self, lease_id: str, block_ids: list[int], timeout_s: float | None = None

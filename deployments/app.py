@@ -36,6 +36,9 @@ class AppConfig:
     router_replicas: int = 1
     # Resources per engine replica: one GPU each on a GPU cluster.
     num_cpus_per_engine: float = 1.0
+    # On CPU nodes each engine replica computes with num_cpus_per_engine threads pinned to
+    # cores no other engine replica holds (deployments/core_pinning.py); false: unpinned.
+    pin_engine_cores: bool = True
     num_gpus_per_engine: float = 0.0
     num_cpus_router: float = 0.5
     max_ongoing_requests: int = 256  # per engine replica; the engine queues behind it
@@ -45,6 +48,13 @@ class AppConfig:
     lease_seconds: float = 30.0
     kv_load_failure_policy: str = "recompute"
     min_remote_prefill_tokens: int = 0
+    # Cache-aware disaggregation (with kv_aware_routing): a prompt of which a decode replica
+    # holds all but at most this many tokens skips the prefill leg; 0 turns it off.
+    max_local_prefill_tokens: int = FlowConfig.max_local_prefill_tokens
+    # Prefix loans (with kv_aware_routing): the prefill leg reads a prompt's leading blocks
+    # from the engine holding the most of them when that spares it at least this many
+    # tokens; 0 turns them off.
+    min_prefix_loan_tokens: int = FlowConfig.min_prefix_loan_tokens
     # Route both legs by the engines' prefix caches (deployments/kv_index.py); off: Serve's
     # default (power of two choices).
     kv_aware_routing: bool = True
@@ -78,6 +88,9 @@ class AppConfig:
         for name in ("prefill_replicas", "decode_replicas", "router_replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_local_prefill_tokens", "min_prefix_loan_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
         if self.max_ongoing_requests < 1:
             raise ValueError("max_ongoing_requests must be >= 1")
         if self.request_timeout_s <= 0 or self.prefill_timeout_s <= 0:
@@ -106,6 +119,8 @@ class AppConfig:
     def flow(self) -> FlowConfig:
         return FlowConfig(
             min_remote_prefill_tokens=self.min_remote_prefill_tokens,
+            max_local_prefill_tokens=self.max_local_prefill_tokens,
+            min_prefix_loan_tokens=self.min_prefix_loan_tokens,
             request_timeout_s=self.request_timeout_s,
             prefill_timeout_s=self.prefill_timeout_s,
             limits=self.limits(),
@@ -134,22 +149,25 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         transport="" if config.colocated else config.transport,
         served_model_name=config.served_model_name,
         otlp_endpoint=config.otlp_endpoint,
+        kv_aware_routing=config.kv_aware_routing,
     )
     router = RouterDeployment.options(
         num_replicas=config.router_replicas,
         max_ongoing_requests=config.max_ongoing_requests * 4,
         ray_actor_options={"num_cpus": config.num_cpus_router},
     )
+    if config.kv_aware_routing:
+        # The engines publish their prefix caches' events; the legs' routers read them.
+        engine_args = {"kv_events_config": {"enable_kv_cache_events": True}, **engine_args}
+    engine_extras = (config.otlp_endpoint, config.pin_engine_cores)
     if config.colocated:
         engine = ColocatedDeployment.options(
-            **_engine_options(config, config.decode_autoscaling, config.decode_replicas)
+            **_engine_options(config, config.decode_autoscaling, config.decode_replicas),
+            **_decode_router(config, "colocated"),
         )
-        colocated = engine.bind(config.model, engine_args, None, config.otlp_endpoint)
+        colocated = engine.bind(config.model, engine_args, None, *engine_extras)
         return router.bind(settings, colocated)
     kv = config.kv_transfer_config()
-    if config.kv_aware_routing:
-        # The engines publish their prefix caches' events; both legs' routers read them.
-        engine_args = {"kv_events_config": {"enable_kv_cache_events": True}, **engine_args}
     prefill = PrefillDeployment.options(
         **_engine_options(config, config.prefill_autoscaling, config.prefill_replicas),
         # The prefill leg's router also tells the Router when no prefill replica runs (it
@@ -158,20 +176,20 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
     )
     decode = DecodeDeployment.options(
         **_engine_options(config, config.decode_autoscaling, config.decode_replicas),
-        **(_decode_router(config)),
+        **_decode_router(config, "decode"),
     )
     return router.bind(
         settings,
-        decode.bind(config.model, engine_args, kv, config.otlp_endpoint),
-        prefill.bind(config.model, engine_args, kv, config.otlp_endpoint),
+        decode.bind(config.model, engine_args, kv, *engine_extras),
+        prefill.bind(config.model, engine_args, kv, *engine_extras),
     )
 
 
-def _decode_router(config: AppConfig) -> dict[str, Any]:
-    """Decode replicas are Serve's default choice unless routed by cache."""
+def _decode_router(config: AppConfig, role: str) -> dict[str, Any]:
+    """Decode (and colocated) replicas are Serve's default choice unless routed by cache."""
     if not config.kv_aware_routing:
         return {}
-    return {"request_router_config": _request_router(config, "decode")}
+    return {"request_router_config": _request_router(config, role)}
 
 
 def _request_router(config: AppConfig, role: str) -> dict[str, Any]:

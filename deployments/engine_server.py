@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from ray import serve
 
+from deployments.core_pinning import CoreClaim, Placement, place_engine
 from deployments.kv_publisher import KVEventPublisher
 from deployments.protocol import EngineRequest
 from deployments.telemetry import (
@@ -56,7 +57,10 @@ class EngineServer:
         engine_args: dict[str, Any],
         kv_transfer_config: dict[str, Any] | None = None,
         otlp_endpoint: str = "",
+        pin_cores: bool = False,
     ) -> None:
+        # Before the engine exists: its threads and first-touched memory start on its cores.
+        self._placement, self._cores = _place(engine_args) if pin_cores else (None, None)
         kv = dict(kv_transfer_config) if kv_transfer_config else None
         if kv is not None:
             kv.setdefault("side_channel_host", node_ip())
@@ -71,7 +75,7 @@ class EngineServer:
         self.tracing = Tracing(self.role, self.replica_id, otlp_endpoint)
         self.metrics = _engine_metrics()
         self._sampler = _start_sampler(self) if self.metrics is not None else None
-        self._kv_publisher = _start_kv_publisher(self.engine)
+        self._kv_publisher = _start_kv_publisher(self.engine, self.role)
         logger.info(
             "%s engine %s ready (%d KV blocks)", self.role, self.replica_id, core.num_kv_blocks
         )
@@ -149,6 +153,10 @@ class EngineServer:
         del stats["num_preemptions"]  # a counter, sampled into metrics, not a health figure
         return {"role": self.role, "replica_id": self.replica_id, **stats}
 
+    def placement(self) -> dict[str, Any] | None:
+        """Threads and pinned cores (None where pinning was not asked for)."""
+        return dataclasses.asdict(self._placement) if self._placement else None
+
     def check_health(self) -> None:
         """Serve's health probe: a dead engine loop restarts the replica."""
         if self.engine.dead is not None:
@@ -168,6 +176,9 @@ class EngineServer:
         tracing = getattr(self, "tracing", None)
         if tracing is not None:
             tracing.shutdown()
+        cores = getattr(self, "_cores", None)
+        if cores is not None:
+            cores.release()
 
 
 def _engine_metrics() -> EngineMetrics | None:
@@ -190,13 +201,34 @@ def _start_sampler(server: EngineServer, period_s: float = 1.0) -> threading.Eve
     return stop
 
 
-def _start_kv_publisher(engine: AsyncEngine) -> KVEventPublisher | None:
+def _on_cpu(engine_args: dict[str, Any]) -> bool:
+    device = engine_args.get("device", "auto")
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
+def _place(engine_args: dict[str, Any]) -> tuple[Placement | None, CoreClaim | None]:
+    """Inside a Serve replica on a CPU: threads = its CPUs, pinned to cores of its own
+    (deployments/core_pinning.py). GPU engines are placed by their GPU, as Ray assigns it."""
+    if serve_replica_id() is None or not _on_cpu(engine_args):
+        return None, None
+    import ray
+
+    num_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+    return place_engine(num_cpus)
+
+
+def _start_kv_publisher(engine: AsyncEngine, role: str) -> KVEventPublisher | None:
     """Inside a Serve replica whose engine numbers its KV events: publish them to the app's
     index (the KV-aware request routers read it)."""
     replica_id = serve_replica_id()
-    if replica_id is None or engine.core.kv_events is None:
+    core = engine.core
+    if replica_id is None or core.kv_events is None:
         return None
-    return KVEventPublisher(engine, replica_id, serve.get_replica_context().app_name)
+    kv = core.config.kv_transfer
+    port = core.side_channel_port
+    side_channel = f"{kv.side_channel_host}:{port}" if kv is not None and port else ""
+    app = serve.get_replica_context().app_name
+    return KVEventPublisher(engine, replica_id, app, role, side_channel)
 
 
 def serve_replica_id() -> str | None:
@@ -226,9 +258,7 @@ class PrefillServer(EngineServer):
         takes the fused decode step). An explicit `linear_backend` wins."""
         if engine_args.get("linear_backend", "auto") != "auto":
             return engine_args
-        device = engine_args.get("device", "auto")
-        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-        if not on_cpu or not torch.backends.mkldnn.is_available():
+        if not _on_cpu(engine_args) or not torch.backends.mkldnn.is_available():
             return engine_args
         return {**engine_args, "linear_backend": "onednn"}
 

@@ -17,18 +17,24 @@ no longer running is forgotten (`retain`).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployments.kv_scoring import CacheSurvey, Holding, survey
 from engine.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EngineLoad,
     KVEventBatch,
     KVSnapshot,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -119,8 +125,8 @@ def _apply_events(blocks: Counter[bytes], batch: KVEventBatch) -> None:
 
 
 class KVIndexServer:
-    """The app's one KV index, as a Ray actor: engine replicas push their batches and
-    snapshots (`KVEventPublisher`), the request routers of both legs ask it per request.
+    """The app's one KV index, as a Ray actor: engine replicas push their batches, snapshots
+    and load (`KVEventPublisher`), the request routers of both legs ask it per request.
 
     Why an actor: one copy that every router replica shares and every engine reaches through
     Ray, with no fan-out of events to each router; a router's question is one actor call
@@ -130,26 +136,99 @@ class KVIndexServer:
 
     def __init__(self) -> None:
         self.index = PrefixIndex()
+        self.roles: dict[str, str] = {}
+        self.side_channels: dict[str, str] = {}
+        self.loads: dict[str, EngineLoad] = {}
 
-    def apply(self, replica: str, batches: list[KVEventBatch]) -> bool:
-        """False: the replica must send a snapshot."""
-        ok = True
+    def apply(
+        self, replica: str, batches: list[KVEventBatch], load: EngineLoad | None = None
+    ) -> bool:
+        """False: the replica must send a snapshot (also for a replica the index does not
+        know: an index that restarted learns of idle replicas from their heartbeats)."""
+        if load is not None:
+            self.loads[replica] = load
+        ok = replica in self.roles
         for batch in batches:
             ok = self.index.apply(replica, batch) and ok
         return ok and self.index.is_current(replica)
 
-    def load_snapshot(self, replica: str, snapshot: KVSnapshot) -> None:
+    def load_snapshot(
+        self,
+        replica: str,
+        snapshot: KVSnapshot,
+        role: str = "",
+        load: EngineLoad | None = None,
+        side_channel: str = "",
+    ) -> None:
+        """A replica (re)announces itself: its whole cache, its role, where it lends from."""
         self.index.load_snapshot(replica, snapshot)
+        self.roles[replica] = role
+        self.side_channels[replica] = side_channel
+        if load is not None:
+            self.loads[replica] = load
 
     def match(self, block_hashes: list[bytes]) -> dict[str, int]:
         return self.index.match(block_hashes)
 
+    def lookup(self, block_hashes: list[bytes], role: str = "") -> dict[str, Holding]:
+        """Per replica (of `role`, or all): the prompt's leading blocks it holds, its load."""
+        matches = self.index.match(block_hashes)
+        return {
+            replica: Holding(
+                count,
+                self.loads.get(replica),
+                self.roles.get(replica, ""),
+                self.side_channels.get(replica, ""),
+            )
+            for replica, count in matches.items()
+            if not role or self.roles.get(replica) == role
+        }
+
     def forget(self, replicas: list[str]) -> None:
         for replica in replicas:
             self.index.forget(replica)
+            self.roles.pop(replica, None)
+            self.side_channels.pop(replica, None)
+            self.loads.pop(replica, None)
 
     def current(self) -> dict[str, bool]:
         return {replica: self.index.is_current(replica) for replica in self.index.replicas}
+
+
+class IndexedClusterCache:
+    """The Router's view of the cluster's caches through the index actor (cache-aware
+    disaggregation and prefix loans): one actor call per request."""
+
+    def __init__(self, app_name: str, block_size: int, timeout_s: float = 0.1) -> None:
+        self._app_name = app_name
+        self._block_size = block_size
+        self._timeout_s = timeout_s
+        self._index: Any = None
+
+    async def survey(
+        self, prompt_token_ids: list[int], cache_salt: str | None
+    ) -> CacheSurvey | None:
+        """None also when the index does not answer in time: it is advice, and without it
+        the request is disaggregated as usual."""
+        from ray.exceptions import RayActorError
+
+        from engine.core.kv_cache_utils import prompt_block_hashes
+
+        hashes = prompt_block_hashes(prompt_token_ids, self._block_size, cache_salt)
+        if not hashes:
+            return None
+        try:
+            if self._index is None:
+                self._index = await asyncio.to_thread(get_index_actor, self._app_name)
+            lookup = self._index.lookup.remote(hashes)
+            holdings = await asyncio.wait_for(lookup, self._timeout_s)
+        except RayActorError:
+            self._index = None  # gone: look it up again next time
+            return None
+        except Exception as exc:
+            logger.info("KV index lookup failed: %r", exc)
+            return None
+        return survey(holdings, len(prompt_token_ids), self._block_size)
 
 
 def index_actor_name(app_name: str) -> str:
@@ -174,16 +253,3 @@ def get_index_actor(app_name: str) -> Any:
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     controller._register_shutdown_cleanup_actor.remote(actor)
     return actor
-
-
-def rank_by_cache(candidates: list[str], matches: dict[str, int]) -> list[list[str]] | None:
-    """Candidates in two ranks — those holding the most of the prompt's leading blocks, then
-    the rest — or None when the cache says nothing (no candidate holds a block, or all hold
-    the same: a system prompt every replica has), and load alone should decide."""
-    held = {c: matches.get(c, 0) for c in candidates}
-    best = max(held.values(), default=0)
-    if best == 0 or min(held.values()) == best:
-        return None
-    first = [c for c in candidates if held[c] == best]
-    rest = sorted((c for c in candidates if held[c] < best), key=lambda c: -held[c])
-    return [first, rest] if rest else [first]

@@ -1,9 +1,11 @@
 """Carrying an engine replica's prefix-cache events to the app's KV index (deployments/kv_index).
 
 A daemon thread of the replica, every `period_s`: the batches the engine loop took since the
-last round go to the index actor in one call; when the index answers that it cannot trust this
-replica (lost batches, a restart, an index that restarted) or the call fails, the next round
-sends a snapshot instead. The first round always sends one: it announces the replica.
+last round, with the engine's load when it changed, go to the index actor in one call; an idle
+replica still calls every `heartbeat_s`. When the index answers that it cannot trust this
+replica (lost batches, a restart, an index that restarted and does not know it) or the call
+fails, the next round sends a snapshot instead. The first round always sends one: it announces
+the replica and its role.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from typing import Any
 
 from engine.async_engine import AsyncEngine
@@ -23,12 +26,24 @@ _CALL_TIMEOUT_S = 10.0
 
 class KVEventPublisher:
     def __init__(
-        self, engine: AsyncEngine, replica_id: str, app_name: str, period_s: float = 0.02
+        self,
+        engine: AsyncEngine,
+        replica_id: str,
+        app_name: str,
+        role: str = "",
+        side_channel: str = "",
+        period_s: float = 0.02,
+        heartbeat_s: float = 1.0,
     ) -> None:
         self._engine = engine
         self._replica_id = replica_id
         self._app_name = app_name
+        self._role = role
+        self._side_channel = side_channel  # "host:port" other engines borrow prefixes from
         self._period_s = period_s
+        self._heartbeat_s = heartbeat_s
+        self._sent_load: Any = None
+        self._sent_at = 0.0
         self._index: Any = None
         self._needs_snapshot = True
         self._stop = threading.Event()
@@ -68,16 +83,25 @@ class KVEventPublisher:
         if self._needs_snapshot:
             self._engine.take_kv_event_batches()  # covered by the snapshot
             snapshot = self._engine.kv_snapshot().result(timeout=_CALL_TIMEOUT_S)
-            ray.get(
-                self._index.load_snapshot.remote(self._replica_id, snapshot),
-                timeout=_CALL_TIMEOUT_S,
+            load = self._engine.load
+            announce = self._index.load_snapshot.remote(
+                self._replica_id, snapshot, self._role, load, self._side_channel
             )
+            ray.get(announce, timeout=_CALL_TIMEOUT_S)
             self._needs_snapshot = False
+            self._sent(load)
             return
         batches = [_lean(batch) for batch in self._engine.take_kv_event_batches()]
-        if batches:
-            applied = self._index.apply.remote(self._replica_id, batches)
+        load = self._engine.load
+        due = time.monotonic() - self._sent_at >= self._heartbeat_s
+        if batches or load != self._sent_load or due:
+            applied = self._index.apply.remote(self._replica_id, batches, load)
             self._needs_snapshot = not ray.get(applied, timeout=_CALL_TIMEOUT_S)
+            self._sent(load)
+
+    def _sent(self, load: Any) -> None:
+        self._sent_load = load
+        self._sent_at = time.monotonic()
 
 
 def _lean(batch: KVEventBatch) -> KVEventBatch:

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -39,6 +40,13 @@ class ServeOptions:
     @property
     def num_apps(self) -> int:
         return 1 + len(self.extra_apps)
+
+
+def free_port() -> int:
+    """A TCP port nothing on 127.0.0.1 listens on right now (for apps started side by side)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def start(

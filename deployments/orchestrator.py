@@ -20,10 +20,10 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from connector.metadata import RemoteKV
-from connector.side_channel import SideChannelClient
 from deployments.errors import DeadlineExceeded
+from deployments.kv_scoring import Borrower, CacheSurvey, ClusterCache, decode_holder
 from deployments.protocol import (
+    ROUTE_CACHED,
     ROUTE_COLOCATED,
     ROUTE_DECODE_ONLY,
     ROUTE_DISAGGREGATED,
@@ -73,33 +73,15 @@ class FlowConfig:
     request_timeout_s: float = 300.0
     # A prefill leg slower than this is given up for decode-only (e.g. no prefill replica).
     prefill_timeout_s: float = 60.0
+    # Cache-aware disaggregation: a prompt of which the chosen decode replica holds all but
+    # at most this many tokens skips the prefill leg (the decode replica computes the tail;
+    # moving the whole prompt's KV would cost more). Needs a ClusterCache; 0 turns it off.
+    max_local_prefill_tokens: int = 128
+    # Prefix loans: the prefill leg borrows a prompt's leading blocks from the engine holding
+    # the most of it when that spares it at least this many tokens. Needs a ClusterCache and
+    # a Borrower; 0 turns it off.
+    min_prefix_loan_tokens: int = 64
     limits: RequestLimits = field(default_factory=RequestLimits)
-
-
-class LeaseReleaser:
-    """Ends a prefill lease over the prefill engine's side channel (the ReleaseFn)."""
-
-    def __init__(self, secret: str, timeout_s: float = 2.0) -> None:
-        self.secret = secret
-        self.timeout_s = timeout_s
-        self._clients: dict[tuple[str, int], SideChannelClient] = {}
-
-    async def __call__(self, kv_transfer_params: dict[str, Any]) -> None:
-        remote = RemoteKV.from_params(kv_transfer_params)
-        key = (remote.host, remote.port)
-        if key not in self._clients:
-            self._clients[key] = SideChannelClient(
-                remote.host, remote.port, self.secret, self.timeout_s
-            )
-        try:
-            # A blocking gRPC call with a short deadline: off the event loop.
-            await asyncio.to_thread(self._clients[key].release, remote.lease_id)
-        except Exception:
-            # A replica that went away (restarted ones listen elsewhere): forget its channel.
-            client = self._clients.pop(key, None)
-            if client is not None:
-                client.close()
-            raise
 
 
 class Orchestrator:
@@ -113,6 +95,8 @@ class Orchestrator:
         release: ReleaseFn | None = None,
         telemetry: RouterTelemetry | None = None,
         prefill_replicas: ReplicaWatch | None = None,
+        cluster_cache: ClusterCache | None = None,
+        borrower: Borrower | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model = model
@@ -122,6 +106,8 @@ class Orchestrator:
         self.release = release
         self.telemetry = telemetry or RouterTelemetry()
         self.prefill_replicas = prefill_replicas
+        self.cluster_cache = cluster_cache
+        self.borrower = borrower
         self._background: set[asyncio.Task[None]] = set()
         self.text_work = TextWork()  # heavy text work, off the event loop
 
@@ -236,15 +222,28 @@ class Orchestrator:
             # has started another.
             source = self._decode_leg(prepared, stream, ROUTE_FALLBACK)
         else:
-            source = self._disaggregated(prepared, stream)
+            survey = None
+            if self.cluster_cache is not None:
+                prompt, salt = prepared.prompt_token_ids, prepared.cache_salt
+                survey = await self.cluster_cache.survey(prompt, salt)
+            limit = self.config.max_local_prefill_tokens
+            if hint := decode_holder(survey, len(prepared.prompt_token_ids), limit):
+                source = self._decode_leg(prepared, stream, ROUTE_CACHED, replica_hint=hint)
+            else:
+                source = self._disaggregated(prepared, stream, survey)
         async with aclosing(source) as chunks:
             async for chunk in chunks:
                 yield chunk
 
     async def _disaggregated(
-        self, prepared: PreparedRequest, stream: ResponseStream
+        self, prepared: PreparedRequest, stream: ResponseStream, survey: CacheSurvey | None
     ) -> AsyncGenerator[ResponseChunk, None]:
-        first = await self._prefill_leg(prepared)
+        loan = None
+        if self.borrower is not None:
+            loan = await self.borrower.borrow(
+                prepared.prompt_token_ids, prepared.cache_salt, survey
+            )
+        first = await self._prefill_leg(prepared, loan)
         if first is None:  # the prefill leg failed: the decode replica computes the prompt
             async for chunk in self._decode_leg(prepared, stream, ROUTE_FALLBACK):
                 yield chunk
@@ -281,17 +280,20 @@ class Orchestrator:
             if handed_off is not None and decode_chunks == 0:
                 self._release_soon(handed_off)
 
-    async def _prefill_leg(self, prepared: PreparedRequest) -> EngineCoreOutput | None:
+    async def _prefill_leg(
+        self, prepared: PreparedRequest, loan: dict[str, Any] | None = None
+    ) -> EngineCoreOutput | None:
         """The prefill's single chunk (first token + kv_transfer_params), or None on failure:
         an error, no answer within prefill_timeout_s, or no prefill replica left running while
-        the request waited for one."""
+        the request waited for one. A `loan` (remote-prefill params for blocks another engine
+        lent) is read by the prefill engine instead of recomputed."""
         assert self.prefill is not None
         max_tokens = prepared.params.max_tokens
         params = dataclasses.replace(
             prepared.params, max_tokens=1, min_tokens=min(prepared.params.min_tokens, 1)
         )
-        kv = {"do_remote_decode": True} if max_tokens > 1 else None
-        request = self._engine_request(prepared, params, kv)
+        kv = {**(loan or {}), **({"do_remote_decode": True} if max_tokens > 1 else {})}
+        request = self._engine_request(prepared, params, kv or None)
         timeout = min(self.config.prefill_timeout_s, prepared.deadline - time.monotonic())
         chunks: list[EngineCoreOutput] = []
         leg = asyncio.ensure_future(_collect(self.prefill(request), chunks))
@@ -331,17 +333,26 @@ class Orchestrator:
             if not completed and handed_off is not None:
                 # The engine finished (blocks held for a reader) but we stopped listening.
                 self._release_soon(handed_off)
+            if loan is not None and not completed:
+                # The prefill engine may never have read the loan: give it back now rather
+                # than hold the lender's blocks until the lease expires.
+                self._release_soon(loan)
         if not chunks or chunks[-1].error is not None or not chunks[-1].new_token_ids:
             logger.warning("prefill of %s ended without a token; decode-only", prepared.request_id)
             return None
         return functools.reduce(merge_outputs, chunks)
 
     async def _decode_leg(
-        self, prepared: PreparedRequest, stream: ResponseStream, route: str
+        self,
+        prepared: PreparedRequest,
+        stream: ResponseStream,
+        route: str,
+        replica_hint: str = "",
     ) -> AsyncGenerator[ResponseChunk, None]:
         stream.route = route
         leg = "colocated" if route == ROUTE_COLOCATED else "decode"
         request = self._engine_request(prepared, prepared.params, None)
+        request.replica_hint = replica_hint
         async with aclosing(self._bounded(self.decode(request), prepared)) as chunks:
             async for engine_chunk in chunks:
                 stream.num_cached_tokens = engine_chunk.num_cached_tokens

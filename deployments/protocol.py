@@ -22,6 +22,7 @@ ROUTE_DISAGGREGATED = "disaggregated"  # prefill replica, KV transfer, decode re
 ROUTE_DECODE_ONLY = "decode_only"  # short prompt: the decode replica computes it
 ROUTE_FALLBACK = "fallback"  # the prefill leg failed: the decode replica computed it
 ROUTE_COLOCATED = "colocated"  # one engine does both
+ROUTE_CACHED = "decode_cached"  # the decode replica held all but a short tail: it computed it
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ class EngineRequest:
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     trace_context: dict[str, str] | None = None  # W3C carrier: the router's span
+    # The replica the router chose by its cache (cache-aware disaggregation): the leg's
+    # request router tries it first.
+    replica_hint: str = ""
 
 
 @dataclass

@@ -73,11 +73,13 @@ class ReplicaSetRouter(
 
 
 class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, RequestRouter):
-    """Replica choice by cache: the replicas holding the most of the prompt's leading KV
-    blocks first (the app's KV index, deployments/kv_index.py), the rest after them (Serve
-    moves on when the first are full); where the cache says nothing, Serve's default. Used for
-    both legs: a prefill replica holding a conversation's earlier turns computes only the new
-    ones, a decode replica holding them reads only the tail.
+    """Replica choice by cache against load (deployments/kv_scoring.py): the replicas that
+    would serve the prompt cheapest — its leading KV blocks cached there, little queued —
+    first, the rest after them (Serve moves on when the first are full); where the cache says
+    nothing, Serve's default. Used for both legs, each scored against its own role's
+    replicas: a prefill replica holding a conversation's earlier turns computes only the new
+    ones, a decode replica holding them reads only the tail. A request carrying a replica
+    hint (cache-aware disaggregation chose that decode replica) tries it first.
 
     No FIFOMixin: a replica chosen for one request's prompt must go to that request, not to
     the oldest one waiting (Ray Serve LLM's prefix-aware router leaves it out too).
@@ -95,7 +97,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        ranks = await self._cache_ranks(candidate_replicas, pending_request)
+        ranks = await self._cost_ranks(candidate_replicas, pending_request)
         if ranks is None:
             return _two_at_random(self, pending_request)
         if pending_request is not None:
@@ -104,46 +106,48 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
             pending_request.routing_context.should_backoff = True
         return ranks
 
-    async def _cache_ranks(
+    async def _cost_ranks(
         self, candidates: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]] | None:
         from ray.exceptions import RayActorError
 
-        from deployments.kv_index import rank_by_cache
+        from deployments.kv_scoring import rank_by_cost
 
-        hashes = self._prompt_hashes(pending_request)
-        if not hashes or len(candidates) < 2:
-            return None
-        try:
-            index = await self._index_actor()
-            matches = await asyncio.wait_for(index.match.remote(hashes), self._INDEX_TIMEOUT_S)
-        except RayActorError:
-            self._index = None  # gone: look it up again next time
-            return None
-        except Exception:  # slow or not there yet: load decides
+        request = _engine_request(pending_request)
+        if pending_request is None or request is None or len(candidates) < 2:
             return None
         by_id = {r.replica_id.unique_id: r for r in candidates}
-        ranks = rank_by_cache(list(by_id), matches)
-        if ranks is None:
-            return None
-        return [[by_id[i] for i in rank] for rank in ranks]
+        hint = by_id.get(request.replica_hint)
+        hashes = self._prompt_hashes(pending_request, request)
+        if not hashes:  # shorter than a block: nothing to find in any cache
+            return None if hint is None else _hint_first(hint, [candidates])
+        try:
+            index = await self._index_actor()
+            lookup = index.lookup.remote(hashes, self._role)
+            holdings = await asyncio.wait_for(lookup, self._INDEX_TIMEOUT_S)
+        except RayActorError:
+            self._index = None  # gone: look it up again next time
+            holdings = None
+        except Exception:  # slow or not there yet: load decides
+            holdings = None
+        ranks = None
+        if holdings is not None:
+            queue_lens = self.replica_queue_len_cache
+            ongoing = {i: queue_lens.get(r.replica_id) or 0 for i, r in by_id.items()}
+            ranks = rank_by_cost(
+                list(by_id), holdings, len(request.prompt_token_ids), self._block_size, ongoing
+            )
+        chosen = [[by_id[i] for i in rank] for rank in ranks] if ranks is not None else None
+        return chosen if hint is None else _hint_first(hint, chosen or [candidates])
 
-    def _prompt_hashes(self, pending_request: PendingRequest | None) -> list[bytes]:
+    def _prompt_hashes(self, pending_request: PendingRequest, request: Any) -> list[bytes]:
         """The prompt's block hashes, computed once per request (Serve may route it again)."""
-        from deployments.protocol import EngineRequest
         from engine.core.kv_cache_utils import prompt_block_hashes
 
-        if pending_request is None or not pending_request.args:
-            return []
         cached = getattr(pending_request, "_pdserve_block_hashes", None)
         if cached is not None:
             return cached
-        request = pending_request.args[0]
-        hashes: list[bytes] = []
-        if isinstance(request, EngineRequest):
-            hashes = prompt_block_hashes(
-                request.prompt_token_ids, self._block_size, request.cache_salt
-            )
+        hashes = prompt_block_hashes(request.prompt_token_ids, self._block_size, request.cache_salt)
         pending_request._pdserve_block_hashes = hashes  # type: ignore[attr-defined]
         return hashes
 
@@ -169,3 +173,20 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
         """Drop replicas from the index (engines that stop cleanly also drop themselves)."""
         if replica_ids and self._index is not None:
             self._index.forget.remote(sorted(replica_ids))
+
+
+def _engine_request(pending_request: PendingRequest | None) -> Any:
+    """The EngineRequest being routed, if that is what the call carries."""
+    from deployments.protocol import EngineRequest
+
+    if pending_request is None or not pending_request.args:
+        return None
+    request = pending_request.args[0]
+    return request if isinstance(request, EngineRequest) else None
+
+
+def _hint_first(
+    hint: RunningReplica, ranks: list[list[RunningReplica]]
+) -> list[list[RunningReplica]]:
+    after = [[r for r in rank if r is not hint] for rank in ranks]
+    return [[hint], *(rank for rank in after if rank)]

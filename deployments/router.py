@@ -22,10 +22,10 @@ from ray.serve.handle import DeploymentHandle
 from deployments.engine_server import replica_name
 from deployments.errors import DeadlineExceeded, EngineFailure, engine_failure, public_message
 from deployments.grpc_ingress import UndecodableRequest, quiet_client_errors
+from deployments.kv_leases import LeaseReleaser, PrefixBorrower
 from deployments.openai_api import build_openai_app
 from deployments.orchestrator import (
     FlowConfig,
-    LeaseReleaser,
     ModelFacts,
     Orchestrator,
     StreamFn,
@@ -51,6 +51,7 @@ class RouterSettings:
     transport: str = ""  # "" in colocated mode
     served_model_name: str = ""
     otlp_endpoint: str = ""
+    kv_aware_routing: bool = False  # the engines publish to the app's KV index
 
 
 @dataclass
@@ -91,7 +92,22 @@ class Router:
             release=LeaseReleaser(settings.kv_secret),
             telemetry=RouterTelemetry(self.tracing.tracer, RouterMetrics()),
             prefill_replicas=RoleWatch("prefill") if prefill is not None else None,
+            **self._cluster_cache(settings, prefill is not None),
         )
+
+    def _cluster_cache(self, settings: RouterSettings, disaggregated: bool) -> dict[str, Any]:
+        """The engines' caches as the app's KV index sees them, where the engines publish to
+        one: cache-aware disaggregation and prefix loans."""
+        if not (disaggregated and settings.kv_aware_routing):
+            return {}
+        from deployments.kv_index import IndexedClusterCache
+
+        app_name = serve.get_replica_context().app_name
+        min_loan = settings.flow.min_prefix_loan_tokens
+        return {
+            "cluster_cache": IndexedClusterCache(app_name, self.block_size),
+            "borrower": PrefixBorrower(settings.kv_secret, self.block_size, min_loan),
+        }
 
     def __serve_build_asgi_app__(self) -> Any:
         return build_openai_app(

@@ -15,14 +15,14 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.arg_utils import EngineArgs
-from engine.core.kv_events import KVEventBatch, KVSnapshot
+from engine.core.kv_events import EngineLoad, KVEventBatch, KVSnapshot
 from engine.engine_core import EngineCore
 from engine.llm import (
     PromptInput,
@@ -37,6 +37,7 @@ from engine.outputs import EngineCoreOutput, RequestOutput, merge_outputs
 from engine.request import RequestStatus, SamplingParams, finish_reason_of
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 _MAX_KV_BATCHES = 4096
@@ -66,10 +67,11 @@ class _End:
 
 
 @dataclass
-class _Snapshot:
-    """Take a snapshot of the prefix cache in the loop thread (its events are ordered there)."""
+class _OnLoop:
+    """Run `fn` in the loop thread, between steps (it owns the engine), into `result`."""
 
-    result: Future[KVSnapshot]
+    fn: Callable[[], Any]
+    result: Future[Any]
 
 
 @dataclass
@@ -118,13 +120,19 @@ class AsyncEngine:
         )
         self.max_model_len = config.scheduler.max_model_len
         self._sinks: dict[str, _Sink] = {}
-        self._commands: queue.Queue[_Add | _End | _Snapshot | None] = queue.Queue()
+        self._commands: queue.Queue[_Add | _End | _OnLoop | None] = queue.Queue()
         # Numbered prefix-cache event batches, taken after each step (kv_events_config).
         self._kv_batches: queue.SimpleQueue[KVEventBatch] = queue.SimpleQueue()
+        # The engine's load as of its last step or command (with kv_events_config): what a
+        # KV-aware router weighs against cache hits. Replaced whole, read from any thread.
+        self._load: EngineLoad | None = None
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+        if self.core.connector is not None:
+            # Other engines may borrow cached prefix blocks (side channel LendPrefix).
+            self.core.connector.enable_prefix_lending(self.core.pin_prefix, self.run_on_loop)
 
     # ------------------------------------------------------------------ caller side
 
@@ -253,9 +261,19 @@ class AsyncEngine:
         before it are covered by it."""
         if self.core.kv_events is None:
             raise ValueError("this engine publishes no KV events (kv_events_config)")
-        command = _Snapshot(Future())
+        return self.run_on_loop(self.core.kv_events.snapshot)
+
+    def run_on_loop(self, fn: Callable[[], T]) -> Future[T]:
+        """Call `fn` in the engine's loop thread between steps, from any thread (the engine
+        is not thread-safe); the loop wakes for it even when idle."""
+        command = _OnLoop(fn, Future())
         self._commands.put(command)
         return command.result
+
+    @property
+    def load(self) -> EngineLoad | None:
+        """The load as of the last step (None without kv_events_config)."""
+        return self._load
 
     @property
     def dead(self) -> BaseException | None:
@@ -282,6 +300,8 @@ class AsyncEngine:
                     return
                 if self.core.has_requests():
                     self._step()
+                if self.core.kv_events is not None:
+                    self._load = self.core.load()
         except BaseException as exc:
             logger.exception("engine loop failed")
             self._dead = exc
@@ -300,7 +320,7 @@ class AsyncEngine:
                 return
             if isinstance(command, _Add):
                 command.sink.put(error)
-            elif isinstance(command, _Snapshot):
+            elif isinstance(command, _OnLoop):
                 command.result.set_exception(error)
 
     def _drain_commands(self, block: bool) -> bool:
@@ -314,9 +334,8 @@ class AsyncEngine:
                 return False
             if isinstance(command, _End):
                 self._end(command)
-            elif isinstance(command, _Snapshot):
-                assert self.core.kv_events is not None
-                command.result.set_result(self.core.kv_events.snapshot())
+            elif isinstance(command, _OnLoop):
+                _run_into(command)
             else:
                 self._add(command)
             try:
@@ -372,3 +391,11 @@ class AsyncEngine:
                 self._end(_End(output.request_id, RequestStatus.FINISHED_ABORTED, sink))
             elif output.finished:
                 del self._sinks[output.request_id]
+
+
+def _run_into(command: _OnLoop) -> None:
+    """A failing call fails its caller, not the loop."""
+    try:
+        command.result.set_result(command.fn())
+    except Exception as exc:
+        command.result.set_exception(exc)

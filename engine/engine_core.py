@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import PrefixCacheStats
-from engine.core.kv_events import KVEventStream
+from engine.core.kv_events import EngineLoad, KVEventStream
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.kv_connector import KVConnectorBase, create_kv_connector
@@ -202,6 +202,34 @@ class EngineCore:
             num_held_requests=max(0, len(scheduler.requests) - unfinished),
             kv_cache_usage=1.0 - free / max(1, self.num_kv_blocks),
             num_preemptions=scheduler.num_preemptions,
+        )
+
+    def pin_prefix(self, block_hashes: list[bytes], lease_request_id: str) -> list[int]:
+        """Lend the cached blocks of the hashes' leading run (the connector leases them under
+        `lease_request_id`; its end frees them). Engine thread only. Nothing while a step is
+        in flight: blocks it caches may not hold their KV yet."""
+        if self.step_in_flight:
+            return []
+        scheduler = self.scheduler
+        blocks = scheduler.kv_cache_manager.lend_prefix(block_hashes)
+        if blocks:
+            scheduler.kv_transfers.lend(lease_request_id, blocks)
+        return [block.block_id for block in blocks]
+
+    def load(self) -> EngineLoad:
+        """Call on the engine's own thread (it walks the queues the scheduler mutates)."""
+        scheduler = self.scheduler
+        queued = 0
+        waiting = (scheduler.waiting, scheduler.skipped_waiting)
+        for queue in (scheduler.running, *waiting):
+            for request in queue:
+                queued += max(0, request.num_prompt_tokens - request.num_computed_tokens)
+        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        return EngineLoad(
+            num_running=len(scheduler.running),
+            num_waiting=sum(len(queue) for queue in waiting),
+            queued_prompt_tokens=queued,
+            kv_cache_usage=round(1.0 - free / max(1, self.num_kv_blocks), 3),
         )
 
     def kv_transfer_stats(self) -> dict[str, int]:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from engine.config import KVLoadFailurePolicy, check_load_failure_policy
 from engine.core.kv_cache_utils import KVCacheBlock
@@ -26,6 +28,17 @@ if TYPE_CHECKING:
 
     from engine.config import EngineConfig
     from engine.models import ModelArchConfig
+
+T = TypeVar("T")
+# Pins the cached blocks of a prompt's leading block hashes for a lease (engine thread only).
+PinPrefix = Callable[[list[bytes], str], list[int]]
+
+
+class RunOnEngineThread(Protocol):
+    """Calls `fn` on the engine's own thread, from any other (AsyncEngine.run_on_loop)."""
+
+    def __call__(self, fn: Callable[[], T]) -> Future[T]: ...
+
 
 # Where the connector lives, by name: resolved at run time, like vLLM's KVConnectorFactory,
 # so that the layer below (engine/) needs no import of the layer above (connector/).
@@ -106,6 +119,16 @@ class KVConnectorBase(ABC):
 
     def cancel_request(self, request_id: str) -> None:
         """An abort reached a request whose blocks the connector holds (read or lease)."""
+        return None
+
+    def enable_prefix_lending(
+        self, pin: PinPrefix, run_on_engine_thread: RunOnEngineThread
+    ) -> None:
+        """The engine can lend prefix-cache blocks to other engines: `pin(block_hashes,
+        lease_request_id)` takes the blocks of the hashes' leading cached run for a reader and
+        returns their ids (the engine frees them once `lease_request_id` is reported in
+        `finished_sending`); it must run on the engine's thread, which
+        `run_on_engine_thread` reaches from any other. Default: this connector does not lend."""
         return None
 
     def inject_load_failure(self, after: int) -> None:

@@ -133,6 +133,13 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="shorter prompts skip the prefill replica",
     )
     parser.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=128,
+        help="a prompt of which a decode replica holds all but at most this many tokens "
+        "skips the prefill replica (0: off; needs KV-aware routing)",
+    )
+    parser.add_argument(
         "--otlp-endpoint",
         default="",
         help="OTLP/gRPC collector for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)",
@@ -321,6 +328,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             "num_cpus_per_engine": args.num_cpus_per_engine,
             "num_gpus_per_engine": args.num_gpus_per_engine,
             "min_remote_prefill_tokens": args.min_remote_prefill_tokens,
+            "max_local_prefill_tokens": args.max_local_prefill_tokens,
             "engine_args": _with_tokenizer(args.engine_args, args.tokenizer),
             "otlp_endpoint": args.otlp_endpoint,
             **{limit.name: getattr(args, limit.name) for limit in fields(RequestLimits)},

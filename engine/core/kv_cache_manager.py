@@ -9,6 +9,7 @@ from engine.config import CacheConfig
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_utils import (
     HASH_FUNCTIONS,
+    BlockHash,
     KVCacheBlock,
     make_block_hasher,
 )
@@ -71,6 +72,17 @@ class KVCacheManager:
         stats.queries += request.num_tokens
         stats.hits += num_hit_tokens
         return blocks, num_hit_tokens
+
+    def lend_prefix(self, block_hashes: Sequence[BlockHash]) -> list[KVCacheBlock]:
+        """The cached blocks of the leading run of `block_hashes`, each taken as one more user
+        (kept from eviction) for another engine to read; `block_pool.free_blocks` gives them
+        back. Nothing for sliding-window models (their early blocks may be gone)."""
+        if not self.enable_caching or self.manager.drops_blocks:
+            return []
+        max_tokens = len(block_hashes) * self.block_size
+        blocks = self.manager.find_longest_cache_hit(block_hashes, max_tokens)
+        self.block_pool.touch(blocks)
+        return blocks
 
     def allocate_slots(
         self,

@@ -56,6 +56,16 @@ class KVSnapshot:
     block_hashes: tuple[bytes, ...]
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """The work an engine has ahead of it, for KV-aware routers (read on the engine thread)."""
+
+    num_running: int
+    num_waiting: int
+    queued_prompt_tokens: int  # prompt tokens of unfinished requests not yet computed
+    kv_cache_usage: float
+
+
 class KVEventStream:
     """An engine's prefix-cache events, numbered for publishing (a router-side index applies
     them: deployments/kv_index.py). Called from the engine's own thread."""

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 
+from deployments.launch import free_port
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["free_port", "replica_actors", "wait_until"]
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, period_s: float = 0.25) -> bool:

@@ -157,12 +157,23 @@ def test_grpc_greedy_matches_offline_disaggregated_and_colocated(app: App, offli
 
 
 def test_seeded_sampling_disaggregated_equals_colocated(app: App) -> None:
-    request = generate_request(PROMPTS[2], max_tokens=24, temperature=0.9, top_p=0.95, seed=7)
+    # A prompt no earlier test sent: no decode replica holds it yet.
+    prompt = "Seeded, and never sent before: " + PROMPTS[2]
+    request = generate_request(prompt, max_tokens=24, temperature=0.9, top_p=0.95, seed=7)
     disaggregated = app.client.complete(request)
     colocated = app.colocated.complete(request)
     assert disaggregated.route == "disaggregated"
     assert disaggregated.token_ids == colocated.token_ids
     assert disaggregated.text == colocated.text
+    # Again: the decode replica now holds the prompt and computes it itself (decode_cached),
+    # drawing the same seeded tokens.
+    for _ in range(20):
+        again = app.client.complete(request)
+        if again.route == "decode_cached":
+            break
+        time.sleep(0.05)  # the decode replica's cache reaches the index every 20 ms
+    assert again.route == "decode_cached"
+    assert again.token_ids == colocated.token_ids
 
 
 def test_structured_outputs_over_http_and_grpc_disaggregated_and_colocated(app: App) -> None:

@@ -238,6 +238,7 @@ def test_wrong_secret_refused_on_every_rpc(server: ServerProcess, secret: str) -
         lambda: bad.renew_lease(lease_id),
         lambda: bad.release(lease_id),
         lambda: list(bad.read_blocks(lease_id, [1])),
+        lambda: bad.lend_prefix([b"h"]),
     ]
     for call in calls:
         assert "UNAUTHENTICATED" in refused(grpc.StatusCode.UNAUTHENTICATED, call)
@@ -245,6 +246,11 @@ def test_wrong_secret_refused_on_every_rpc(server: ServerProcess, secret: str) -
     good = server.client()
     assert good.release(lease_id)  # the refused Release did not end it
     good.close()
+
+
+def test_an_engine_that_does_not_lend_refuses_loans(client: SideChannelClient) -> None:
+    message = refused(grpc.StatusCode.FAILED_PRECONDITION, lambda: client.lend_prefix([b"h"]))
+    assert "does not lend" in message
 
 
 # ---------------------------------------------------------------------------------- reads

@@ -22,8 +22,14 @@ from tests.integration.serve_utils import free_port, wait_until
 pytestmark = pytest.mark.integration
 
 ENGINE_ARGS = {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20}
-# A prompt of a few full blocks: its KV crosses over NIXL.
-LONG_PROMPT = "In the beginning the universe was created. " * 6
+
+
+def long_prompt(tag: str) -> str:
+    """A prompt of a few full blocks whose KV crosses over NIXL, distinct from the first token
+    on for each tag: a prompt a decode replica already holds skips the prefill leg."""
+    return f"{tag}: " + "In the beginning the universe was created. " * 6
+
+
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 
@@ -62,7 +68,7 @@ def _traceparent(trace_id: str, span_id: str) -> tuple[tuple[str, str], ...]:
 
 
 def test_one_trace_per_request_across_router_prefill_kv_transfer_decode(served: Served) -> None:
-    request = generate_request(LONG_PROMPT, max_tokens=12, temperature=0.0)
+    request = generate_request(long_prompt("trace"), max_tokens=12, temperature=0.0)
     metadata = served.client.metadata + _traceparent(CLIENT_TRACE_ID, CLIENT_SPAN_ID)
     responses = list(served.client.stub.Generate(request, metadata=metadata, timeout=120))
     assert responses[-1].route == "disaggregated"
@@ -104,10 +110,41 @@ def test_one_trace_per_request_across_router_prefill_kv_transfer_decode(served: 
     assert kv["attributes"]["pdserve.kv.outcome"] == "ok" and kv["status"] != STATUS_ERROR
 
 
+def test_a_prompt_the_decode_replica_holds_skips_the_prefill_leg_in_the_trace(
+    served: Served,
+) -> None:
+    """Cache-aware disaggregation: the same prompt again finds all of it on the decode
+    replica, which computes its last token itself; the trace says so (route decode_cached, a
+    decode span, no prefill or KV transfer)."""
+    prompt = long_prompt("again")
+    first = served.client.complete(generate_request(prompt, max_tokens=4, temperature=0.0))
+    assert first.route == "disaggregated"
+
+    def again(attempt: int) -> tuple[str, list[Any]]:
+        trace_id = f"2af7651916cd43dd8448eb211c8031{attempt:02x}"
+        metadata = served.client.metadata + _traceparent(trace_id, "d7ad6b7169203333")
+        request = generate_request(prompt, max_tokens=4, temperature=0.0)
+        return trace_id, list(served.client.stub.Generate(request, metadata=metadata, timeout=120))
+
+    # The decode replica's cache reaches the index a publishing period after the request.
+    for attempt in range(20):
+        trace_id, responses = again(attempt)
+        if responses[-1].route == "decode_cached":
+            break
+    assert responses[-1].route == "decode_cached"
+    assert [t for r in responses for t in r.token_ids] == first.token_ids
+    names = {"router.request", "decode"}
+    assert wait_until(lambda: names <= set(served.receiver.trace(trace_id)), 30)
+    spans = served.receiver.trace(trace_id)
+    assert spans["router.request"]["attributes"]["pdserve.route"] == "decode_cached"
+    assert "prefill" not in spans and "kv_transfer" not in spans
+    assert spans["decode"]["attributes"]["pdserve.cached_tokens"] > 0
+
+
 def test_http_traceparent_header_is_honoured(served: Served) -> None:
     trace_id, parent = "5bf92f3577b34da6a3ce929d0e0e4737", "10f067aa0ba902b8"
     conn = http.client.HTTPConnection("127.0.0.1", served.http_port, timeout=60)
-    body = json.dumps({"prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0})
+    body = json.dumps({"prompt": long_prompt("http"), "max_tokens": 4, "temperature": 0})
     headers = {"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{parent}-01"}
     conn.request("POST", "/v1/completions", body, headers)
     assert conn.getresponse().status == 200
@@ -155,13 +192,13 @@ def test_injected_transfer_failure_is_recovered_and_traced(served: Served) -> No
     from ray import serve
 
     expected = served.client.complete(
-        generate_request(LONG_PROMPT + " x", max_tokens=8, temperature=0.0)
+        generate_request(long_prompt("expected"), max_tokens=8, temperature=0.0)
     )
     decode = serve.get_deployment_handle("DecodeServer", app_name=APP_NAME)
     decode.inject_kv_failure.remote(0).result()
     trace_id = "1af7651916cd43dd8448eb211c80319d"
     metadata = served.client.metadata + _traceparent(trace_id, "c7ad6b7169203332")
-    request = generate_request(LONG_PROMPT + " y", max_tokens=8, temperature=0.0)
+    request = generate_request(long_prompt("injected"), max_tokens=8, temperature=0.0)
     got = list(served.client.stub.Generate(request, metadata=metadata, timeout=120))
     assert got[-1].finish_reason == expected.finish_reason  # the request still succeeds
     assert wait_until(lambda: "kv_transfer" in served.receiver.trace(trace_id), 30)
@@ -174,7 +211,7 @@ def test_prometheus_endpoint_exports_the_metrics(served: Served) -> None:
     import ray
 
     for i in range(4):
-        served.client.complete(generate_request(f"{LONG_PROMPT} {i}", max_tokens=6))
+        served.client.complete(generate_request(long_prompt(f"metrics {i}"), max_tokens=6))
     node = ray._private.worker.global_worker.node
     url = f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics"
     wanted = [

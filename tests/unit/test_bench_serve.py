@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from pdserve.bench.serve import (
@@ -12,6 +14,7 @@ from pdserve.bench.serve import (
     ratios,
     summarize_results,
 )
+from pdserve.bench.workloads import drive, max_tokens_needed, warmup_prompts
 
 
 def test_prompts_share_the_prefix_and_have_the_asked_length() -> None:
@@ -94,8 +97,124 @@ def test_slo_parsing() -> None:
         ({"concurrency": 0}, "concurrency"),
         ({"apps": ["a", "a"]}, "distinct"),
         ({"apps": []}, "distinct"),
+        ({"workload": "bursty"}, "workload"),
+        ({"turns": 0}, "turns"),
+        ({"burst_interval_s": 0}, "burst_interval_s"),
+        ({"deploy": {"a": {}}, "interleave": True}, "interleave"),
     ],
 )
 def test_bad_bench_config(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ServeBenchConfig(**kwargs)
+
+
+class Recorder:
+    """A fake endpoint for the workloads: answers each request at once with `output_len`
+    tokens derived from its prompt, and records what was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[list[int], int, str]] = []
+
+    async def __call__(self, prompt: list[int], output_len: int, kind: str) -> RequestResult:
+        self.sent.append((prompt, output_len, kind))
+        await asyncio.sleep(0)
+        answer = [1000 + len(prompt) + i for i in range(output_len)]
+        return RequestResult(ok=True, kind=kind, token_ids=answer, num_output_tokens=output_len)
+
+
+def test_multiturn_conversations_carry_their_answers_into_the_next_turn() -> None:
+    config = ServeBenchConfig(
+        workload="multiturn",
+        num_prompts=3,
+        input_len=20,
+        shared_prefix_len=8,
+        output_len=4,
+        turns=3,
+        turn_len=5,
+        think_time_s=0,
+        concurrency=2,
+    )
+    send = Recorder()
+    asyncio.run(drive(config, 500, send))
+    assert len(send.sent) == 9
+    assert [k for _, _, k in send.sent].count("first_turn") == 3
+    firsts = [p for p, _, k in send.sent if k == "first_turn"]
+    assert all(len(p) == 20 and p[:8] == firsts[0][:8] for p in firsts)  # the system prompt
+    sent = {tuple(p) for p, _, _ in send.sent}
+    for prompt, _, kind in send.sent:
+        if kind == "follow_up":
+            # The earlier turn's prompt, its answer, then turn_len new tokens.
+            earlier = prompt[: len(prompt) - 4 - 5]
+            assert tuple(earlier) in sent
+            answer = prompt[len(earlier) : len(earlier) + 4]
+            assert answer == [1000 + len(earlier) + i for i in range(4)]
+    longest = max(len(p) for p, _, _ in send.sent)
+    assert longest == 20 + 2 * (4 + 5) and longest + 4 <= max_tokens_needed(config)
+    again = Recorder()
+    asyncio.run(drive(config, 500, again))
+    assert sorted(map(str, again.sent)) == sorted(map(str, send.sent))  # seeded
+
+
+def test_mixed_sends_bursts_of_long_prompts_while_the_steady_stream_runs() -> None:
+    config = ServeBenchConfig(
+        workload="mixed",
+        num_prompts=6,
+        input_len=10,
+        output_len=3,
+        concurrency=2,
+        long_input_len=50,
+        burst_output_len=2,
+        burst_size=3,
+        burst_interval_s=0.02,
+    )
+
+    class Slow(Recorder):
+        async def __call__(self, prompt, output_len, kind):
+            await asyncio.sleep(0.015)  # six steady requests, two at a time: ~45 ms
+            return await super().__call__(prompt, output_len, kind)
+
+    send = Slow()
+    asyncio.run(drive(config, 500, send))
+    steady = [p for p, n, k in send.sent if k == "steady"]
+    bursts = [(p, n) for p, n, k in send.sent if k == "burst"]
+    assert len(steady) == 6 and all(len(p) == 10 for p in steady)
+    assert bursts and len(bursts) % 3 == 0  # whole bursts only
+    assert all(len(p) == 50 and n == 2 for p, n in bursts)
+    assert max_tokens_needed(config) == 52
+
+
+def test_warm_up_prompts_share_nothing_with_the_workload() -> None:
+    config = ServeBenchConfig(num_prompts=4, input_len=16, warmup=2)
+    prompts = make_prompts(config, 1000)
+    warm = warmup_prompts(config, 1000)
+    assert len(warm) == 2 and all(len(p) == 16 for p in warm)
+    assert not {tuple(p) for p in warm} & {tuple(p) for p in prompts}
+    # Not even a first block in common: the warm-up fills no cache the workload looks in.
+    assert not {tuple(p[:4]) for p in warm} & {tuple(p[:4]) for p in prompts}
+
+
+def test_summary_counts_cache_hits_routes_and_each_stream() -> None:
+    results = [
+        RequestResult(
+            ok=True,
+            kind="first_turn",
+            num_prompt_tokens=100,
+            num_cached_tokens=0,
+            route="disaggregated",
+            num_output_tokens=1,
+        ),
+        RequestResult(
+            ok=True,
+            kind="follow_up",
+            num_prompt_tokens=150,
+            num_cached_tokens=96,
+            route="decode_cached",
+            num_output_tokens=1,
+        ),
+    ]
+    summary = summarize_results(results, 1.0, ServeBenchConfig())
+    assert summary["prefill_tokens_computed"] == 154
+    assert summary["prefix_hit_rate"] == round(96 / 250, 4)
+    assert summary["routes"] == {"decode_cached": 1, "disaggregated": 1}
+    assert summary["by_kind"]["follow_up"]["prefix_hit_rate"] == 0.64
+    assert summary["by_kind"]["first_turn"]["prefill_tokens_computed"] == 100

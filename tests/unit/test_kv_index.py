@@ -7,6 +7,7 @@ from engine.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EngineLoad,
     KVEventBatch,
     KVSnapshot,
 )
@@ -81,14 +82,93 @@ def test_replicas_that_stopped_running_are_forgotten():
     assert index.match([b"1"]) == {"a": 1}
 
 
-def test_ranking_puts_the_replicas_holding_most_first_and_stays_out_of_ties():
-    from deployments.kv_index import rank_by_cache
+def test_the_index_actor_answers_per_role_with_each_replica_s_load():
+    from deployments.kv_index import KVIndexServer
+    from deployments.kv_scoring import Holding
 
-    candidates = ["a", "b", "c"]
-    assert rank_by_cache(candidates, {"a": 2, "b": 5, "c": 5}) == [["b", "c"], ["a"]]
-    assert rank_by_cache(candidates, {"a": 1}) == [["a"], ["b", "c"]]
-    # Nothing cached, or everyone holding the same (a shared system prompt): load decides.
-    assert rank_by_cache(candidates, {}) is None
-    assert rank_by_cache(candidates, {"a": 3, "b": 3, "c": 3}) is None
-    # Replicas the index knows but Serve does not offer are not candidates.
-    assert rank_by_cache(["a", "b"], {"a": 1, "z": 9}) == [["a"], ["b"]]
+    server = KVIndexServer()
+    busy = EngineLoad(num_running=3, num_waiting=1, queued_prompt_tokens=200, kv_cache_usage=0.5)
+    # A replica the index has not heard announce itself (with its role) must send a snapshot:
+    # after an index restart, an idle replica's heartbeat is how it learns of it.
+    assert not server.apply("p1", [batch(0, stored(b"1"))], busy)
+    server.load_snapshot("p1", KVSnapshot("e1", 1, (b"1", b"2")), "prefill", busy, "h:1")
+    server.load_snapshot("d1", KVSnapshot("e1", 0, (b"1",)), "decode", None, "h:2")
+    assert server.apply("d1", [batch(0, stored(b"2"))], None)
+    assert server.lookup([b"1", b"2"], "prefill") == {"p1": Holding(2, busy, "prefill", "h:1")}
+    assert server.lookup([b"1", b"2"], "decode") == {"d1": Holding(2, None, "decode", "h:2")}
+    assert set(server.lookup([b"1"])) == {"p1", "d1"}
+    server.forget(["p1"])
+    assert server.lookup([b"1"], "prefill") == {}
+    assert not server.apply("p1", [], busy)  # forgotten: announce again
+
+
+def load(running: int = 0, queued: int = 0, usage: float = 0.1) -> EngineLoad:
+    return EngineLoad(
+        num_running=running, num_waiting=0, queued_prompt_tokens=queued, kv_cache_usage=usage
+    )
+
+
+def test_cost_ranking_weighs_cached_blocks_against_queued_work():
+    from deployments.kv_scoring import Holding, rank_by_cost
+
+    idle = {"a": Holding(4, load()), "b": Holding(0, load()), "c": Holding(1, load())}
+    # 100-token prompt, 16-token blocks: a computes 36, c 84, b 100.
+    assert rank_by_cost(["a", "b", "c"], idle, 100, 16, {}) == [["a"], ["c"], ["b"]]
+    # The holder's queue outweighs what its cache saves (64 tokens): recompute elsewhere.
+    queued = {**idle, "a": Holding(4, load(queued=80))}
+    assert rank_by_cost(["a", "b", "c"], queued, 100, 16, {}) == [["c"], ["b"], ["a"]]
+    # Ongoing requests count too, the router's own count or the engine's, whichever is more.
+    assert rank_by_cost(["a", "b"], idle, 100, 16, {"a": 3})[0] == ["b"]
+    running = {**idle, "a": Holding(4, load(running=3))}
+    assert rank_by_cost(["a", "b"], running, 100, 16, {})[0] == ["b"]
+    # A replica about to run out of KV blocks would evict what made it attractive.
+    hot = {**idle, "a": Holding(4, load(usage=0.95))}
+    assert rank_by_cost(["a", "b"], hot, 100, 16, {})[0] == ["b"]
+
+
+def test_cost_ranking_leaves_the_choice_to_load_where_the_cache_tells_nothing():
+    from deployments.kv_scoring import Holding, rank_by_cost
+
+    assert rank_by_cost(["a", "b"], {}, 100, 16, {}) is None
+    nothing = {"a": Holding(0, load()), "b": Holding(0, load(queued=500))}
+    assert rank_by_cost(["a", "b"], nothing, 100, 16, {}) is None
+    # Every candidate holds the same shared system prompt.
+    shared = {"a": Holding(2, load()), "b": Holding(2, load())}
+    assert rank_by_cost(["a", "b"], shared, 100, 16, {}) is None
+    # Replicas the index knows but Serve does not offer are no candidates; candidates the
+    # index has not heard of hold nothing (and are ranked, not dropped).
+    partial = {"a": Holding(1, None), "z": Holding(9, None)}
+    assert rank_by_cost(["a", "b"], partial, 100, 16, {}) == [["a"], ["b"]]
+
+
+def test_the_cheapest_holder_and_how_much_of_the_prompt_it_holds():
+    from deployments.kv_scoring import Holding, cheapest
+
+    assert cheapest({}, 100, 16) is None
+    assert cheapest({"a": Holding(0, load())}, 100, 16) is None
+    holdings = {"a": Holding(3, load()), "b": Holding(5, load(queued=200))}
+    assert cheapest(holdings, 100, 16) == ("a", 48)
+    # A prompt all in cached blocks: never more tokens than the prompt has.
+    assert cheapest({"a": Holding(7, None)}, 100, 16) == ("a", 100)
+
+
+def test_a_survey_names_the_decode_holder_and_a_lender_worth_borrowing_from():
+    from deployments.kv_scoring import Holding, Lender, survey
+
+    holdings = {
+        "p1": Holding(2, load(), "prefill", "h:1"),
+        "d1": Holding(6, load(), "decode", "h:2"),
+        "d2": Holding(1, load(), "decode", "h:3"),
+    }
+    found = survey(holdings, 100, 16)
+    assert found.decode_holder == ("d1", 96)
+    assert found.prefill_tokens == 32
+    assert found.lender == Lender("d1", "h:2", 96)
+    # A replica that cannot lend (no side channel) is no lender; nor is a prefill replica,
+    # which the prefill leg's own routing reaches.
+    no_channel = {**holdings, "d1": Holding(6, load(), "decode", "")}
+    assert survey(no_channel, 100, 16).lender is None
+    only_prefill = {"p1": Holding(4, load(), "prefill", "h:1")}
+    nothing = survey(only_prefill, 100, 16)
+    assert nothing.lender is None and nothing.decode_holder is None
+    assert nothing.prefill_tokens == 64

@@ -6,6 +6,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LendPrefixRequest(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LendPrefixResponse(_message.Message):
+    __slots__ = ("engine_id", "request_id", "block_ids", "lease_id", "expires_in_seconds")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    lease_id: str
+    expires_in_seconds: float
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
+
 class HandshakeRequest(_message.Message):
     __slots__ = ("engine_id", "compatibility_hash", "transport", "expected_engine_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class KVTransferStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.ReadBlocksRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.BlockData.FromString,
                 _registered_method=True)
+        self.LendPrefix = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/LendPrefix',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LendPrefixRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LendPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -95,6 +100,17 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LendPrefix(self, request, context):
+        """Lends the blocks of this engine's prefix cache that hold the leading run of the given
+        chained block hashes, under a new lease (read them as a prefill engine's handed-off blocks;
+        release the lease when done, or it expires). An empty block_ids: none held, or the engine
+        cannot lend right now. Refusals: FAILED_PRECONDITION (this engine does not lend),
+        INVALID_ARGUMENT (no hashes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,6 +133,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.ReadBlocks,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.ReadBlocksRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.BlockData.SerializeToString,
+            ),
+            'LendPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LendPrefix,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LendPrefixRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LendPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +248,33 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/ReadBlocks',
             protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.ReadBlocksRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.BlockData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LendPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/LendPrefix',
+            protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LendPrefixRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LendPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,105 @@
+"""The Router's side-channel calls to engines: giving leases back, borrowing prefixes.
+
+- `LeaseReleaser` ends a prefill's lease when no decode engine will read it (the request was
+  given up, or the client went away).
+- `PrefixBorrower` asks the engine holding most of a prompt (a decode replica that wrote the
+  earlier turns of a conversation, say) to lend those blocks under a lease (LendPrefix). The
+  loan travels to the prefill leg as ordinary remote-prefill kv_transfer_params: the prefill
+  engine reads the blocks (NIXL or gRPC, as any handed-off KV) and computes only the rest of
+  the prompt — Dynamo users ask for exactly this (its issue #10449).
+
+Calls are blocking gRPC with short deadlines, run off the event loop; a failed call forgets
+the channel (a restarted replica listens elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from connector.metadata import RemoteKV, tokens_hash
+from connector.side_channel import SideChannelClient
+from deployments.kv_scoring import CacheSurvey
+from engine.core.kv_cache_utils import prompt_block_hashes
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _Clients:
+    """One side-channel client per engine address."""
+
+    def __init__(self, secret: str, timeout_s: float) -> None:
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self._clients: dict[tuple[str, int], SideChannelClient] = {}
+
+    async def call(self, host: str, port: int, fn: Callable[[SideChannelClient], T]) -> T:
+        key = (host, port)
+        if key not in self._clients:
+            self._clients[key] = SideChannelClient(host, port, self.secret, self.timeout_s)
+        try:
+            return await asyncio.to_thread(fn, self._clients[key])
+        except Exception:
+            client = self._clients.pop(key, None)
+            if client is not None:
+                client.close()
+            raise
+
+
+class LeaseReleaser:
+    """Ends a lease over its engine's side channel (the Orchestrator's ReleaseFn)."""
+
+    def __init__(self, secret: str, timeout_s: float = 2.0) -> None:
+        self._clients = _Clients(secret, timeout_s)
+
+    async def __call__(self, kv_transfer_params: dict[str, Any]) -> None:
+        remote = RemoteKV.from_params(kv_transfer_params)
+        await self._clients.call(remote.host, remote.port, lambda c: c.release(remote.lease_id))
+
+
+class PrefixBorrower:
+    """Borrows a prompt's leading blocks for its prefill leg where that saves enough work."""
+
+    def __init__(
+        self, secret: str, block_size: int, min_tokens: int, timeout_s: float = 1.0
+    ) -> None:
+        self._clients = _Clients(secret, timeout_s)
+        self.block_size = block_size
+        # A loan must spare the prefill at least this many prompt tokens (a lease, a
+        # handshake and a read cost about what computing a few blocks does).
+        self.min_tokens = min_tokens
+
+    async def borrow(
+        self, prompt: list[int], cache_salt: str | None, survey: CacheSurvey | None
+    ) -> dict[str, Any] | None:
+        """Remote-prefill kv_transfer_params for the lent blocks, or None (nothing worth
+        borrowing, or the lender refused or did not answer: the prefill computes it all)."""
+        if survey is None or survey.lender is None or self.min_tokens <= 0:
+            return None
+        lender = survey.lender
+        if lender.tokens - survey.prefill_tokens < self.min_tokens:
+            return None  # a prefill replica holds (nearly) as much: routing finds it there
+        host, _, port = lender.side_channel.rpartition(":")
+        hashes = prompt_block_hashes(prompt, self.block_size, cache_salt)
+        hashes = hashes[: lender.tokens // self.block_size]
+        try:
+            reply = await self._clients.call(host, int(port), lambda c: c.lend_prefix(hashes))
+        except Exception as exc:  # a loan is an optimisation: compute instead
+            logger.info("borrowing a prefix from %s failed: %s", lender.side_channel, exc)
+            return None
+        if not reply.block_ids:
+            return None
+        num_tokens = len(reply.block_ids) * self.block_size
+        return RemoteKV(
+            engine_id=reply.engine_id,
+            request_id=reply.request_id,
+            block_ids=reply.block_ids,
+            host=host,
+            port=int(port),
+            lease_id=reply.lease_id,
+            num_tokens=num_tokens,
+            tokens_hash=tokens_hash(prompt[:num_tokens]),
+        ).to_params()

@@ -1,0 +1,173 @@
+"""Choosing an engine replica by cache against load: the score of KV-aware routing.
+
+A replica's cost for a prompt is the work, in prompt tokens, that stands between the prompt
+and its first computed token there:
+
+    cost = uncached prompt tokens  (what this replica would compute for it)
+         + queued prompt tokens    (prefill work already waiting on that replica)
+         + request_tokens x ongoing requests   (each running stream slows every step)
+         + the whole prompt again when the replica's KV pool is nearly full
+
+The last term keeps a hot spot from attracting more: a replica about to preempt or evict would
+lose the cached blocks that made it attractive. A cache hit is worth exactly the tokens it
+saves, so a replica holding a long prefix wins until its queue costs more than recomputing
+the prefix elsewhere would. Where the cache tells the candidates apart by nothing (no hits, or
+every replica holds the same shared system prompt) the router leaves the choice to Serve's
+power of two choices, which balances by queue length (`rank_by_cost` returns None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.core.kv_events import EngineLoad
+
+
+@dataclass(frozen=True)
+class RoutingWeights:
+    # Prompt tokens one ongoing request weighs (a running decode slows each step a little;
+    # a queued prefill's tokens count in full through queued_prompt_tokens).
+    request_tokens: float = 32.0
+    # KV usage (blocks held by running requests) from which a replica counts as a hot spot.
+    hot_kv_usage: float = 0.9
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What the index knows of one replica for one prompt."""
+
+    cached_blocks: int
+    load: EngineLoad | None  # None until the replica has reported
+    role: str = ""  # "prefill", "decode", "colocated"
+    side_channel: str = ""  # "host:port" of its KV side channel ("" without KV transfer)
+
+
+def replica_cost(
+    prompt_tokens: int,
+    block_size: int,
+    holding: Holding,
+    ongoing: int,
+    weights: RoutingWeights,
+) -> float:
+    """The cost above; `ongoing` is the router's own count of requests in flight there."""
+    uncached = max(0, prompt_tokens - holding.cached_blocks * block_size)
+    load = holding.load
+    queued = load.queued_prompt_tokens if load is not None else 0
+    busy = max(ongoing, (load.num_running + load.num_waiting) if load is not None else 0)
+    cost = uncached + queued + weights.request_tokens * busy
+    if load is not None and load.kv_cache_usage >= weights.hot_kv_usage:
+        cost += prompt_tokens
+    return cost
+
+
+def rank_by_cost(
+    candidates: Sequence[str],
+    holdings: Mapping[str, Holding],
+    prompt_tokens: int,
+    block_size: int,
+    ongoing: Mapping[str, int],
+    weights: RoutingWeights = RoutingWeights(),
+) -> list[list[str]] | None:
+    """Candidates in ranks of equal cost, cheapest first (Serve takes the first rank with
+    room); None when the cache does not tell them apart and load alone should decide."""
+    blocks = {c: holdings[c].cached_blocks if c in holdings else 0 for c in candidates}
+    if not blocks or max(blocks.values()) == 0 or len(set(blocks.values())) == 1:
+        return None
+    costs: dict[float, list[str]] = {}
+    for candidate in candidates:
+        holding = holdings.get(candidate, Holding(0, None))
+        cost = replica_cost(prompt_tokens, block_size, holding, ongoing.get(candidate, 0), weights)
+        costs.setdefault(cost, []).append(candidate)
+    return [costs[cost] for cost in sorted(costs)]
+
+
+@dataclass(frozen=True)
+class Lender:
+    """A replica that may lend a prompt's leading blocks to the prefill leg."""
+
+    replica: str
+    side_channel: str
+    tokens: int  # prompt tokens its blocks hold
+
+
+@dataclass(frozen=True)
+class CacheSurvey:
+    """What the cluster's caches hold of one prompt, for the Router's choices."""
+
+    decode_holder: tuple[str, int] | None  # cheapest decode replica, tokens it holds
+    prefill_tokens: int  # the most any prefill replica holds
+    lender: Lender | None  # the non-prefill replica holding the most, where it can lend
+
+
+def survey(
+    holdings: Mapping[str, Holding],
+    prompt_tokens: int,
+    block_size: int,
+    weights: RoutingWeights = RoutingWeights(),
+) -> CacheSurvey:
+    by_role = {
+        role: {r: h for r, h in holdings.items() if h.role == role}
+        for role in ("prefill", "decode")
+    }
+    prefill = max((h.cached_blocks for h in by_role["prefill"].values()), default=0)
+    lenders = [(h.cached_blocks, r) for r, h in holdings.items() if h.role != "prefill"]
+    lender = None
+    if lenders:
+        blocks, replica = max(lenders)
+        if blocks and holdings[replica].side_channel:
+            tokens = min(prompt_tokens, blocks * block_size)
+            lender = Lender(replica, holdings[replica].side_channel, tokens)
+    return CacheSurvey(
+        decode_holder=cheapest(by_role["decode"], prompt_tokens, block_size, weights),
+        prefill_tokens=min(prompt_tokens, prefill * block_size),
+        lender=lender,
+    )
+
+
+def cheapest(
+    holdings: Mapping[str, Holding],
+    prompt_tokens: int,
+    block_size: int,
+    weights: RoutingWeights = RoutingWeights(),
+) -> tuple[str, int] | None:
+    """The replica of `holdings` (one role) that would serve the prompt cheapest, and how many
+    of its tokens it holds; None when it holds none (cache-aware disaggregation asks this of
+    the decode replicas)."""
+    best: tuple[float, str] | None = None
+    for replica, holding in holdings.items():
+        cost = replica_cost(prompt_tokens, block_size, holding, 0, weights)
+        if best is None or cost < best[0]:
+            best = (cost, replica)
+    if best is None or holdings[best[1]].cached_blocks == 0:
+        return None
+    replica = best[1]
+    return replica, min(prompt_tokens, holdings[replica].cached_blocks * block_size)
+
+
+def decode_holder(survey: CacheSurvey | None, prompt_tokens: int, limit: int) -> str:
+    """Cache-aware disaggregation: the decode replica to send the prompt to without a prefill
+    leg ("" for none) — one holding all but at most `limit` of its tokens (0: never)."""
+    found = survey.decode_holder if survey is not None else None
+    if limit <= 0 or found is None:
+        return ""
+    return found[0] if prompt_tokens - found[1] <= limit else ""
+
+
+class ClusterCache(Protocol):
+    """What the engines' prefix caches hold of a prompt (the Router asks the app's KV index:
+    kv_index.IndexedClusterCache)."""
+
+    async def survey(
+        self, prompt_token_ids: list[int], cache_salt: str | None
+    ) -> CacheSurvey | None:
+        """None when the prompt has no full block or nobody knows."""
+
+
+class Borrower(Protocol):
+    """Borrows a prompt's cached blocks for its prefill leg (kv_leases.PrefixBorrower)."""
+
+    async def borrow(
+        self, prompt: list[int], cache_salt: str | None, survey: CacheSurvey | None
+    ) -> dict[str, Any] | None: ...
