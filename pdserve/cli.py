@@ -140,6 +140,19 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "skips the prefill replica (0: off; needs KV-aware routing)",
     )
     parser.add_argument(
+        "--min-prefix-loan-tokens",
+        type=int,
+        default=64,
+        help="the prefill replica borrows a prompt's cached blocks from the engine holding "
+        "them when that spares at least this many tokens (0: off)",
+    )
+    parser.add_argument(
+        "--no-pin-engine-cores",
+        dest="pin_engine_cores",
+        action="store_false",
+        help="do not pin each engine replica's threads to cores of its own",
+    )
+    parser.add_argument(
         "--otlp-endpoint",
         default="",
         help="OTLP/gRPC collector for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)",
@@ -329,6 +342,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             "num_gpus_per_engine": args.num_gpus_per_engine,
             "min_remote_prefill_tokens": args.min_remote_prefill_tokens,
             "max_local_prefill_tokens": args.max_local_prefill_tokens,
+            "min_prefix_loan_tokens": args.min_prefix_loan_tokens,
+            "pin_engine_cores": args.pin_engine_cores,
             "engine_args": _with_tokenizer(args.engine_args, args.tokenizer),
             "otlp_endpoint": args.otlp_endpoint,
             **{limit.name: getattr(args, limit.name) for limit in fields(RequestLimits)},
