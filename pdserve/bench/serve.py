@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -289,14 +290,18 @@ def _deployed(
     app = AppConfig.from_args({"model": config.model, **config.deploy[name]})
     grpc_port = free_port()
     print(f"bench serve: deploying {name!r}", file=sys.stderr, flush=True)
-    start(app, ServeOptions(grpc_port=grpc_port, http_port=free_port(), num_cpus=config.num_cpus))
-    try:
-        local = dataclasses.replace(
-            config, target=f"127.0.0.1:{grpc_port}", apps=[APP_NAME], deploy={}
-        )
-        return asyncio.run(_run_app(APP_NAME, _vocab_size(local), local, progress))
-    finally:
-        stop()
+    # Ray forwards its processes' output to this one's stdout, which carries the JSON report:
+    # while Ray runs here, stdout is stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        options = ServeOptions(grpc_port=grpc_port, http_port=free_port(), num_cpus=config.num_cpus)
+        start(app, options)
+        try:
+            local = dataclasses.replace(
+                config, target=f"127.0.0.1:{grpc_port}", apps=[APP_NAME], deploy={}
+            )
+            return asyncio.run(_run_app(APP_NAME, _vocab_size(local), local, progress))
+        finally:
+            stop()
 
 
 def _vocab_size(config: ServeBenchConfig) -> int:
