@@ -175,9 +175,9 @@ class PDConnector(KVConnectorBase):
     ) -> None:
         """Serve LendPrefix on the side channel: pin on the engine thread, lease from there
         (so blocks pinned after the caller gave up waiting are still under a lease, which
-        expires), answer from the side channel's thread."""
+        expires), answer from the side channel's thread within the call's deadline."""
 
-        def lend(block_hashes: list[bytes]) -> Loan | None:
+        def lend(block_hashes: list[bytes], timeout_s: float) -> Loan | None:
             lease_request_id = f"lend-{uuid.uuid4().hex}"
 
             def on_engine_thread() -> Loan | None:
@@ -188,9 +188,12 @@ class PDConnector(KVConnectorBase):
 
             pinned = run_on_engine_thread(on_engine_thread)
             try:
-                return pinned.result(timeout=_LEND_TIMEOUT_S)
-            except TimeoutError:  # a long step: lend nothing (a late lease just expires)
-                logger.info("lending a prefix: the engine was busy for %.0f s", _LEND_TIMEOUT_S)
+                return pinned.result(timeout=min(timeout_s, _LEND_TIMEOUT_S))
+            except TimeoutError:
+                # A long step: lend nothing. Unless the pin has begun meanwhile, it never
+                # will; if it has, its lease expires unread.
+                pinned.cancel()
+                logger.info("lending a prefix: the engine stayed busy")
                 return None
 
         self.worker.serve_loans(lend)

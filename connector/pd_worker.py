@@ -99,7 +99,7 @@ class PDWorker:
             tokens_hash=tokens_hash(token_ids),
         )
 
-    def serve_loans(self, lend: Callable[[list[bytes]], Loan | None]) -> None:
+    def serve_loans(self, lend: Callable[[list[bytes], float], Loan | None]) -> None:
         """Answer LendPrefix calls with `lend` (set once the engine can pin blocks)."""
         assert self.server is not None, "register() first"
         self.server.lender = lend

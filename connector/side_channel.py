@@ -16,6 +16,7 @@ Every call carries the shared secret as metadata `x-pdserve-secret`. Refusals:
   duplicate block ids                               INVALID_ARGUMENT
   LendPrefix on an engine that does not lend        FAILED_PRECONDITION
   LendPrefix without hashes                         INVALID_ARGUMENT
+  LendPrefix on an engine whose loop has stopped    UNAVAILABLE
 `Release` is idempotent: a released, expired or unknown lease is answered OK (released=False).
 `LendPrefix` lends the blocks of a prompt's leading cached hashes under a new lease
 (PDConnector.enable_prefix_lending); the reader then reads them like handed-off KV.
@@ -124,9 +125,9 @@ class SideChannelServer:
         self.transport_name = transport_name
         self.chunk_bytes = chunk_bytes
         self.leases = LeaseTable()
-        # Lends prefix-cache blocks (block hashes -> a loan, or None when none are held);
-        # set by the engine that can (PDConnector.enable_prefix_lending).
-        self.lender: Callable[[list[bytes]], Loan | None] | None = None
+        # Lends prefix-cache blocks ((block hashes, seconds to answer in) -> a loan, or None
+        # when none are held); set by the engine that can (PDConnector.enable_prefix_lending).
+        self.lender: Callable[[list[bytes], float], Loan | None] | None = None
         self._max_workers = max_workers
         self._server: Any = None
 
@@ -288,7 +289,8 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
         if not request.block_hashes:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no block hashes")
         try:
-            loan = lender(list(request.block_hashes))
+            remaining = context.time_remaining()
+            loan = lender(list(request.block_hashes), remaining if remaining else 5.0)
         except Exception as exc:  # the engine stopped: the caller recomputes instead
             logger.warning("lending a prefix failed: %r", exc)
             context.abort(grpc.StatusCode.UNAVAILABLE, "the engine cannot lend now")

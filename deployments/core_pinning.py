@@ -52,21 +52,24 @@ def claim_cores(count: int, allowed: Sequence[int], lock_dir: Path) -> CoreClaim
     nothing) when fewer are free."""
     if count < 1 or count > len(allowed):
         return None
-    lock_dir.mkdir(parents=True, exist_ok=True)
     claim = CoreClaim(())
     cores: list[int] = []
-    for core in sorted(allowed):
-        fd = os.open(lock_dir / f"core-{core}.lock", os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        claim._fds.append(fd)
-        cores.append(core)
-        if len(cores) == count:
-            claim.cores = tuple(cores)
-            return claim
+    try:
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        for core in sorted(allowed):
+            fd = os.open(lock_dir / f"core-{core}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            claim._fds.append(fd)
+            cores.append(core)
+            if len(cores) == count:
+                claim.cores = tuple(cores)
+                return claim
+    except OSError as exc:  # a lock directory we may not write, no descriptors left: unpinned
+        logger.warning("cannot claim cores in %s: %s", lock_dir, exc)
     claim.release()
     return None
 
@@ -96,8 +99,9 @@ def place_engine(
     its whole CPUs either way. Keep the claim for the process's lifetime."""
     import torch
 
-    threads = max(1, math.floor(num_cpus))
     cores = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
+    # Ray's CPUs are logical: never more threads than the cores this process may run on.
+    threads = max(1, min(math.floor(num_cpus), len(cores)))
     claim = None
     why = ""
     if num_cpus < 1:

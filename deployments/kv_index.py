@@ -231,8 +231,13 @@ class IndexedClusterCache:
         return survey(holdings, len(prompt_token_ids), self._block_size)
 
 
+# In the actor's name: a detached index outlives a redeploy, and new code must not talk to an
+# index of an older protocol (it would fail every call, and routing would fall back for good).
+_INDEX_PROTOCOL = 2
+
+
 def index_actor_name(app_name: str) -> str:
-    return f"pdserve-kv-index-{app_name}"
+    return f"pdserve-kv-index-v{_INDEX_PROTOCOL}-{app_name}"
 
 
 def get_index_actor(app_name: str) -> Any:

@@ -19,13 +19,16 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import grpc
+
 from connector.metadata import RemoteKV, tokens_hash
-from connector.side_channel import SideChannelClient
+from connector.side_channel import SideChannelClient, SideChannelError
 from deployments.kv_scoring import CacheSurvey
 from engine.core.kv_cache_utils import prompt_block_hashes
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class _Clients:
@@ -42,10 +45,13 @@ class _Clients:
             self._clients[key] = SideChannelClient(host, port, self.secret, self.timeout_s)
         try:
             return await asyncio.to_thread(fn, self._clients[key])
-        except Exception:
-            client = self._clients.pop(key, None)
-            if client is not None:
-                client.close()
+        except Exception as exc:
+            # An engine that did not answer may have gone (a restarted one listens elsewhere);
+            # one that refused is there.
+            if not isinstance(exc, SideChannelError) or exc.code in _UNREACHABLE:
+                client = self._clients.pop(key, None)
+                if client is not None:
+                    client.close()
             raise
 
 

@@ -79,7 +79,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
     nothing, Serve's default. Used for both legs, each scored against its own role's
     replicas: a prefill replica holding a conversation's earlier turns computes only the new
     ones, a decode replica holding them reads only the tail. A request carrying a replica
-    hint (cache-aware disaggregation chose that decode replica) tries it first.
+    hint (cache-aware disaggregation chose that decode replica) goes to it alone.
 
     No FIFOMixin: a replica chosen for one request's prompt must go to that request, not to
     the oldest one waiting (Ray Serve LLM's prefix-aware router leaves it out too).
@@ -118,9 +118,13 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
             return None
         by_id = {r.replica_id.unique_id: r for r in candidates}
         hint = by_id.get(request.replica_hint)
+        if hint is not None:
+            # Cache-aware disaggregation chose it for what it holds: only it (Serve waits
+            # while it is full). Another replica would compute the whole prompt.
+            return [[hint]]
         hashes = self._prompt_hashes(pending_request, request)
         if not hashes:  # shorter than a block: nothing to find in any cache
-            return None if hint is None else _hint_first(hint, [candidates])
+            return None
         try:
             index = await self._index_actor()
             lookup = index.lookup.remote(hashes, self._role)
@@ -137,8 +141,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
             ranks = rank_by_cost(
                 list(by_id), holdings, len(request.prompt_token_ids), self._block_size, ongoing
             )
-        chosen = [[by_id[i] for i in rank] for rank in ranks] if ranks is not None else None
-        return chosen if hint is None else _hint_first(hint, chosen or [candidates])
+        return [[by_id[i] for i in rank] for rank in ranks] if ranks is not None else None
 
     def _prompt_hashes(self, pending_request: PendingRequest, request: Any) -> list[bytes]:
         """The prompt's block hashes, computed once per request (Serve may route it again)."""
@@ -183,10 +186,3 @@ def _engine_request(pending_request: PendingRequest | None) -> Any:
         return None
     request = pending_request.args[0]
     return request if isinstance(request, EngineRequest) else None
-
-
-def _hint_first(
-    hint: RunningReplica, ranks: list[list[RunningReplica]]
-) -> list[list[RunningReplica]]:
-    after = [[r for r in rank if r is not hint] for rank in ranks]
-    return [[hint], *(rank for rank in after if rank)]

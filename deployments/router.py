@@ -98,12 +98,14 @@ class Router:
     def _cluster_cache(self, settings: RouterSettings, disaggregated: bool) -> dict[str, Any]:
         """The engines' caches as the app's KV index sees them, where the engines publish to
         one: cache-aware disaggregation and prefix loans."""
-        if not (disaggregated and settings.kv_aware_routing):
+        flow = settings.flow
+        wanted = flow.max_local_prefill_tokens > 0 or flow.min_prefix_loan_tokens > 0
+        if not (disaggregated and settings.kv_aware_routing and wanted):
             return {}
         from deployments.kv_index import IndexedClusterCache
 
         app_name = serve.get_replica_context().app_name
-        min_loan = settings.flow.min_prefix_loan_tokens
+        min_loan = flow.min_prefix_loan_tokens
         return {
             "cluster_cache": IndexedClusterCache(app_name, self.block_size),
             "borrower": PrefixBorrower(settings.kv_secret, self.block_size, min_loan),

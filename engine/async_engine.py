@@ -10,13 +10,14 @@ asyncio.Queue through `loop.call_soon_threadsafe`. The engine thread handles tok
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -267,7 +268,10 @@ class AsyncEngine:
         """Call `fn` in the engine's loop thread between steps, from any thread (the engine
         is not thread-safe); the loop wakes for it even when idle."""
         command = _OnLoop(fn, Future())
-        self._commands.put(command)
+        if self._dead is None:
+            self._commands.put(command)
+        if self._dead is not None:  # the loop is gone (or went while we queued): nobody runs it
+            _fail(command, EngineDeadError("the engine loop has stopped"))
         return command.result
 
     @property
@@ -321,7 +325,7 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 command.sink.put(error)
             elif isinstance(command, _OnLoop):
-                command.result.set_exception(error)
+                _fail(command, error)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands; with `block`, wait for the first. False means shut down."""
@@ -394,8 +398,18 @@ class AsyncEngine:
 
 
 def _run_into(command: _OnLoop) -> None:
-    """A failing call fails its caller, not the loop."""
+    """A failing call fails its caller, not the loop; a call its caller cancelled (it gave
+    up waiting) does not run."""
+    if not command.result.set_running_or_notify_cancel():
+        return
     try:
         command.result.set_result(command.fn())
     except Exception as exc:
         command.result.set_exception(exc)
+
+
+def _fail(command: _OnLoop, error: Exception) -> None:
+    """Fail a call nobody will run (the dying loop and its caller may both try: once is it)."""
+    with contextlib.suppress(RuntimeError, InvalidStateError):
+        if command.result.set_running_or_notify_cancel():
+            command.result.set_exception(error)

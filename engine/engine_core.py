@@ -26,6 +26,8 @@ from engine.tokenizer import Tokenizer
 from engine.worker.model_runner import ModelRunner, ReasoningTokens
 
 _IDLE_POLL_S = 0.002
+# An engine whose KV pool is this full lends no prefix blocks (they would be kept from eviction).
+_LEND_MAX_USAGE = 0.9
 
 
 @dataclass(frozen=True)
@@ -207,13 +209,14 @@ class EngineCore:
     def pin_prefix(self, block_hashes: list[bytes], lease_request_id: str) -> list[int]:
         """Lend the cached blocks of the hashes' leading run (the connector leases them under
         `lease_request_id`; its end frees them). Engine thread only. Nothing while a step is
-        in flight: blocks it caches may not hold their KV yet."""
-        if self.step_in_flight:
+        in flight (blocks it caches may not hold their KV yet), nor while the pool is nearly
+        full or half of it is lent already: loans must not cost this engine's own requests."""
+        manager = self.scheduler.kv_cache_manager
+        if self.step_in_flight or manager.usage >= _LEND_MAX_USAGE:
             return []
-        scheduler = self.scheduler
-        blocks = scheduler.kv_cache_manager.lend_prefix(block_hashes)
-        if blocks:
-            scheduler.kv_transfers.lend(lease_request_id, blocks)
+        if manager.num_lent_blocks + len(block_hashes) > self.num_kv_blocks // 2:
+            return []
+        blocks = manager.lend_prefix(block_hashes, lease_request_id)
         return [block.block_id for block in blocks]
 
     def load(self) -> EngineLoad:
@@ -223,6 +226,8 @@ class EngineCore:
         waiting = (scheduler.waiting, scheduler.skipped_waiting)
         for queue in (scheduler.running, *waiting):
             for request in queue:
+                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    continue  # its prompt is being read, not computed
                 queued += max(0, request.num_prompt_tokens - request.num_computed_tokens)
         free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         return EngineLoad(

@@ -52,6 +52,8 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         # Block ids allocated in the current step (for KV zeroing and events).
         self._new_block_ids: list[int] = []
+        # Prefix blocks lent to other engines, by loan (lease) id.
+        self._loans: dict[str, list[KVCacheBlock]] = {}
 
     @property
     def usage(self) -> float:
@@ -73,16 +75,30 @@ class KVCacheManager:
         stats.hits += num_hit_tokens
         return blocks, num_hit_tokens
 
-    def lend_prefix(self, block_hashes: Sequence[BlockHash]) -> list[KVCacheBlock]:
+    def lend_prefix(self, block_hashes: Sequence[BlockHash], loan_id: str) -> list[KVCacheBlock]:
         """The cached blocks of the leading run of `block_hashes`, each taken as one more user
-        (kept from eviction) for another engine to read; `block_pool.free_blocks` gives them
-        back. Nothing for sliding-window models (their early blocks may be gone)."""
+        (kept from eviction) for another engine to read, until `return_loan(loan_id)`. Nothing
+        for sliding-window models (their early blocks may be gone)."""
         if not self.enable_caching or self.manager.drops_blocks:
             return []
         max_tokens = len(block_hashes) * self.block_size
         blocks = self.manager.find_longest_cache_hit(block_hashes, max_tokens)
-        self.block_pool.touch(blocks)
+        if blocks:
+            self.block_pool.touch(blocks)
+            self._loans[loan_id] = blocks
         return blocks
+
+    def return_loan(self, loan_id: str) -> bool:
+        """The borrower is done (or its lease expired): False when `loan_id` is no loan."""
+        blocks = self._loans.pop(loan_id, None)
+        if blocks is None:
+            return False
+        self.block_pool.free_blocks(reversed(blocks))  # tail first, as requests free
+        return True
+
+    @property
+    def num_lent_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self._loans.values())
 
     def allocate_slots(
         self,
@@ -199,10 +215,11 @@ class KVCacheManager:
         return stats
 
     def check_integrity(self) -> None:
-        """The pool's invariants, plus: every block a request holds is counted in its ref_cnt."""
+        """The pool's invariants, plus: every block a request (or a loan) holds is counted in
+        its ref_cnt."""
         self.block_pool.check_integrity()
         users: dict[int, int] = {}
-        for blocks in self.manager.req_to_blocks.values():
+        for blocks in [*self.manager.req_to_blocks.values(), *self._loans.values()]:
             for block in blocks:
                 if not block.is_null:
                     users[block.block_id] = users.get(block.block_id, 0) + 1
@@ -210,7 +227,7 @@ class KVCacheManager:
             if block.ref_cnt != users.get(block.block_id, 0):
                 raise AssertionError(
                     f"{block}: ref_cnt {block.ref_cnt} but held by "
-                    f"{users.get(block.block_id, 0)} requests"
+                    f"{users.get(block.block_id, 0)} requests and loans"
                 )
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.config import KVLoadFailurePolicy
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_cache_utils import KVCacheBlock, cdiv
+from engine.core.kv_cache_utils import cdiv
 from engine.core.sched_output import KVConnectorOutput
 from engine.request import Request, RequestStatus
 
@@ -53,8 +53,6 @@ class KVTransferState:
         self._failed_recving: set[str] = set()
         # Requests whose external KV is loaded inside this very step (synchronous loads).
         self._sync_loads: set[str] = set()
-        # Prefix blocks lent to another engine, by the id their lease reports them under.
-        self._lent: dict[str, list[KVCacheBlock]] = {}
 
     def start_async_load(self, request: Request, num_local_computed_tokens: int) -> None:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -66,15 +64,6 @@ class KVTransferState:
         request.timing.kv_load_blocks = (
             cdiv(target, block_size) - num_local_computed_tokens // block_size
         )
-
-    def lend(self, lease_request_id: str, blocks: list[KVCacheBlock]) -> None:
-        """Blocks taken for another engine (`KVCacheManager.lend_prefix`); freed when their
-        lease is reported in `finished_sending` under `lease_request_id`."""
-        self._lent[lease_request_id] = blocks
-
-    @property
-    def num_lent_blocks(self) -> int:
-        return sum(len(blocks) for blocks in self._lent.values())
 
     def note_sync_load(self, request: Request) -> None:
         self._sync_loads.add(request.request_id)
@@ -147,11 +136,8 @@ class KVTransferState:
             else:
                 self._finished_recving.add(req_id)
         for req_id in kv_output.finished_sending:
-            lent = self._lent.pop(req_id, None)
-            if lent is not None:
-                # The borrower is done (or its lease expired): tail first, as requests free.
-                self._kv_cache_manager.block_pool.free_blocks(reversed(lent))
-                continue
+            if self._kv_cache_manager.return_loan(req_id):
+                continue  # lent prefix blocks (EngineCore.pin_prefix), not a request's
             request = self._requests.get(req_id)
             if request is not None and request.is_finished:
                 releasable[req_id] = request

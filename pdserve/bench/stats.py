@@ -20,5 +20,5 @@ def summarize(
     ordered = sorted(values)
     summary = {"mean": round(statistics.fmean(ordered), digits) if ordered else 0.0}
     for q in quantiles:
-        summary[f"p{round(q * 100):d}"] = round(percentile(ordered, q), digits)
+        summary[f"p{q * 100:g}"] = round(percentile(ordered, q), digits)  # p50, p99.9
     return summary

@@ -42,12 +42,13 @@ def test_processes_claim_disjoint_cores_and_a_killed_holder_frees_them(tmp_path)
     first, cores = holder(tmp_path, 2)
     try:
         assert cores == "0,1"
+        # All or nothing: three are not free, and the two that are stay free after the try.
+        assert claim_cores(3, [0, 1, 2, 3], tmp_path) is None
         claim = claim_cores(2, [0, 1, 2, 3], tmp_path)
         assert claim is not None and claim.cores == (2, 3)
-        # All or nothing: no core is left held by a claim that failed.
-        assert claim_cores(1, [0, 1, 2, 3], tmp_path) is None
         second, cores = holder(tmp_path, 1)
         second.kill()
+        second.wait()
         assert cores == "none"
         first.kill()  # SIGKILL: no clean-up runs, the kernel drops its locks
         first.wait()
@@ -56,9 +57,18 @@ def test_processes_claim_disjoint_cores_and_a_killed_holder_frees_them(tmp_path)
         claim.release()
         assert claim_cores(4, [0, 1, 2, 3], tmp_path) is None  # 0, 1 still held by `again`
         again.release()
-        assert claim_cores(4, [0, 1, 2, 3], tmp_path) is not None
+        every = claim_cores(4, [0, 1, 2, 3], tmp_path)
+        assert every is not None
+        every.release()
     finally:
         first.kill()
+        first.wait()
+
+
+def test_a_lock_directory_it_cannot_use_leaves_the_replica_unpinned(tmp_path):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    assert claim_cores(1, [0], blocked / "cores") is None
 
 
 @pytest.fixture

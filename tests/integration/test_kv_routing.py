@@ -40,11 +40,18 @@ ANSWER_TOKENS = 12
 # the decode replica that wrote the answer (<= LOCAL: it computes the tail itself); LONG new
 # tokens leave more than LOCAL (a prefill replica computes them, reusing the earlier prompt).
 LOCAL, SHORT, LONG = 32, 8, 40
+# A prefill leg borrows what an engine holds beyond the prefill replicas by this much.
+LOAN = 16
 PARAMS = {"max_tokens": ANSWER_TOKENS, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[GenerationClient]:
+def client(tmp_path_factory) -> Iterator[GenerationClient]:
+    # Cores claimed by this app alone, whatever else runs pdserve on this machine (Ray's
+    # processes inherit the environment of the cluster this process starts).
+    lock_dir = tmp_path_factory.mktemp("cores")
+    previous = os.environ.get("PDSERVE_CORE_LOCK_DIR")
+    os.environ["PDSERVE_CORE_LOCK_DIR"] = str(lock_dir)
     config = AppConfig.from_args(
         {
             "model": "tiny",
@@ -55,6 +62,7 @@ def client() -> Iterator[GenerationClient]:
             "num_cpus_per_engine": 1,
             "transport": "nixl",
             "max_local_prefill_tokens": LOCAL,
+            "min_prefix_loan_tokens": LOAN,
         }
     )
     grpc_port = free_port()
@@ -65,6 +73,10 @@ def client() -> Iterator[GenerationClient]:
     finally:
         served.close()
         stop()
+        if previous is None:
+            del os.environ["PDSERVE_CORE_LOCK_DIR"]
+        else:
+            os.environ["PDSERVE_CORE_LOCK_DIR"] = previous
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +161,28 @@ def test_engine_replicas_compute_on_cores_of_their_own(client):
             assert len(mask) == 1
             pinned.append(next(iter(mask)))
     assert len(pinned) == min(4, len(allowed)) and len(set(pinned)) == len(pinned), pinned
+
+
+def test_a_prefill_replica_borrows_the_turns_only_a_decode_replica_holds(client, offline):
+    """Turn one is short (decode_cached: only its decode replica ever computed it); turn two is
+    long, so a prefill replica runs it — holding turn zero's prompt alone. It borrows turn
+    one's blocks from the decode replica over NIXL (a prefix loan) instead of recomputing
+    them: its prompt hits exceed anything a prefill replica computed."""
+    rng = random.Random(31)
+    prompt = [rng.randrange(10, 400) for _ in range(70)]
+    turns = []
+    for new in (SHORT, LONG, None):
+        done = client.complete(generate_request(prompt, **PARAMS))
+        check(done, prompt, offline)
+        turns.append((done, len(prompt)))
+        if new is not None:
+            prompt = [*prompt, *done.token_ids, *(rng.randrange(10, 400) for _ in range(new))]
+        assert wait_until(index_knows_all_engines, timeout_s=10)
+    (zero, zero_len), (one, one_len), (two, _) = turns
+    assert (zero.route, one.route, two.route) == ("disaggregated", "decode_cached", "disaggregated")
+    # Prefill replicas hold turn zero's prompt at most; the decode replica turn one's KV too.
+    assert blocks(zero_len) < blocks(one_len + ANSWER_TOKENS - 1)
+    assert two.usage.cached_tokens >= blocks(one_len + ANSWER_TOKENS - 1)
 
 
 def holders(prompt: list[int], role: str) -> list[str]:

@@ -236,3 +236,30 @@ def test_stop_string_is_matched_by_the_caller_and_ends_the_engine_request():
         assert stats.num_free_blocks == 63 and stats.num_running == stats.num_waiting == 0
     finally:
         engine.shutdown()
+
+
+def test_calls_on_the_loop_run_between_steps_and_fail_once_the_loop_is_gone(hf_refs):
+    """run_on_loop: a call runs on the engine thread and returns its value (or raises its
+    error); one a caller cancelled before it ran never runs; after shutdown nothing waits."""
+    import threading
+    from concurrent.futures import CancelledError
+
+    from engine.async_engine import EngineDeadError
+
+    engine = AsyncEngine(hf_refs["llama_gqa"].path, max_model_len=64, block_size=4)
+    loop_thread = engine.run_on_loop(threading.current_thread).result(timeout=10)
+    assert loop_thread.name == "engine-loop"
+    with pytest.raises(ZeroDivisionError):
+        engine.run_on_loop(lambda: 1 / 0).result(timeout=10)
+    ran = []
+    gate = threading.Event()
+    engine.run_on_loop(gate.wait)  # holds the loop until the gate opens
+    late = engine.run_on_loop(lambda: ran.append(1))
+    assert late.cancel()
+    gate.set()
+    with pytest.raises(CancelledError):
+        late.result(timeout=10)
+    assert engine.run_on_loop(lambda: 2).result(timeout=10) == 2 and ran == []
+    engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        engine.run_on_loop(lambda: 3).result(timeout=1)

@@ -501,7 +501,7 @@ def test_a_prefill_engine_borrows_the_prefix_a_decode_engine_holds(servers, offl
         else:
             assert read == 0
         assert idle(servers[0]) and idle(decode) and idle(fresh)
-        assert decode.engine.core.scheduler.kv_transfers.num_lent_blocks == 0
+        assert decode.engine.core.scheduler.kv_cache_manager.num_lent_blocks == 0
     finally:
         decode.__del__()
         fresh.__del__()
@@ -532,6 +532,31 @@ def test_a_loan_nobody_reads_is_released_and_an_engine_lends_nothing_it_lacks(se
         assert stats["num_free_blocks"] == stats["num_blocks"] - 3  # held for the borrower
         assert client.release(reply.lease_id)
         assert idle(engine)
-        assert engine.engine.core.scheduler.kv_transfers.num_lent_blocks == 0
+        assert engine.engine.core.scheduler.kv_cache_manager.num_lent_blocks == 0
     finally:
         client.close()
+
+
+def test_a_loan_nobody_releases_expires_and_its_blocks_come_back(offline):
+    """A borrower that never reads nor releases: the lease expires, and the lender frees the
+    blocks on its own (nothing pinned for nobody)."""
+    from connector.side_channel import SideChannelClient
+    from engine.core.kv_cache_utils import prompt_block_hashes
+
+    kv = {"connector": "grpc", "secret": SECRET, "lease_seconds": 0.5}
+    lender = EngineServer("tiny", ENGINE_ARGS, kv)
+    core = lender.engine.core
+    client = SideChannelClient(
+        core.config.kv_transfer.side_channel_host, core.side_channel_port, SECRET
+    )
+    try:
+        prompt = list(range(600, 648))
+        run(make_flow((lender, lender), prefill=None), prompt, max_tokens=2, temperature=0.0)
+        reply = client.lend_prefix(prompt_block_hashes(prompt, 16))
+        assert len(reply.block_ids) == 3  # the prompt's three full blocks
+        assert core.scheduler.kv_cache_manager.num_lent_blocks == 3
+        assert idle(lender, timeout_s=10)  # expired, freed, not read by anyone
+        assert core.scheduler.kv_cache_manager.num_lent_blocks == 0
+    finally:
+        client.close()
+        lender.__del__()
