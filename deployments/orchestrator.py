@@ -238,11 +238,8 @@ class Orchestrator:
     async def _disaggregated(
         self, prepared: PreparedRequest, stream: ResponseStream, survey: CacheSurvey | None
     ) -> AsyncGenerator[ResponseChunk, None]:
-        loan = None
-        if self.borrower is not None:
-            loan = await self.borrower.borrow(
-                prepared.prompt_token_ids, prepared.cache_salt, survey
-            )
+        prompt, salt = prepared.prompt_token_ids, prepared.cache_salt
+        loan = await self.borrower.borrow(prompt, salt, survey) if self.borrower else None
         first = await self._prefill_leg(prepared, loan)
         if first is None:  # the prefill leg failed: the decode replica computes the prompt
             async for chunk in self._decode_leg(prepared, stream, ROUTE_FALLBACK):
@@ -318,8 +315,12 @@ class Orchestrator:
                 return None
             leg.result()
             completed = True
-        except ValueError:
-            raise  # the request itself is bad: decode-only would refuse it too
+        except ValueError as exc:
+            if loan is None:
+                raise  # the request itself is bad: decode-only would refuse it too
+            # Maybe the loan was refused, not the request: decode-only tells them apart.
+            logger.warning("prefill leg of %s refused (%s); decode-only", prepared.request_id, exc)
+            return None
         except Exception as exc:  # replica gone, engine failed: fall back
             logger.warning("prefill leg of %s failed (%r); decode-only", prepared.request_id, exc)
             return None

@@ -560,3 +560,32 @@ def test_a_loan_nobody_releases_expires_and_its_blocks_come_back(offline):
     finally:
         client.close()
         lender.__del__()
+
+
+def test_a_loan_the_prefill_engine_refuses_falls_back_instead_of_failing(servers, offline):
+    """A loan made for other tokens is refused by the prefill engine (ValueError): that is no
+    fault of the client's request, which is served decode-only with the right tokens."""
+
+    class WrongLoan:
+        async def borrow(self, prompt, cache_salt, survey):
+            return {
+                "do_remote_prefill": True,
+                "remote_engine_id": "elsewhere",
+                "remote_request_id": "lend-x",
+                "remote_block_ids": [1],
+                "remote_host": "127.0.0.1",
+                "remote_port": 1,
+                "lease_id": "l",
+                "remote_num_tokens": 16,
+                "remote_tokens_hash": "not these tokens",
+            }
+
+    flow = make_flow(servers)
+    flow.borrower = WrongLoan()
+    params = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    prompt = list(range(700, 740))
+    chunks = run(flow, prompt, **params)
+    expected = offline.generate([prompt], SamplingParams(**params))[0]
+    assert tokens(chunks) == expected.outputs[0].token_ids
+    assert {c.route for c in chunks} == {"fallback"}
+    assert idle(servers[0]) and idle(servers[1])
