@@ -22,12 +22,8 @@ import numpy as np
 import torch
 
 from connector.block_data import BlockChunk
-from connector.side_channel import (
-    BlockStream,
-    SideChannelClient,
-    SideChannelError,
-    block_bytes_view,
-)
+from connector.side_channel import block_bytes_view
+from connector.side_channel_client import BlockStream, SideChannelClient, SideChannelError
 from connector.transport import BlockRead, KVTransport, TransferResults
 
 logger = logging.getLogger(__name__)

@@ -18,12 +18,8 @@ import grpc
 import torch
 
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV, tokens_hash
-from connector.side_channel import (
-    Loan,
-    SideChannelClient,
-    SideChannelError,
-    SideChannelServer,
-)
+from connector.side_channel import Loan, SideChannelServer
+from connector.side_channel_client import SideChannelClient, SideChannelError
 from connector.transport import BlockRead, KVTransport
 from engine.config import KVTransferConfig
 

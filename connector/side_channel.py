@@ -21,9 +21,8 @@ Every call carries the shared secret as metadata `x-pdserve-secret`. Refusals:
 `LendPrefix` lends the blocks of a prompt's leading cached hashes under a new lease
 (PDConnector.enable_prefix_lending); the reader then reads them like handed-off KV.
 
-Why this file is long: it is one protocol's two ends — the server, the client, and the
-hand-written BlockData framing both share — kept together so that a message changes on both
-ends in one place.
+The client side is connector/side_channel_client.py; the hand-written BlockData framing both
+ends share is connector/block_data.py.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from typing import Any
 import grpc
 import torch
 
-from connector.block_data import BlockChunk, decode_block_data, encode_block_data
+from connector.block_data import encode_block_data
 from connector.leases import (
     Lease,
     LeaseError,
@@ -51,28 +50,23 @@ from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 SECRET_METADATA_KEY = "x-pdserve-secret"
-_SERVICE = "pdserve.v1.KVTransfer"
+SERVICE = "pdserve.v1.KVTransfer"
 # Blocks larger than this travel as several BlockData messages; message limits leave headroom.
 CHUNK_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = CHUNK_BYTES + (1 << 20)
 # Device caches are staged to host memory a run of consecutive blocks at a time, up to this.
 _STAGE_BYTES = 32 << 20
-# Ended leases remembered so that a late renew/read hears "expired" rather than "unknown".
-_MAX_TOMBSTONES = 4096
 
-_CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # The largest HTTP/2 frame we accept (default 16 KiB): a 4 MiB chunk then travels in one
     # DATA frame instead of 256, which cut block reads' CPU per byte (bench kv: ~+15%).
     ("grpc.http2.max_frame_size", (1 << 24) - 1),
 ]
-# A peer that vanishes without closing its socket (host down) is noticed by keepalive pings
-# within ~15 s, even inside a long deadline; the server must accept pings that often.
-_CLIENT_OPTIONS = [*_CHANNEL_OPTIONS, ("grpc.keepalive_time_ms", 10_000)]
-_CLIENT_OPTIONS += [("grpc.keepalive_timeout_ms", 5_000)]
+# Clients ping (side_channel_client.py): the server must accept pings that often.
 _SERVER_OPTIONS = [
-    *_CHANNEL_OPTIONS,
+    *CHANNEL_OPTIONS,
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
     # gRPC sets SO_REUSEPORT by default: a second server would silently share a fixed port.
@@ -140,7 +134,7 @@ class SideChannelServer:
             options=_SERVER_OPTIONS,
         )
         _add_servicer(_KVTransferServicer(self), server)
-        address = f"{_host(self.config.side_channel_host)}:{self.config.side_channel_port}"
+        address = f"{grpc_host(self.config.side_channel_host)}:{self.config.side_channel_port}"
         try:
             port = server.add_insecure_port(address)
         except RuntimeError as exc:
@@ -204,11 +198,11 @@ def _add_servicer(servicer: _KVTransferServicer, server: grpc.Server) -> None:
             response_serializer=pb.LendPrefixResponse.SerializeToString,
         ),
     }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
-    server.add_registered_method_handlers(_SERVICE, handlers)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
 
 
-def _host(host: str) -> str:
+def grpc_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
@@ -326,29 +320,6 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
             leases.close_read(lease_id)
 
 
-# ---------------------------------------------------------------------------------- client
-
-
-class SideChannelError(Exception):
-    """A refused or failed side-channel call."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, target: str = "") -> None:
-        self.code = code
-        self.message = message
-        where = f"side channel {target}" if target else "side channel"
-        super().__init__(f"{where}: {code.name}: {message}")
-
-
-@dataclass(frozen=True)
-class HandshakeReply:
-    engine_id: str
-    compatibility_hash: str
-    transport: str
-    transport_metadata: bytes
-    num_blocks: int
-    block_bytes: int
-
-
 @dataclass(frozen=True)
 class Loan:
     """Prefix blocks an engine lends: the leading blocks it holds, in prompt order, under a
@@ -356,154 +327,3 @@ class Loan:
 
     block_ids: list[int]
     lease: Lease
-
-
-@dataclass(frozen=True)
-class LendReply:
-    """LendPrefix's answer; `block_ids` empty when nothing was lent."""
-
-    engine_id: str
-    request_id: str
-    block_ids: list[int]
-    lease_id: str
-    lease_seconds: float
-
-
-class BlockStream:
-    """A ReadBlocks call: iterate validated chunks; `cancel()` may be called from any thread."""
-
-    def __init__(self, call: Any, block_ids: list[int], target: str) -> None:
-        self._call = call
-        self._block_ids = block_ids
-        self._target = target
-
-    def cancel(self) -> None:
-        self._call.cancel()
-
-    def __iter__(self) -> Iterator[BlockChunk]:
-        ids, i, expected_offset = self._block_ids, 0, 0
-        try:
-            for msg in self._call:
-                chunk = self._decode(msg)
-                end = chunk.offset + len(chunk.data)
-                if (
-                    i >= len(ids)
-                    or (chunk.block_id, chunk.offset) != (ids[i], expected_offset)
-                    or not chunk.data
-                    or end > chunk.block_bytes
-                ):
-                    want = f"block {ids[i]} at offset {expected_offset}" if i < len(ids) else "end"
-                    raise self._error(
-                        grpc.StatusCode.DATA_LOSS,
-                        f"expected {want}, got {len(chunk.data)} bytes of block "
-                        f"{chunk.block_id} at offset {chunk.offset}",
-                    )
-                yield chunk
-                i, expected_offset = (i + 1, 0) if chunk.last else (i, end)
-        except grpc.RpcError as exc:
-            raise self._error(exc.code(), exc.details() or "") from None
-        finally:
-            self._call.cancel()  # no-op once the call has ended
-        if i < len(ids):
-            raise self._error(
-                grpc.StatusCode.DATA_LOSS, f"stream ended after {i} of {len(ids)} blocks"
-            )
-
-    def _decode(self, message: bytes) -> BlockChunk:
-        try:
-            return decode_block_data(message)
-        except ValueError as exc:
-            raise self._error(grpc.StatusCode.DATA_LOSS, str(exc)) from None
-
-    def _error(self, code: grpc.StatusCode, message: str) -> SideChannelError:
-        return SideChannelError(code, message, self._target)
-
-
-class SideChannelClient:
-    """Calls one engine's side channel. Thread-safe; every call has a deadline."""
-
-    def __init__(self, host: str, port: int, secret: str, timeout_s: float = 10.0) -> None:
-        self.target = f"{_host(host)}:{port}"
-        self.timeout_s = timeout_s
-        self.remote: HandshakeReply | None = None  # set by handshake()
-        self._metadata = ((SECRET_METADATA_KEY, secret),)
-        self._channel = grpc.insecure_channel(self.target, options=_CLIENT_OPTIONS)
-        self._stub = pb_grpc.KVTransferStub(self._channel)
-        # Serialized BlockData, parsed by BlockStream without copying the data.
-        self._read_blocks = self._channel.unary_stream(
-            f"/{_SERVICE}/ReadBlocks", request_serializer=pb.ReadBlocksRequest.SerializeToString
-        )
-
-    def handshake(
-        self,
-        engine_id: str,
-        compat_hash: str,
-        transport: str,
-        expected_engine_id: str = "",
-    ) -> HandshakeReply:
-        request = pb.HandshakeRequest(
-            engine_id=engine_id,
-            compatibility_hash=compat_hash,
-            transport=transport,
-            expected_engine_id=expected_engine_id,
-        )
-        r = self._unary(self._stub.Handshake, request)
-        self.remote = HandshakeReply(
-            r.engine_id,
-            r.compatibility_hash,
-            r.transport,
-            r.transport_metadata,
-            r.num_blocks,
-            r.block_bytes,
-        )
-        return self.remote
-
-    def renew_lease(self, lease_id: str) -> float:
-        """Seconds until the renewed lease expires."""
-        reply = self._unary(self._stub.RenewLease, pb.LeaseRequest(lease_id=lease_id))
-        return float(reply.expires_in_seconds)
-
-    def release(self, lease_id: str) -> bool:
-        """True when this call ended a live lease (False: already ended or unknown)."""
-        return bool(self._unary(self._stub.Release, pb.LeaseRequest(lease_id=lease_id)).released)
-
-    def lend_prefix(self, block_hashes: list[bytes]) -> LendReply:
-        """Borrow the engine's cached blocks for the leading run of `block_hashes`."""
-        r = self._unary(self._stub.LendPrefix, pb.LendPrefixRequest(block_hashes=block_hashes))
-        return LendReply(
-            r.engine_id,
-            r.request_id,
-            [int(b) for b in r.block_ids],
-            r.lease_id,
-            float(r.expires_in_seconds),
-        )
-
-    def open_read(
-        self, lease_id: str, block_ids: list[int], timeout_s: float | None = None
-    ) -> BlockStream:
-        """Start ReadBlocks; the deadline (default timeout_s) covers the whole stream."""
-        request = pb.ReadBlocksRequest(lease_id=lease_id, block_ids=block_ids)
-        call = self._read_blocks(
-            request, metadata=self._metadata, timeout=timeout_s or self.timeout_s
-        )
-        return BlockStream(call, list(block_ids), self.target)
-
-    def read_blocks(
-        self, lease_id: str, block_ids: list[int], timeout_s: float | None = None
-    ) -> Iterator[tuple[int, bytes]]:
-        """(block_id, whole block bytes) in request order."""
-        parts: list[memoryview] = []
-        for chunk in self.open_read(lease_id, block_ids, timeout_s):
-            parts.append(chunk.data)
-            if chunk.last:
-                yield chunk.block_id, b"".join(parts)
-                parts = []
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def _unary(self, method: Any, request: Any) -> Any:
-        try:
-            return method(request, metadata=self._metadata, timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            raise SideChannelError(exc.code(), exc.details() or "", self.target) from None

@@ -118,7 +118,7 @@ def connect(
         nixl.add_remote(REMOTE_ENGINE_ID, peer.transport_metadata)
         return nixl, nixl.close
     from connector.grpc_transport import GrpcTransport
-    from connector.side_channel import SideChannelClient
+    from connector.side_channel_client import SideChannelClient
 
     grpc = GrpcTransport()
     grpc.register(cache)

@@ -85,7 +85,7 @@ def pin_process_threads(cores: Sequence[int]) -> None:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where an engine replica computes (logged, and `EngineServer.placement()`)."""
+    """Where an engine replica computes (logged)."""
 
     num_threads: int
     cores: tuple[int, ...] = ()  # () when not pinned

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from ray import serve
 
-from deployments.core_pinning import CoreClaim, Placement, place_engine
+from deployments.core_pinning import CoreClaim, place_engine
 from deployments.kv_publisher import KVEventPublisher
 from deployments.protocol import EngineRequest
 from deployments.telemetry import (
@@ -60,7 +60,7 @@ class EngineServer:
         pin_cores: bool = False,
     ) -> None:
         # Before the engine exists: its threads and first-touched memory start on its cores.
-        self._placement, self._cores = _place(engine_args) if pin_cores else (None, None)
+        self._cores = _place(engine_args) if pin_cores else None
         kv = dict(kv_transfer_config) if kv_transfer_config else None
         if kv is not None:
             kv.setdefault("side_channel_host", node_ip())
@@ -153,10 +153,6 @@ class EngineServer:
         del stats["num_preemptions"]  # a counter, sampled into metrics, not a health figure
         return {"role": self.role, "replica_id": self.replica_id, **stats}
 
-    def placement(self) -> dict[str, Any] | None:
-        """Threads and pinned cores (None where pinning was not asked for)."""
-        return dataclasses.asdict(self._placement) if self._placement else None
-
     def check_health(self) -> None:
         """Serve's health probe: a dead engine loop restarts the replica."""
         if self.engine.dead is not None:
@@ -206,15 +202,16 @@ def _on_cpu(engine_args: dict[str, Any]) -> bool:
     return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
-def _place(engine_args: dict[str, Any]) -> tuple[Placement | None, CoreClaim | None]:
+def _place(engine_args: dict[str, Any]) -> CoreClaim | None:
     """Inside a Serve replica on a CPU: threads = its CPUs, pinned to cores of its own
-    (deployments/core_pinning.py). GPU engines are placed by their GPU, as Ray assigns it."""
+    (deployments/core_pinning.py; the claim, to keep while the replica lives). GPU engines are
+    placed by their GPU, as Ray assigns it."""
     if serve_replica_id() is None or not _on_cpu(engine_args):
-        return None, None
+        return None
     import ray
 
     num_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
-    return place_engine(num_cpus)
+    return place_engine(num_cpus)[1]
 
 
 def _start_kv_publisher(engine: AsyncEngine, role: str) -> KVEventPublisher | None:

@@ -124,6 +124,13 @@ def _apply_events(blocks: Counter[bytes], batch: KVEventBatch) -> None:
             blocks.clear()
 
 
+@dataclass
+class _Announced:
+    role: str = ""
+    side_channel: str = ""  # "host:port" it lends prefixes from ("" without KV transfer)
+    load: EngineLoad | None = None
+
+
 class KVIndexServer:
     """The app's one KV index, as a Ray actor: engine replicas push their batches, snapshots
     and load (`KVEventPublisher`), the request routers of both legs ask it per request.
@@ -136,18 +143,18 @@ class KVIndexServer:
 
     def __init__(self) -> None:
         self.index = PrefixIndex()
-        self.roles: dict[str, str] = {}
-        self.side_channels: dict[str, str] = {}
-        self.loads: dict[str, EngineLoad] = {}
+        # What each replica announced with its snapshot and its latest load, by replica.
+        self.replicas: dict[str, _Announced] = {}
 
     def apply(
         self, replica: str, batches: list[KVEventBatch], load: EngineLoad | None = None
     ) -> bool:
         """False: the replica must send a snapshot (also for a replica the index does not
         know: an index that restarted learns of idle replicas from their heartbeats)."""
-        if load is not None:
-            self.loads[replica] = load
-        ok = replica in self.roles
+        announced = self.replicas.get(replica)
+        if announced is not None and load is not None:
+            announced.load = load
+        ok = announced is not None
         for batch in batches:
             ok = self.index.apply(replica, batch) and ok
         return ok and self.index.is_current(replica)
@@ -162,34 +169,23 @@ class KVIndexServer:
     ) -> None:
         """A replica (re)announces itself: its whole cache, its role, where it lends from."""
         self.index.load_snapshot(replica, snapshot)
-        self.roles[replica] = role
-        self.side_channels[replica] = side_channel
-        if load is not None:
-            self.loads[replica] = load
-
-    def match(self, block_hashes: list[bytes]) -> dict[str, int]:
-        return self.index.match(block_hashes)
+        self.replicas[replica] = _Announced(role, side_channel, load)
 
     def lookup(self, block_hashes: list[bytes], role: str = "") -> dict[str, Holding]:
         """Per replica (of `role`, or all): the prompt's leading blocks it holds, its load."""
-        matches = self.index.match(block_hashes)
-        return {
-            replica: Holding(
-                count,
-                self.loads.get(replica),
-                self.roles.get(replica, ""),
-                self.side_channels.get(replica, ""),
-            )
-            for replica, count in matches.items()
-            if not role or self.roles.get(replica) == role
-        }
+        holdings = {}
+        for replica, count in self.index.match(block_hashes).items():
+            announced = self.replicas.get(replica, _Announced())
+            if not role or announced.role == role:
+                holdings[replica] = Holding(
+                    count, announced.load, announced.role, announced.side_channel
+                )
+        return holdings
 
     def forget(self, replicas: list[str]) -> None:
         for replica in replicas:
             self.index.forget(replica)
-            self.roles.pop(replica, None)
-            self.side_channels.pop(replica, None)
-            self.loads.pop(replica, None)
+            self.replicas.pop(replica, None)
 
     def current(self) -> dict[str, bool]:
         return {replica: self.index.is_current(replica) for replica in self.index.replicas}
@@ -228,7 +224,7 @@ class IndexedClusterCache:
         except Exception as exc:
             logger.info("KV index lookup failed: %r", exc)
             return None
-        return survey(holdings, len(prompt_token_ids), self._block_size)
+        return survey(holdings, hashes, len(prompt_token_ids), self._block_size)
 
 
 # In the actor's name: a detached index outlives a redeploy, and new code must not talk to an

@@ -22,9 +22,8 @@ from typing import Any, TypeVar
 import grpc
 
 from connector.metadata import RemoteKV, tokens_hash
-from connector.side_channel import SideChannelClient, SideChannelError
+from connector.side_channel_client import SideChannelClient, SideChannelError
 from deployments.kv_scoring import CacheSurvey
-from engine.core.kv_cache_utils import prompt_block_hashes
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,9 +77,7 @@ class PrefixBorrower:
         # handshake and a read cost about what computing a few blocks does).
         self.min_tokens = min_tokens
 
-    async def borrow(
-        self, prompt: list[int], cache_salt: str | None, survey: CacheSurvey | None
-    ) -> dict[str, Any] | None:
+    async def borrow(self, prompt: list[int], survey: CacheSurvey | None) -> dict[str, Any] | None:
         """Remote-prefill kv_transfer_params for the lent blocks, or None (nothing worth
         borrowing, or the lender refused or did not answer: the prefill computes it all)."""
         if survey is None or survey.lender is None or self.min_tokens <= 0:
@@ -89,8 +86,7 @@ class PrefixBorrower:
         if lender.tokens - survey.prefill_tokens < self.min_tokens:
             return None  # a prefill replica holds (nearly) as much: routing finds it there
         host, _, port = lender.side_channel.rpartition(":")
-        hashes = prompt_block_hashes(prompt, self.block_size, cache_salt)
-        hashes = hashes[: lender.tokens // self.block_size]
+        hashes = survey.block_hashes[: lender.tokens // self.block_size]
         try:
             reply = await self._clients.call(host, int(port), lambda c: c.lend_prefix(hashes))
         except Exception as exc:  # a loan is an optimisation: compute instead

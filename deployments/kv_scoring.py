@@ -96,6 +96,7 @@ class Lender:
 class CacheSurvey:
     """What the cluster's caches hold of one prompt, for the Router's choices."""
 
+    block_hashes: list[bytes]  # the prompt's, as the engines hash it (a loan asks by them)
     decode_holder: tuple[str, int] | None  # cheapest decode replica, tokens it holds
     prefill_tokens: int  # the most any prefill replica holds
     lender: Lender | None  # the non-prefill replica holding the most, where it can lend
@@ -103,25 +104,28 @@ class CacheSurvey:
 
 def survey(
     holdings: Mapping[str, Holding],
+    block_hashes: list[bytes],
     prompt_tokens: int,
     block_size: int,
     weights: RoutingWeights = RoutingWeights(),
 ) -> CacheSurvey:
-    by_role = {
-        role: {r: h for r, h in holdings.items() if h.role == role}
-        for role in ("prefill", "decode")
-    }
-    prefill = max((h.cached_blocks for h in by_role["prefill"].values()), default=0)
+    """`holdings`: every replica's, whatever its role (`KVIndexServer.lookup`)."""
+
+    def tokens(blocks: int) -> int:
+        return min(prompt_tokens, blocks * block_size)
+
+    decode = {r: h for r, h in holdings.items() if h.role == "decode"}
+    prefill = max((h.cached_blocks for h in holdings.values() if h.role == "prefill"), default=0)
     lenders = [(h.cached_blocks, r) for r, h in holdings.items() if h.role != "prefill"]
     lender = None
     if lenders:
         blocks, replica = max(lenders)
         if blocks and holdings[replica].side_channel:
-            tokens = min(prompt_tokens, blocks * block_size)
-            lender = Lender(replica, holdings[replica].side_channel, tokens)
+            lender = Lender(replica, holdings[replica].side_channel, tokens(blocks))
     return CacheSurvey(
-        decode_holder=cheapest(by_role["decode"], prompt_tokens, block_size, weights),
-        prefill_tokens=min(prompt_tokens, prefill * block_size),
+        block_hashes=block_hashes,
+        decode_holder=cheapest(decode, prompt_tokens, block_size, weights),
+        prefill_tokens=tokens(prefill),
         lender=lender,
     )
 
@@ -169,5 +173,5 @@ class Borrower(Protocol):
     """Borrows a prompt's cached blocks for its prefill leg (kv_leases.PrefixBorrower)."""
 
     async def borrow(
-        self, prompt: list[int], cache_salt: str | None, survey: CacheSurvey | None
+        self, prompt: list[int], survey: CacheSurvey | None
     ) -> dict[str, Any] | None: ...

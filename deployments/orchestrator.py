@@ -238,8 +238,8 @@ class Orchestrator:
     async def _disaggregated(
         self, prepared: PreparedRequest, stream: ResponseStream, survey: CacheSurvey | None
     ) -> AsyncGenerator[ResponseChunk, None]:
-        prompt, salt = prepared.prompt_token_ids, prepared.cache_salt
-        loan = await self.borrower.borrow(prompt, salt, survey) if self.borrower else None
+        prompt = prepared.prompt_token_ids
+        loan = await self.borrower.borrow(prompt, survey) if self.borrower else None
         first = await self._prefill_leg(prepared, loan)
         if first is None:  # the prefill leg failed: the decode replica computes the prompt
             async for chunk in self._decode_leg(prepared, stream, ROUTE_FALLBACK):

@@ -112,7 +112,7 @@ class EngineRequest:
     kv_transfer_params: dict[str, Any] | None = None
     trace_context: dict[str, str] | None = None  # W3C carrier: the router's span
     # The replica the router chose by its cache (cache-aware disaggregation): the leg's
-    # request router tries it first.
+    # request router sends the request there alone.
     replica_hint: str = ""
 
 

@@ -131,16 +131,13 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
             holdings = await asyncio.wait_for(lookup, self._INDEX_TIMEOUT_S)
         except RayActorError:
             self._index = None  # gone: look it up again next time
-            holdings = None
+            return None
         except Exception:  # slow or not there yet: load decides
-            holdings = None
-        ranks = None
-        if holdings is not None:
-            queue_lens = self.replica_queue_len_cache
-            ongoing = {i: queue_lens.get(r.replica_id) or 0 for i, r in by_id.items()}
-            ranks = rank_by_cost(
-                list(by_id), holdings, len(request.prompt_token_ids), self._block_size, ongoing
-            )
+            return None
+        queue_lens = self.replica_queue_len_cache
+        ongoing = {i: queue_lens.get(r.replica_id) or 0 for i, r in by_id.items()}
+        prompt_tokens = len(request.prompt_token_ids)
+        ranks = rank_by_cost(list(by_id), holdings, prompt_tokens, self._block_size, ongoing)
         return [[by_id[i] for i in rank] for rank in ranks] if ranks is not None else None
 
     def _prompt_hashes(self, pending_request: PendingRequest, request: Any) -> list[bytes]:

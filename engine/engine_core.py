@@ -229,12 +229,11 @@ class EngineCore:
                 if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                     continue  # its prompt is being read, not computed
                 queued += max(0, request.num_prompt_tokens - request.num_computed_tokens)
-        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         return EngineLoad(
             num_running=len(scheduler.running),
             num_waiting=sum(len(queue) for queue in waiting),
             queued_prompt_tokens=queued,
-            kv_cache_usage=round(1.0 - free / max(1, self.num_kv_blocks), 3),
+            kv_cache_usage=round(scheduler.kv_cache_manager.usage, 3),
         )
 
     def kv_transfer_stats(self) -> dict[str, int]:

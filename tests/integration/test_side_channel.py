@@ -26,13 +26,8 @@ from connector.block_data import decode_block_data, encode_block_data
 from connector.grpc_transport import GrpcTransport
 from connector.leases import LeaseExpired, LeaseNotFound, LeaseTable
 from connector.metadata import compatibility_hash
-from connector.side_channel import (
-    CHUNK_BYTES,
-    SideChannelClient,
-    SideChannelError,
-    SideChannelServer,
-    block_bytes_view,
-)
+from connector.side_channel import CHUNK_BYTES, SideChannelServer, block_bytes_view
+from connector.side_channel_client import SideChannelClient, SideChannelError
 from connector.transport import BlockRead
 from engine.config import KVTransferConfig
 from protos.pdserve.v1 import kv_transfer_pb2 as pb

@@ -415,7 +415,7 @@ class IndexOf:
             address = f"{core.config.kv_transfer.side_channel_host}:{core.side_channel_port}"
             index.load_snapshot(name, KVSnapshot("e", 0, tuple(cached)), role, None, address)
         hashes = prompt_block_hashes(prompt, block_size, cache_salt)
-        return survey(index.lookup(hashes), len(prompt), block_size)
+        return survey(index.lookup(hashes), hashes, len(prompt), block_size)
 
 
 @pytest.mark.parametrize("limit", [64, 0], ids=["cache-aware", "off"])
@@ -510,7 +510,7 @@ def test_a_prefill_engine_borrows_the_prefix_a_decode_engine_holds(servers, offl
 def test_a_loan_nobody_reads_is_released_and_an_engine_lends_nothing_it_lacks(servers):
     """The lender's side: blocks are lent only for hashes it holds, stay out of eviction
     while lent, and come back when the lease is released."""
-    from connector.side_channel import SideChannelClient, SideChannelError
+    from connector.side_channel_client import SideChannelClient, SideChannelError
     from engine.core.kv_cache_utils import prompt_block_hashes
 
     engine = servers[1]
@@ -540,7 +540,7 @@ def test_a_loan_nobody_reads_is_released_and_an_engine_lends_nothing_it_lacks(se
 def test_a_loan_nobody_releases_expires_and_its_blocks_come_back(offline):
     """A borrower that never reads nor releases: the lease expires, and the lender frees the
     blocks on its own (nothing pinned for nobody)."""
-    from connector.side_channel import SideChannelClient
+    from connector.side_channel_client import SideChannelClient
     from engine.core.kv_cache_utils import prompt_block_hashes
 
     kv = {"connector": "grpc", "secret": SECRET, "lease_seconds": 0.5}
@@ -567,7 +567,7 @@ def test_a_loan_the_prefill_engine_refuses_falls_back_instead_of_failing(servers
     fault of the client's request, which is served decode-only with the right tokens."""
 
     class WrongLoan:
-        async def borrow(self, prompt, cache_salt, survey):
+        async def borrow(self, prompt, survey):
             return {
                 "do_remote_prefill": True,
                 "remote_engine_id": "elsewhere",

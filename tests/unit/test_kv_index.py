@@ -160,15 +160,15 @@ def test_a_survey_names_the_decode_holder_and_a_lender_worth_borrowing_from():
         "d1": Holding(6, load(), "decode", "h:2"),
         "d2": Holding(1, load(), "decode", "h:3"),
     }
-    found = survey(holdings, 100, 16)
+    found = survey(holdings, [], 100, 16)
     assert found.decode_holder == ("d1", 96)
     assert found.prefill_tokens == 32
     assert found.lender == Lender("d1", "h:2", 96)
     # A replica that cannot lend (no side channel) is no lender; nor is a prefill replica,
     # which the prefill leg's own routing reaches.
     no_channel = {**holdings, "d1": Holding(6, load(), "decode", "")}
-    assert survey(no_channel, 100, 16).lender is None
+    assert survey(no_channel, [], 100, 16).lender is None
     only_prefill = {"p1": Holding(4, load(), "prefill", "h:1")}
-    nothing = survey(only_prefill, 100, 16)
+    nothing = survey(only_prefill, [], 100, 16)
     assert nothing.lender is None and nothing.decode_holder is None
     assert nothing.prefill_tokens == 64
