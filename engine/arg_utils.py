@@ -46,6 +46,8 @@ class EngineArgs:
     async_scheduling: bool = False
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    # On CUDA decode steps replay captured graphs (engine/worker/cuda_graphs.py); True: eager.
+    enforce_eager: bool = False
     logits_processors: tuple[str, ...] = ()
     kv_transfer_config: dict[str, Any] | None = None
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}
@@ -78,6 +80,8 @@ class EngineArgs:
         max_batched = self.max_num_batched_tokens or (
             8192 if self.enable_chunked_prefill else max(8192, max_model_len)
         )
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -90,6 +94,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             linear_backend=self.linear_backend,
             logits_processors=tuple(self.logits_processors),
+            enforce_eager=self.enforce_eager,
             tokenizer=self.tokenizer_path(),
         )
         cache = CacheConfig(

@@ -138,6 +138,8 @@ class ModelConfig:
     # A directory with tokenizer.json to use instead of the model's own tokenizer (vLLM's
     # --tokenizer); None: the model directory's, or the one in the GGUF file's metadata.
     tokenizer: str | None = None
+    # vLLM's name: no CUDA graphs (every decode step launches its kernels one by one).
+    enforce_eager: bool = False
 
     @property
     def tokenizer_path(self) -> str:

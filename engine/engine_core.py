@@ -78,7 +78,7 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Validate against the model, then queue. Raises ValueError on bad input."""
         vocab = self.arch.vocab_size
-        bad = next((t for t in request.prompt_token_ids if t >= vocab), None)
+        bad = next((t for t in request.all_token_ids if t >= vocab), None)
         if bad is not None:
             raise ValueError(
                 f"request {request.request_id!r}: token id {bad} is outside the "

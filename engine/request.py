@@ -288,8 +288,14 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        output_token_ids: Sequence[int] = (),
     ) -> None:
+        """`output_token_ids`: tokens this request already produced on another engine (one
+        that failed mid-request): computed here with the prompt, never sent again, and the
+        request goes on after them exactly as it would have there (sampling positions,
+        penalties, min/max tokens count them)."""
         _check_request_inputs(request_id, prompt_token_ids, sampling_params, priority, cache_salt)
+        _check_resumed_outputs(request_id, output_token_ids, sampling_params)
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -302,8 +308,8 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         # Plain attributes, not properties: the scheduler reads them on every step of every
         # request. Only append_output_token_ids changes them.
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = [*self.prompt_token_ids, *output_token_ids]
+        self.output_token_ids: list[int] = list(output_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_external_computed_tokens = 0
@@ -358,6 +364,20 @@ class Request:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, "
             f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
+
+
+def _check_resumed_outputs(
+    request_id: str, output_token_ids: Sequence[int], params: SamplingParams
+) -> None:
+    if not output_token_ids:
+        return
+    if any(not _is_int(t) or not 0 <= t < MAX_TOKEN_ID for t in output_token_ids):
+        raise ValueError(f"request {request_id!r}: output token ids must be integers in [0, 2**31)")
+    if len(output_token_ids) >= params.max_tokens:
+        raise ValueError(
+            f"request {request_id!r}: {len(output_token_ids)} output tokens already reach "
+            f"max_tokens={params.max_tokens}; nothing is left to generate"
         )
 
 

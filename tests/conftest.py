@@ -13,6 +13,23 @@ os.environ.setdefault(
 )
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where the model tests run their engines (cuda: the parity suite on a GPU)",
+    )
+
+
+def pytest_configure(config) -> None:
+    if config.getoption("--device") == "cpu":
+        # The suite's expectations are the CPU's (float32 by default, the CPU kernels): an
+        # engine left at device="auto", or a Ray replica, must not land on a GPU the machine
+        # happens to have. Torch initialises CUDA lazily, so this still takes effect.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def pytest_sessionstart(session) -> None:
     """Compile the CPU kernels once, up front, into the session cache: engine subprocesses and
     Ray replicas then load them instead of racing to build them under their start-up timeouts.

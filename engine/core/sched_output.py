@@ -18,6 +18,9 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
+    # Outputs it already has: those it was created with (a request resumed from another
+    # engine), or any it sampled before it was first scheduled here.
+    output_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
@@ -27,6 +30,7 @@ class NewRequestData:
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
             sampling_params=request.sampling_params,
+            output_token_ids=list(request.output_token_ids),
         )
 
 

@@ -75,6 +75,12 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if request.status != _WAITING or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} was already scheduled once")
+        if request.output_token_ids and request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: its prompt and {request.num_output_tokens} "
+                f"output tokens fill max_model_len={self.max_model_len}; nothing is left to "
+                "generate"
+            )
         if request.num_prompt_tokens > self.max_model_len:
             error = (
                 f"prompt has {request.num_prompt_tokens} tokens, more than "
@@ -394,7 +400,7 @@ class Scheduler:
                 request.num_output_placeholders -= 1  # this step's sample is here
             if request.status not in _SAMPLING or req_id in discarded:
                 continue  # aborted during the step, or its logits came from bad KV
-            if not request.output_token_ids:
+            if request.timing.first_token is None:
                 request.timing.first_token = time.time()
             if request.status == _PREEMPTED:
                 # Preempted while this step was in flight (async scheduling): the sample is

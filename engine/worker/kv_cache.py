@@ -55,3 +55,19 @@ def cuda_kv_cache_budget(device: torch.device, gpu_memory_utilization: float) ->
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
     return max(0, int(total * gpu_memory_utilization) - used)
+
+
+def check_cuda_kv_budget(
+    budget: int, bytes_per_block: int, device: torch.device, gpu_memory_utilization: float
+) -> None:
+    """ValueError when `budget` holds fewer than two KV blocks: an engine that cannot hold a
+    request must say why at start-up, not fail its first request."""
+    if budget >= 2 * bytes_per_block:
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    raise ValueError(
+        f"no GPU memory left for the KV cache: gpu_memory_utilization={gpu_memory_utilization} "
+        f"of {total / 2**30:.1f} GiB, of which {(total - free) / 2**30:.1f} GiB is in use "
+        "already (weights, other engines or processes on this GPU); raise "
+        "gpu_memory_utilization, free the GPU, or set num_gpu_blocks_override"
+    )

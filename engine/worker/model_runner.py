@@ -34,16 +34,18 @@ from engine.spec_decode.ngram import can_speculate
 from engine.spec_decode.verify import DraftVerification
 from engine.step_timer import StepTimer
 from engine.tokenizer import Tokenizer
+from engine.worker.cuda_graphs import DecodeGraphs, measure_graph_memory
 from engine.worker.draft_model import DraftModelProposer
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     KVCacheSpec,
     allocate_kv_cache,
+    check_cuda_kv_budget,
     cuda_kv_cache_budget,
     layer_views,
 )
-from engine.worker.step_inputs import StepInputs, prepare_step_inputs
+from engine.worker.step_inputs import StepPlan, plan_step, prepare_step_inputs
 
 _NO_PROCESSORS = LogitsProcessors()
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,6 +97,9 @@ class ModelRunner:
         self.connector: KVConnectorBase | None = None
         self.kv_cache: torch.Tensor | None = None
         self.kv_layers: list[torch.Tensor] = []
+        # Decode steps on CUDA replay captured graphs (set up with the KV cache).
+        self.use_cuda_graphs = self.device.type == "cuda" and not config.model.enforce_eager
+        self.graphs: DecodeGraphs | None = None
         self.step_timer: StepTimer | None = None  # bench latency's breakdown
 
     # ------------------------------------------------------------------ set-up
@@ -146,11 +151,33 @@ class ModelRunner:
         if self.drafter is not None:
             block_size = self.config.cache.block_size
             per_block += self.drafter.kv_cache_spec(block_size, self.dtype).bytes_per_block
+        if self.device.type == "cuda":
+            if self.use_cuda_graphs:
+                probe = layer_views(allocate_kv_cache(self.kv_cache_spec(), 1, self.device))
+                budget -= measure_graph_memory(self.build_decode_graphs, probe, self.device)
+            check_cuda_kv_budget(budget, per_block, self.device, self.config.gpu_memory_utilization)
         return budget // per_block
+
+    def build_decode_graphs(self, kv_layers: list[torch.Tensor]) -> DecodeGraphs:
+        """Decode graphs over `kv_layers` (on a CPU they run each pass eagerly: tests)."""
+        assert self.model is not None
+        block_size = self.config.cache.block_size
+        return DecodeGraphs(
+            self.model,
+            kv_layers,
+            self.attn_backend,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            max_blocks=self.input_batch.block_table.table.shape[1],
+            block_size=block_size,
+            sliding_window=self.arch.sliding_window,
+            device=self.device,
+        )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = allocate_kv_cache(self.kv_cache_spec(), num_blocks, self.device)
         self.kv_layers = layer_views(self.kv_cache)
+        if self.use_cuda_graphs:
+            self.graphs = self.build_decode_graphs(self.kv_layers)
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.config.cache.block_size, self.dtype)
         if self.connector is not None:
@@ -180,13 +207,17 @@ class ModelRunner:
         drafts = so.scheduled_spec_decode_tokens
         if drafts:
             self._place_drafts(drafts)
-        inputs = prepare_step_inputs(
-            self.input_batch,
-            so.num_scheduled_tokens,
-            self.device,
-            self.arch.sliding_window,
-            drafts.keys(),
-        )
+        plan = plan_step(self.input_batch, so.num_scheduled_tokens, drafts.keys())
+        if self.graphs is not None and not drafts and plan.all_decode:
+            graph = self.graphs.prepare(self.input_batch, plan.rows, plan.computed)
+            if graph is not None:
+                if timer is not None:
+                    timer.mark("prepare_inputs")
+                logits = self.graphs.replay(graph, len(plan.rows))
+                if timer is not None:
+                    timer.mark("forward")
+                return self._sampled(logits, plan, timer)
+        inputs = prepare_step_inputs(self.input_batch, plan, self.device, self.arch.sliding_window)
         if timer is not None:
             timer.mark("prepare_inputs")
         hidden = self.model(
@@ -196,34 +227,43 @@ class ModelRunner:
             inputs.attn_metadata,
             self.attn_backend,
         )
-        verification = None
+        verification, predictions = None, None
         if drafts:
-            req_ids = [self.input_batch.req_ids[r] or "" for r in inputs.rows.tolist()]
-            verification = DraftVerification.build(
-                req_ids, inputs.num_scheduled, drafts, self.device
-            )
+            req_ids = [self.input_batch.req_ids[r] or "" for r in plan.rows.tolist()]
+            verification = DraftVerification.build(req_ids, plan.num_scheduled, drafts, self.device)
             all_logits = self.model.compute_logits(hidden[verification.logits_indices])
             logits = all_logits[verification.sampler_rows()]
-            predictions = self._sample_drafted(all_logits, verification, inputs)
+            predictions = self._sample_drafted(all_logits, verification, plan)
         else:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if timer is not None:
             timer.mark("forward")
-        output = self._sample_and_record(logits, inputs)
+        return self._sampled(logits, plan, timer, verification, predictions)
+
+    def _sampled(
+        self,
+        logits: torch.Tensor,
+        plan: StepPlan,
+        timer: StepTimer | None,
+        verification: DraftVerification | None = None,
+        predictions: list[int] | None = None,
+    ) -> ModelRunnerOutput:
+        output = self._sample_and_record(logits, plan)
         if verification is not None:
-            self._keep_accepted(output, inputs, verification, predictions)
+            assert predictions is not None
+            self._keep_accepted(output, plan, verification, predictions)
         if self.drafter is not None:
             output.draft_token_ids = self.drafter.propose(
-                self.input_batch, self._rows_that_speculate(inputs, output)
+                self.input_batch, self._rows_that_speculate(plan, output)
             )
         if timer is not None:
             timer.mark("sample")
         return output
 
-    def _rows_that_speculate(self, inputs: StepInputs, output: ModelRunnerOutput) -> list[int]:
+    def _rows_that_speculate(self, plan: StepPlan, output: ModelRunnerOutput) -> list[int]:
         """Rows that sampled this step and may take drafts for the next."""
         rows = []
-        for row, tokens in zip(inputs.rows.tolist(), output.sampled_token_ids, strict=True):
+        for row, tokens in zip(plan.rows.tolist(), output.sampled_token_ids, strict=True):
             state = self.input_batch.states[row]
             assert state is not None
             params, num_outputs = state.sampling_params, len(state.output_token_ids)
@@ -247,7 +287,7 @@ class ModelRunner:
             state = CachedRequestState(
                 new.req_id,
                 list(new.prompt_token_ids),
-                [],
+                list(new.output_token_ids),
                 new.sampling_params,
                 new.num_computed_tokens,
             )
@@ -283,7 +323,7 @@ class ModelRunner:
             batch.token_ids[row, start : start + len(tokens)] = tokens
 
     def _sample_drafted(
-        self, all_logits: torch.Tensor, verification: DraftVerification, inputs: StepInputs
+        self, all_logits: torch.Tensor, verification: DraftVerification, plan: StepPlan
     ) -> list[int]:
         """A token at every draft position, sampled as plain decoding would sample it there:
         the request's params at output position outputs-so-far + j (no processors: requests
@@ -292,11 +332,11 @@ class ModelRunner:
         batch = self.input_batch
         params, prompts, outputs = [], [], []
         for request_index, j in zip(
-            np.repeat(np.arange(len(inputs.rows)), verification.num_drafts),
+            np.repeat(np.arange(len(plan.rows)), verification.num_drafts),
             js.tolist(),
             strict=True,
         ):
-            state = batch.states[int(inputs.rows[request_index])]
+            state = batch.states[int(plan.rows[request_index])]
             assert state is not None
             params.append(state.sampling_params)
             prompts.append(state.prompt_token_ids)
@@ -314,14 +354,14 @@ class ModelRunner:
     def _keep_accepted(
         self,
         output: ModelRunnerOutput,
-        inputs: StepInputs,
+        plan: StepPlan,
         verification: DraftVerification,
         predictions: list[int],
     ) -> None:
         """Extend each verified request's sampled token with its accepted drafts' successors;
         rejected drafts are not computed tokens."""
         batch = self.input_batch
-        for i, row in enumerate(inputs.rows.tolist()):
+        for i, row in enumerate(plan.rows.tolist()):
             num_drafts = int(verification.num_drafts[i])
             if not num_drafts or not output.sampled_token_ids[i]:
                 continue
@@ -339,13 +379,14 @@ class ModelRunner:
         for processor in self.logitsprocs.all:
             processor.validate_params(params)
 
-    def _sample_and_record(self, logits: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
+    def _sample_and_record(self, logits: torch.Tensor, plan: StepPlan) -> ModelRunnerOutput:
         batch = self.input_batch
         num_reqs = batch.num_reqs
-        if len(inputs.rows) != num_reqs:
+        completes_prompt = plan.completes_prompt(batch)
+        if len(plan.rows) != num_reqs:
             # Processors index rows of the whole batch; unscheduled rows get dummy logits.
             full = logits.new_zeros((num_reqs, logits.shape[1]))
-            full[torch.from_numpy(inputs.rows).to(self.device)] = logits
+            full[torch.from_numpy(plan.rows).to(self.device)] = logits
             logits = full
         states = [s for s in batch.states[:num_reqs] if s is not None]
         metadata = SamplingMetadata.build(
@@ -362,13 +403,13 @@ class ModelRunner:
         req_ids: list[str] = []
         out_tokens: list[list[int]] = []
         out_logprobs: list[list[TokenLogprobs]] = []
-        for i, row in enumerate(inputs.rows.tolist()):
+        for i, row in enumerate(plan.rows.tolist()):
             state = batch.states[row]
             assert state is not None
             req_ids.append(state.req_id)
-            batch.num_computed_tokens[row] += inputs.num_scheduled[i]
+            batch.num_computed_tokens[row] += plan.num_scheduled[i]
             state.num_computed_tokens = int(batch.num_computed_tokens[row])
-            if not inputs.completes_prompt[i]:
+            if not completes_prompt[i]:
                 out_tokens.append([])  # a chunk short of the prompt's end samples nothing
                 out_logprobs.append([])
                 continue

@@ -24,25 +24,32 @@ class StepInputs:
     completes_prompt: np.ndarray  # [R] bool: this step reaches the request's last token
 
 
-def prepare_step_inputs(
-    batch: InputBatch,
-    num_scheduled_tokens: dict[str, int],
-    device: torch.device,
-    sliding_window: int | None,
-    verifying: Collection[str] = (),
-) -> StepInputs:
-    """Tokens of every scheduled request, one after the other, in batch-row order.
+@dataclass
+class StepPlan:
+    """Which rows compute how many tokens from where: the host-side part of a step's inputs."""
 
-    # num_scheduled = [2, 5, 3]  ->  req_of_token = [0,0, 1,1,1,1,1, 2,2,2]
-    #                                offsets      = [0,1, 0,1,2,3,4, 0,1,2]
-    # positions = num_computed_tokens[req] + offsets
+    rows: np.ndarray  # [R] batch rows of the scheduled requests, ascending
+    num_scheduled: np.ndarray  # [R]
+    computed: np.ndarray  # [R] tokens already computed
+    is_decode: np.ndarray  # [R] bool: attends token by token (one token, or a verification)
 
-    Decodes (one token) are batched for attention token by token. So are the tokens of the
+    @property
+    def all_decode(self) -> bool:
+        return bool(self.is_decode.all())
+
+    def completes_prompt(self, batch: InputBatch) -> np.ndarray:
+        """[R] bool: this step reaches the request's last token (so it samples)."""
+        return self.computed + self.num_scheduled >= batch.num_tokens[self.rows]
+
+
+def plan_step(
+    batch: InputBatch, num_scheduled_tokens: dict[str, int], verifying: Collection[str] = ()
+) -> StepPlan:
+    """Decodes (one token) are batched for attention token by token. So are the tokens of the
     requests in `verifying` (a last token and its drafts): every layer writes the step's K/V
     before attending, so token j attending over positions [0, its own] through the request's
     block table is exactly causal attention — and a step of decodes and verifications stays
-    a decode-only step (the fused CPU step takes it).
-    """
+    a decode-only step (the fused CPU step takes it)."""
     rows = np.array(
         sorted(batch.req_id_to_index[req_id] for req_id in num_scheduled_tokens), dtype=np.int64
     )
@@ -51,9 +58,20 @@ def prepare_step_inputs(
     is_decode = num_scheduled == 1
     if verifying:
         is_decode |= np.array([req_ids[r] in verifying for r in rows], dtype=bool)
-    computed = batch.num_computed_tokens[rows]
+    return StepPlan(rows, num_scheduled, batch.num_computed_tokens[rows], is_decode)
+
+
+def prepare_step_inputs(
+    batch: InputBatch, plan: StepPlan, device: torch.device, sliding_window: int | None
+) -> StepInputs:
+    """Tokens of every scheduled request, one after the other, in batch-row order.
+
+    # num_scheduled = [2, 5, 3]  ->  req_of_token = [0,0, 1,1,1,1,1, 2,2,2]
+    #                                offsets      = [0,1, 0,1,2,3,4, 0,1,2]
+    # positions = num_computed_tokens[req] + offsets
+    """
     return build_step_inputs(
-        batch, rows, computed, num_scheduled, is_decode, device, sliding_window
+        batch, plan.rows, plan.computed, plan.num_scheduled, plan.is_decode, device, sliding_window
     )
 
 

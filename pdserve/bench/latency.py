@@ -97,16 +97,19 @@ def run(config: LatencyBenchConfig) -> dict[str, Any]:
             modes, peer = _alternating_with_llamacpp(llm, prompts, config)
         else:
             modes = _decode_tokens_per_s(llm, prompts, config)
-        decode_tps = modes[llm.engine.async_scheduling]
+        decode_tps = modes["async" if llm.engine.async_scheduling else "sync"]
         entry: dict[str, Any] = {
             "decode_tokens_per_s": round(decode_tps, 1),
             "ms_per_step": round(1000 * size / decode_tps, 2),
             # Both step modes on this engine, alternating: what async scheduling gains.
-            "async_scheduling_tokens_per_s": round(modes[True], 1),
-            "sync_scheduling_tokens_per_s": round(modes[False], 1),
-            "async_scheduling_gain": round(modes[True] / modes[False], 3),
+            "async_scheduling_tokens_per_s": round(modes["async"], 1),
+            "sync_scheduling_tokens_per_s": round(modes["sync"], 1),
+            "async_scheduling_gain": round(modes["async"] / modes["sync"], 3),
             "breakdown_ms_per_step": _breakdown(llm, prompts, config.output_len, device),
         }
+        if "eager" in modes:  # CUDA graphs against eager decode steps (both synchronous)
+            entry["eager_tokens_per_s"] = round(modes["eager"], 1)
+            entry["cuda_graphs_gain"] = round(modes["sync"] / modes["eager"], 3)
         if size == 1:
             entry["fraction_of_bandwidth_bound"] = round(decode_tps / bound, 3)
             if peer:
@@ -134,29 +137,33 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
 
 def _decode_tokens_per_s(
     llm: Any, prompts: list[list[int]], config: LatencyBenchConfig
-) -> dict[bool, float]:
-    """Decode tokens per second with async scheduling on (True) and off (False): a full run
+) -> dict[str, float]:
+    """Decode tokens per second with async scheduling on ("async") and off ("sync"), and
+    where the engine replays CUDA graphs, synchronous without them ("eager"): a full run
     minus its prefill, best of `repeats`, alternating runs and modes so that a noisy moment
     hurts all alike. The engine is left in its own mode."""
-    engine = llm.engine
-    default = engine.async_scheduling
-    best = {True: float("inf"), False: float("inf")}
+    engine, runner = llm.engine, llm.engine.runner
+    default, graphs = engine.async_scheduling, runner.graphs
+    modes = ("async", "sync", "eager") if graphs is not None else ("async", "sync")
+    best = dict.fromkeys(modes, float("inf"))
     try:
         for _ in range(config.repeats):
-            for mode in (True, False):
-                engine.set_async_scheduling(mode)
+            for mode in modes:
+                engine.set_async_scheduling(mode == "async")
+                runner.graphs = None if mode == "eager" else graphs
                 prefill = _generate(llm, prompts, 1)
                 full = _generate(llm, prompts, config.output_len)
                 best[mode] = min(best[mode], full - prefill)
     finally:
         engine.set_async_scheduling(default)
+        runner.graphs = graphs
     tokens = len(prompts) * (config.output_len - 1)
     return {mode: tokens / max(seconds, 1e-9) for mode, seconds in best.items()}
 
 
 def _alternating_with_llamacpp(
     llm: Any, prompts: list[list[int]], config: LatencyBenchConfig
-) -> tuple[dict[bool, float], list[float]]:
+) -> tuple[dict[str, float], list[float]]:
     """Single-stream decode, the engine (both step modes) then llama.cpp, `repeats` times: a
     noisy moment of the machine hurts both alike. Returns the engine's best per mode and
     llama.cpp's runs."""
@@ -166,10 +173,11 @@ def _alternating_with_llamacpp(
     if not is_gguf_path(model):
         raise ValueError("--llamacpp-python compares on the same GGUF file: give --model x.gguf")
     once = dataclasses.replace(config, repeats=1)
-    engine, peer = {True: 0.0, False: 0.0}, []
+    engine: dict[str, float] = {}
+    peer: list[float] = []
     for _ in range(config.repeats):
         for mode, tps in _decode_tokens_per_s(llm, prompts, once).items():
-            engine[mode] = max(engine[mode], tps)
+            engine[mode] = max(engine.get(mode, 0.0), tps)
         peer.append(_llamacpp_tokens_per_s(config.llamacpp_python, model, prompts[0], config))
     return engine, peer
 

