@@ -13,6 +13,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployments.migration import MigrationPolicy
 from deployments.orchestrator import FlowConfig
 from deployments.protocol import RequestLimits
 from engine.config import check_known_keys, check_load_failure_policy, check_transport
@@ -60,6 +61,9 @@ class AppConfig:
     kv_aware_routing: bool = True
     request_timeout_s: float = 300.0
     prefill_timeout_s: float = 60.0
+    # A request whose decode (or colocated) engine fails mid-stream moves to another engine
+    # at most this many times (deployments/migration.py); 0: it fails with the engine.
+    max_migrations: int = MigrationPolicy.max_migrations
     # OTLP/gRPC collector for traces; empty: OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing.
     otlp_endpoint: str = ""
     # Request size limits (deployments.protocol.RequestLimits): refused, with the limit's name.
@@ -88,7 +92,7 @@ class AppConfig:
         for name in ("prefill_replicas", "decode_replicas", "router_replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_local_prefill_tokens", "min_prefix_loan_tokens"):
+        for name in ("max_local_prefill_tokens", "min_prefix_loan_tokens", "max_migrations"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.max_ongoing_requests < 1:
@@ -123,6 +127,7 @@ class AppConfig:
             min_prefix_loan_tokens=self.min_prefix_loan_tokens,
             request_timeout_s=self.request_timeout_s,
             prefill_timeout_s=self.prefill_timeout_s,
+            migration=MigrationPolicy(max_migrations=self.max_migrations),
             limits=self.limits(),
         )
 
@@ -186,9 +191,9 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
 
 
 def _decode_router(config: AppConfig, role: str) -> dict[str, Any]:
-    """Decode (and colocated) replicas are Serve's default choice unless routed by cache."""
-    if not config.kv_aware_routing:
-        return {}
+    """Decode (and colocated) replicas: Serve's default choice unless routed by cache; either
+    way the router publishes the replica set (a request whose decode replica died moves to a
+    prefill replica when none is left)."""
     return {"request_router_config": _request_router(config, role)}
 
 

@@ -22,7 +22,7 @@ from ray import serve
 
 from deployments.core_pinning import CoreClaim, place_engine
 from deployments.kv_publisher import KVEventPublisher
-from deployments.protocol import EngineRequest
+from deployments.protocol import EngineRequest, ReplicaProbe
 from deployments.telemetry import (
     EngineMetrics,
     Tracing,
@@ -96,6 +96,7 @@ class EngineServer:
             priority=request.priority,
             cache_salt=request.cache_salt,
             kv_transfer_params=request.kv_transfer_params,
+            output_token_ids=request.output_token_ids,
             coalesce=True,  # a router that falls behind gets tokens in batches, not one by one
         ):
             num_output += len(output.new_token_ids)
@@ -147,8 +148,9 @@ class EngineServer:
         spec = speculator.stats if speculator is not None else None
         self.metrics.sample(stats, core.take_prefix_cache_stats(), spec)
 
-    def stats(self) -> dict[str, Any]:
-        """KV blocks and queues (pdserve.v1.EngineStats), a snapshot that may lag a step."""
+    def stats(self, probe: ReplicaProbe | None = None) -> dict[str, Any]:
+        """KV blocks and queues (pdserve.v1.EngineStats), a snapshot that may lag a step.
+        `probe` only steers the call to this replica (deployments/cluster_health.py)."""
         stats = dataclasses.asdict(self.engine.core.stats())
         del stats["num_preemptions"]  # a counter, sampled into metrics, not a health figure
         return {"role": self.role, "replica_id": self.replica_id, **stats}

@@ -20,250 +20,39 @@ Structured outputs: `response_format` (`text`, `json_object`, `json_schema`) and
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.cluster_health import NOT_SERVING, SERVING, HealthReport
 from deployments.errors import DeadlineExceeded, EngineFailure, public_message
 from deployments.openai_format import ChatFormat, CompletionFormat, ResponseFormat, sse_events
+from deployments.openai_requests import ChatCompletionRequest, CompletionRequest
 from deployments.openai_tools import template_kwargs
 from deployments.orchestrator import Orchestrator
 from deployments.protocol import GenerateInput, chat_chars
-from engine.request import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-class _StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-_MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
-_STRUCTURED_FIELDS = (
-    "response_format",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
-
-
-class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints (OpenAI's, plus vLLM's extensions)."""
-
-    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 that names it
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    n: int = 1
-    stream: bool = False
-    stream_options: _StreamOptions | None = None
-    priority: int = 0
-    cache_salt: str | None = None
-    timeout_s: float | None = Field(default=None, gt=0)
-    return_token_ids: bool = False
-    # Structured outputs: OpenAI's response_format, or one of vLLM's guided_* fields.
-    response_format: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None
-    # Accepted, no effect on the output (see the module docstring).
-    user: str | None = None
-    safety_identifier: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    prompt_cache_key: str | None = None
-    # Refused unless harmless (see refuse_unsupported).
-    service_tier: str | None = None
-
-    def refuse_unsupported(self) -> None:
-        """ValueError naming a field this server would otherwise have to ignore."""
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (one completion per request), got {self.n}")
-        if self.store:
-            raise ValueError("store: true is not supported (nothing is stored)")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options needs stream: true")
-        if self.service_tier not in (None, "auto", "default"):
-            raise ValueError(f"service_tier {self.service_tier!r} is not supported")
-        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
-            raise ValueError("guided_decoding_backend must be xgrammar (the only one here)")
-
-    def structured_outputs(self) -> StructuredOutputsParams | None:
-        given = {
-            name: value for name in _STRUCTURED_FIELDS if (value := getattr(self, name)) is not None
-        }
-        fmt = given.get("response_format")
-        if fmt is not None and fmt.get("type") == "text":
-            del given["response_format"]  # plain text: no constraint
-        if len(given) > 1:
-            raise ValueError(f"give one structured output field, got {sorted(given)}")
-        if not given:
-            return None
-        ((name, value),) = given.items()
-        if name == "response_format":
-            return _response_format(value)
-        if name == "guided_json":
-            return StructuredOutputsParams(json=_schema_text(value))
-        if name == "guided_choice":
-            return StructuredOutputsParams(choice=tuple(value))
-        return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
-
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        self.refuse_unsupported()
-        if logprobs is not None and logprobs > _MAX_LOGPROBS:
-            raise ValueError(f"at most {_MAX_LOGPROBS} logprobs per token, got {logprobs}")
-        kwargs: dict[str, Any] = {
-            name: value
-            for name in (
-                "temperature",
-                "top_p",
-                "top_k",
-                "min_p",
-                "seed",
-                "presence_penalty",
-                "frequency_penalty",
-                "repetition_penalty",
-            )
-            if (value := getattr(self, name)) is not None
-        }
-        if max_tokens is not None:
-            kwargs["max_tokens"] = max_tokens
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        return SamplingParams(
-            **kwargs,
-            stop=stop,
-            stop_token_ids=list(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
-            logprobs=logprobs,
-            logit_bias=_logit_bias(self.logit_bias),
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self.structured_outputs(),
-        )
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported (no fill-in-the-middle)")
-        if self.best_of not in (None, 1):
-            raise ValueError(f"best_of must be 1, got {self.best_of}")
-
-
-class _ContentPart(BaseModel):
-    type: str
-    text: str = ""
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    role: str
-    content: str | list[_ContentPart] | None = None  # None: an assistant turn of tool calls
-    name: str | None = None
-    # Function calling (openai_tools.py decides whether the template can take them).
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-    def as_template_message(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role, "content": self._text()}
-        for name in ("name", "tool_calls", "tool_call_id"):
-            if (value := getattr(self, name)) is not None:
-                message[name] = value
-        return message
-
-    def tool_fields(self, index: int) -> list[str]:
-        return [
-            f"messages[{index}].{name}"
-            for name in ("tool_calls", "tool_call_id")
-            if getattr(self, name) is not None
-        ]
-
-    def _text(self) -> str:
-        if self.content is None and self.tool_calls is None:
-            raise ValueError(f"a {self.role} message needs content")
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        kinds = {part.type for part in self.content} - {"text"}
-        if kinds:
-            raise ValueError(f"only text content is supported, got {sorted(kinds)}")
-        return "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    # Function calling: see openai_tools.py (refused unless the chat template renders tools).
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    # Other modalities and features this server does not have: refused when set.
-    modalities: list[str] | None = None
-    audio: dict[str, Any] | None = None
-    prediction: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
-    web_search_options: dict[str, Any] | None = None
-
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= _MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {_MAX_LOGPROBS}]")
-        if self.modalities not in (None, ["text"]):
-            raise ValueError(f"only text output is supported, got modalities={self.modalities}")
-        for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} is not supported")
-
-
 def build_openai_app(
-    orchestrator: Callable[[], Orchestrator], model_name: str, max_model_len: int
+    orchestrator: Callable[[], Orchestrator],
+    model_name: str,
+    max_model_len: int,
+    health_report: Callable[[], Awaitable[HealthReport]] | None = None,
 ) -> FastAPI:
-    """The FastAPI app. `orchestrator` is looked up per request (the router owns it)."""
+    """The FastAPI app. `orchestrator` is looked up per request (the router owns it);
+    `health_report` surveys the engines (without one, /health says only that the router
+    runs)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 
     def token_text(token_id: int) -> str:
@@ -307,9 +96,16 @@ def build_openai_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    @app.get("/health", response_model=None)
+    async def health() -> Any:
+        """200 while some engine can answer requests (every replica's state in the body),
+        503 when none can: what a readiness probe or a load balancer reads."""
+        if health_report is None:
+            return {"status": SERVING}
+        report = await health_report()
+        code = 503 if report.status == NOT_SERVING else 200
+        body = {"status": report.status, "engines": report.engines}
+        return JSONResponse(body, status_code=code)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -403,33 +199,6 @@ def _chat_input(body: ChatCompletionRequest, flow: Orchestrator) -> GenerateInpu
         max_tokens = max(1, flow.model.max_model_len - len(token_ids))
     params = body.sampling_params(max_tokens, logprobs)
     return GenerateInput(token_ids, params, "", body.priority, body.cache_salt, body.timeout_s)
-
-
-def _response_format(value: dict[str, Any]) -> StructuredOutputsParams:
-    kind = value.get("type")
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or "schema" not in spec:
-            raise ValueError("response_format json_schema needs json_schema.schema")
-        return StructuredOutputsParams(json=_schema_text(spec["schema"]))
-    raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
-
-
-def _schema_text(schema: dict[str, Any] | str) -> str:
-    if isinstance(schema, str):
-        return schema
-    return json.dumps(schema)
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    if not bias:
-        return None
-    try:
-        return {int(token): value for token, value in bias.items()}
-    except ValueError:
-        raise ValueError("logit_bias keys must be token ids") from None
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:

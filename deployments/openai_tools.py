@@ -38,7 +38,7 @@ class _Template(Protocol):
 
 
 class ToolRequest(Protocol):
-    """The chat request fields this module reads (openai_api.ChatCompletionRequest)."""
+    """The chat request fields this module reads (openai_requests.ChatCompletionRequest)."""
 
     tools: list[dict[str, Any]] | None
     tool_choice: str | dict[str, Any] | None

@@ -18,43 +18,41 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from deployments.errors import DeadlineExceeded
 from deployments.kv_scoring import Borrower, CacheSurvey, ClusterCache, decode_holder
+from deployments.migration import (
+    Migration,
+    MigrationPolicy,
+    MigrationTargets,
+    ResumableLeg,
+    StreamFn,
+)
+from deployments.prompt_checks import check_length, tokenize_prompt
 from deployments.protocol import (
     ROUTE_CACHED,
     ROUTE_COLOCATED,
     ROUTE_DECODE_ONLY,
     ROUTE_DISAGGREGATED,
     ROUTE_FALLBACK,
-    ChatPrompt,
     EngineRequest,
     GenerateInput,
     RequestLimits,
     ResponseChunk,
 )
+from deployments.replica_set import ReplicaWatch
 from deployments.response_stream import PreparedRequest, ResponseStream
 from deployments.telemetry import RouterTelemetry
 from deployments.text_work import TextWork, prompt_chars
-from engine.llm import render_chat
 from engine.outputs import EngineCoreOutput, merge_outputs
 from engine.request import FinishReason, SamplingParams
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-StreamFn = Callable[[EngineRequest], AsyncGenerator[EngineCoreOutput, None]]
 ReleaseFn = Callable[[dict[str, Any]], Awaitable[None]]
-
-
-class ReplicaWatch(Protocol):
-    """Whether a deployment has a running replica (deployments.replica_set.RoleWatch)."""
-
-    def available(self) -> bool: ...
-
-    async def gone(self) -> None:
-        """Returns when no replica is running."""
+OnMigration = Callable[[Migration], None]
 
 
 @dataclass(frozen=True)
@@ -81,6 +79,8 @@ class FlowConfig:
     # the most of it when that spares it at least this many tokens. Needs a ClusterCache and
     # a Borrower; 0 turns it off.
     min_prefix_loan_tokens: int = 64
+    # A decode (or colocated) leg whose engine fails goes on elsewhere (migration.py).
+    migration: MigrationPolicy = field(default_factory=MigrationPolicy)
     limits: RequestLimits = field(default_factory=RequestLimits)
 
 
@@ -95,6 +95,7 @@ class Orchestrator:
         release: ReleaseFn | None = None,
         telemetry: RouterTelemetry | None = None,
         prefill_replicas: ReplicaWatch | None = None,
+        decode_replicas: ReplicaWatch | None = None,
         cluster_cache: ClusterCache | None = None,
         borrower: Borrower | None = None,
     ) -> None:
@@ -106,6 +107,8 @@ class Orchestrator:
         self.release = release
         self.telemetry = telemetry or RouterTelemetry()
         self.prefill_replicas = prefill_replicas
+        # With none of these running, a failed decode leg moves to a prefill replica.
+        self.decode_replicas = decode_replicas
         self.cluster_cache = cluster_cache
         self.borrower = borrower
         self._background: set[asyncio.Task[None]] = set()
@@ -117,8 +120,8 @@ class Orchestrator:
         """Tokenize and validate; ValueError for anything the engines would refuse. The
         request's time runs from `received` (default: now)."""
         self.config.limits.check(request)  # before any work that grows with the request
-        text, token_ids = self._tokenize(request.prompt)
-        self._check_length(len(token_ids), request.params.max_tokens)
+        text, token_ids = tokenize_prompt(self.tokenizer, self.model.vocab_size, request.prompt)
+        check_length(len(token_ids), request.params.max_tokens, self.model.max_model_len)
         params = request.params  # stop strings without a tokenizer: ResponseStream refuses
         if self.prefill is not None and params.seed is None and not params.is_greedy:
             # Both legs must draw the first token alike: counter-based sampling needs a seed.
@@ -136,42 +139,6 @@ class Orchestrator:
             started=now,
             deadline=now + timeout,
         )
-
-    def _check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Refuse, never cut: a request whose output could not fit in the context (vLLM's
-        behaviour) is an error saying how many tokens remain."""
-        max_model_len = self.model.max_model_len
-        remaining = max_model_len - num_prompt_tokens
-        if remaining <= 0:
-            raise ValueError(
-                f"prompt has {num_prompt_tokens} tokens; max_model_len={max_model_len} "
-                "leaves no room for output"
-            )
-        if max_tokens > remaining:
-            raise ValueError(
-                f"max_tokens={max_tokens} does not fit: this model's context is "
-                f"max_model_len={max_model_len} tokens and the prompt has {num_prompt_tokens}, "
-                f"so at most {remaining} output tokens remain"
-            )
-
-    def _tokenize(self, prompt: str | list[int] | ChatPrompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, ChatPrompt):
-            if not prompt.messages:
-                raise ValueError("chat has no messages")
-            return render_chat(self.tokenizer, prompt.messages)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: send token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        if not prompt:
-            raise ValueError("prompt is empty: token_ids has no ids")
-        vocab = self.model.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        return None, list(prompt)
 
     # ------------------------------------------------------------------ the flow
 
@@ -195,7 +162,7 @@ class Orchestrator:
                 len(prepared.prompt_token_ids),
             )
             prepared.trace_context = observed.carrier() or None
-            async with aclosing(self._generate(prepared)) as chunks:
+            async with aclosing(self._generate(prepared, observed.migrated)) as chunks:
                 async for chunk in chunks:
                     observed.chunk(chunk)
                     yield chunk
@@ -211,16 +178,19 @@ class Orchestrator:
         finally:
             observed.end()
 
-    async def _generate(self, prepared: PreparedRequest) -> AsyncGenerator[ResponseChunk, None]:
+    async def _generate(
+        self, prepared: PreparedRequest, on_migration: OnMigration | None = None
+    ) -> AsyncGenerator[ResponseChunk, None]:
         stream = ResponseStream(self.tokenizer, prepared, self.text_work)
+        decode_leg = functools.partial(self._decode_leg, on_migration=on_migration)
         if self.prefill is None:
-            source = self._decode_leg(prepared, stream, ROUTE_COLOCATED)
+            source = decode_leg(prepared, stream, ROUTE_COLOCATED)
         elif len(prepared.prompt_token_ids) < max(1, self.config.min_remote_prefill_tokens):
-            source = self._decode_leg(prepared, stream, ROUTE_DECODE_ONLY)
-        elif self.prefill_replicas is not None and not self.prefill_replicas.available():
+            source = decode_leg(prepared, stream, ROUTE_DECODE_ONLY)
+        elif not _running(self.prefill_replicas) or not _running(self.decode_replicas):
             # No prefill replica runs (killed, restarting): decode-only now, not once Serve
-            # has started another.
-            source = self._decode_leg(prepared, stream, ROUTE_FALLBACK)
+            # has started another. No decode replica: one prefill replica does it all.
+            source = decode_leg(prepared, stream, ROUTE_FALLBACK)
         else:
             survey = None
             if self.cluster_cache is not None:
@@ -228,28 +198,34 @@ class Orchestrator:
                 survey = await self.cluster_cache.survey(prompt, salt)
             limit = self.config.max_local_prefill_tokens
             if hint := decode_holder(survey, len(prepared.prompt_token_ids), limit):
-                source = self._decode_leg(prepared, stream, ROUTE_CACHED, replica_hint=hint)
+                source = decode_leg(prepared, stream, ROUTE_CACHED, replica_hint=hint)
             else:
-                source = self._disaggregated(prepared, stream, survey)
+                source = self._disaggregated(prepared, stream, survey, on_migration)
         async with aclosing(source) as chunks:
             async for chunk in chunks:
                 yield chunk
 
     async def _disaggregated(
-        self, prepared: PreparedRequest, stream: ResponseStream, survey: CacheSurvey | None
+        self,
+        prepared: PreparedRequest,
+        stream: ResponseStream,
+        survey: CacheSurvey | None,
+        on_migration: OnMigration | None = None,
     ) -> AsyncGenerator[ResponseChunk, None]:
         prompt = prepared.prompt_token_ids
         loan = await self.borrower.borrow(prompt, survey) if self.borrower else None
         first = await self._prefill_leg(prepared, loan)
         if first is None:  # the prefill leg failed: the decode replica computes the prompt
-            async for chunk in self._decode_leg(prepared, stream, ROUTE_FALLBACK):
-                yield chunk
+            fallback = self._decode_leg(prepared, stream, ROUTE_FALLBACK, on_migration=on_migration)
+            async with aclosing(fallback) as chunks:
+                async for chunk in chunks:
+                    yield chunk
             return
         handed_off = first.kv_transfer_params
         stream.route = ROUTE_DISAGGREGATED
         stream.num_cached_tokens = first.num_cached_tokens
         only_token = prepared.params.max_tokens == 1 or first.finish_reason != FinishReason.LENGTH
-        decode_chunks = 0
+        leg: ResumableLeg | None = None
         try:
             for chunk in await stream.feed_async(first, "prefill", final=only_token):
                 yield chunk
@@ -261,11 +237,10 @@ class Orchestrator:
             # exactly, and the repeat is dropped from the decode stream.
             sent = list(first.new_token_ids)
             params = dataclasses.replace(prepared.params, forced_output_token_ids=sent)
-            decode_request = self._engine_request(prepared, params, handed_off)
+            leg = self._resumable(self._engine_request(prepared, params, handed_off), on_migration)
             pending = list(sent)
-            async with aclosing(self._bounded(self.decode(decode_request), prepared)) as chunks:
+            async with aclosing(self._bounded(leg.stream(), prepared)) as chunks:
                 async for engine_chunk in chunks:
-                    decode_chunks += 1
                     engine_chunk = _drop_repeat(engine_chunk, pending)
                     for chunk in await stream.feed_async(engine_chunk, "decode"):
                         yield chunk
@@ -273,8 +248,9 @@ class Orchestrator:
                         return
         finally:
             # A decode engine that produced anything has read (or given up on) the KV and
-            # released the prefill blocks; otherwise nobody will: release them here.
-            if handed_off is not None and decode_chunks == 0:
+            # released the prefill blocks; otherwise nobody will (a migrated leg computes the
+            # prompt again): release them here.
+            if handed_off is not None and (leg is None or leg.first_attempt_chunks == 0):
                 self._release_soon(handed_off)
 
     async def _prefill_leg(
@@ -349,18 +325,31 @@ class Orchestrator:
         stream: ResponseStream,
         route: str,
         replica_hint: str = "",
+        on_migration: OnMigration | None = None,
     ) -> AsyncGenerator[ResponseChunk, None]:
         stream.route = route
-        leg = "colocated" if route == ROUTE_COLOCATED else "decode"
+        role = "colocated" if route == ROUTE_COLOCATED else "decode"
         request = self._engine_request(prepared, prepared.params, None)
         request.replica_hint = replica_hint
-        async with aclosing(self._bounded(self.decode(request), prepared)) as chunks:
+        leg = self._resumable(request, on_migration, role)
+        async with aclosing(self._bounded(leg.stream(), prepared)) as chunks:
             async for engine_chunk in chunks:
-                stream.num_cached_tokens = engine_chunk.num_cached_tokens
-                for chunk in await stream.feed_async(engine_chunk, leg):
+                if not leg.migrations:  # a moved request's cache hits are not the prompt's
+                    stream.num_cached_tokens = engine_chunk.num_cached_tokens
+                for chunk in await stream.feed_async(engine_chunk, role):
                     yield chunk
                 if stream.finished:
                     return
+
+    def _resumable(
+        self, request: EngineRequest, on_migration: OnMigration | None, role: str = "decode"
+    ) -> ResumableLeg:
+        """The generating leg's outputs, moved to another engine if the one serving it fails:
+        another replica of its role, or a prefill replica when none of those runs."""
+        targets = MigrationTargets(
+            self.decode, role, self.config.migration, self.decode_replicas, self.prefill
+        )
+        return ResumableLeg(targets, request, on_migration)
 
     def _engine_request(
         self, prepared: PreparedRequest, params: SamplingParams, kv: dict[str, Any] | None
@@ -421,6 +410,10 @@ class Orchestrator:
             await self.release(kv_transfer_params)
         except Exception as exc:  # best effort: the lease expires anyway
             logger.info("releasing prefill blocks: %r", exc)
+
+
+def _running(replicas: ReplicaWatch | None) -> bool:
+    return replicas is None or replicas.available()
 
 
 async def _collect(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import TokenLogprobs
@@ -114,6 +114,17 @@ class EngineRequest:
     # The replica the router chose by its cache (cache-aware disaggregation): the leg's
     # request router sends the request there alone.
     replica_hint: str = ""
+    # Tokens the request already generated on an engine that failed (request migration):
+    # the engine computes them with the prompt and goes on after them.
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReplicaProbe:
+    """A call meant for one engine replica (a health probe): the request routers send it to
+    `replica_hint` alone."""
+
+    replica_hint: str
 
 
 @dataclass

@@ -1,13 +1,15 @@
-"""Whether an engine role has a running replica, as Serve's own request router for it sees it.
+"""Which replicas of an engine role run, as Serve's own request router for the role sees them.
 
-The prefill deployment is routed by `request_routers.ReplicaSetRouter`, a Serve request router
-(the `request_router_config` extension point) that picks replicas by power of two choices, as
-Serve's default does, and also publishes the size of its replica set to `REPLICA_SETS` in this
-process whenever Serve changes it: the controller's updates (a replica started, stopped, found
-dead by a health check) and the handle's own errors (a call or a queue-length probe that found
-the actor dead). The Router reads it to go decode-only at once when no prefill replica runs,
-instead of waiting in Serve's queue for a replacement (seconds to minutes) and reporting a
-disaggregated route it never took.
+Every engine deployment is routed by one of `request_routers`' Serve request routers (the
+`request_router_config` extension point), which publish the role's replica set to
+`REPLICA_SETS` in this process whenever Serve changes it: the controller's updates (a replica
+started, stopped, found dead by a health check) and the handle's own errors (a call or a
+queue-length probe that found the actor dead). The Router reads it
+- to go decode-only at once when no prefill replica runs, instead of waiting in Serve's queue
+  for a replacement (seconds to minutes) and reporting a disaggregated route it never took;
+- to move a request whose decode replica died to a prefill replica when no decode replica is
+  left (deployments/migration.py);
+- to ask every replica for its state (`Health`).
 
 Serve runs handles' routers on their own event loop thread: `ReplicaSets` is thread-safe and
 wakes waiters on their own loops. No Ray import here: the orchestrator's tests use it as is.
@@ -18,20 +20,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Iterable
+from typing import Protocol
+
+
+class ReplicaWatch(Protocol):
+    """Whether a deployment has a running replica (RoleWatch; tests make their own)."""
+
+    def available(self) -> bool: ...
+
+    async def gone(self) -> None:
+        """Returns when no replica is running."""
 
 
 class ReplicaSets:
-    """Running-replica counts per role, published by request routers (any thread)."""
+    """Running replicas per role (their Serve replica ids), published by request routers (any
+    thread)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: dict[str, int] = {}
+        self._replicas: dict[str, tuple[str, ...]] = {}
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = {}
 
-    def publish(self, role: str, count: int) -> None:
+    def publish(self, role: str, replica_ids: Iterable[str]) -> None:
+        ids = tuple(sorted(replica_ids))
         with self._lock:
-            self._counts[role] = count
-            waiters = self._waiters.pop(role, []) if count == 0 else []
+            self._replicas[role] = ids
+            waiters = self._waiters.pop(role, []) if not ids else []
         for loop, future in waiters:
             with contextlib.suppress(RuntimeError):  # its loop has closed: nobody waits
                 loop.call_soon_threadsafe(_resolve, future)
@@ -40,14 +55,20 @@ class ReplicaSets:
         """False once the role's router has seen no running replica. Unknown (no router yet,
         i.e. no call made) counts as available: the first call finds out."""
         with self._lock:
-            return self._counts.get(role, 1) > 0
+            return role not in self._replicas or bool(self._replicas[role])
+
+    def replica_ids(self, role: str) -> list[str] | None:
+        """The role's running replicas; None while unknown (no call made yet)."""
+        with self._lock:
+            ids = self._replicas.get(role)
+        return None if ids is None else list(ids)
 
     async def gone(self, role: str) -> None:
         """Returns when the role has no running replica (at once if it has none now)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         with self._lock:
-            if self._counts.get(role, 1) == 0:
+            if role in self._replicas and not self._replicas[role]:
                 return
             self._waiters.setdefault(role, []).append((loop, future))
         try:
@@ -79,3 +100,6 @@ class RoleWatch:
 
     async def gone(self) -> None:
         await self._sets.gone(self.role)
+
+    def replica_ids(self) -> list[str] | None:
+        return self._sets.replica_ids(self.role)

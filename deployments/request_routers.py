@@ -39,7 +39,20 @@ class _PublishesReplicaSet:
         self._publish()
 
     def _publish(self) -> None:
-        replica_set.REPLICA_SETS.publish(getattr(self, "_role", ""), len(self.curr_replicas))
+        ids = [replica.unique_id for replica in self.curr_replicas]
+        replica_set.REPLICA_SETS.publish(getattr(self, "_role", ""), ids)
+
+
+def _hinted(
+    candidates: list[RunningReplica], pending_request: PendingRequest | None
+) -> list[list[RunningReplica]] | None:
+    """The replica a call names (`replica_hint`: cache-aware disaggregation's choice, a health
+    probe of one replica) alone, if it is a candidate. Serve waits while it is full."""
+    hint = getattr(_first_arg(pending_request), "replica_hint", "")
+    if not hint:
+        return None
+    chosen = [r for r in candidates if r.replica_id.unique_id == hint]
+    return [chosen] if chosen else None
 
 
 def _two_at_random(
@@ -58,7 +71,7 @@ class ReplicaSetRouter(
     FIFOMixin, LocalityMixin, MultiplexMixin, _PublishesReplicaSet, RequestRouter
 ):
     """Serve's default policy (locality, then power of two choices), also publishing the
-    replica set's size.
+    replica set and honouring a call's replica hint.
     `request_router_kwargs`: {"role": "prefill"}."""
 
     def initialize_state(self, role: str = "", **kwargs: Any) -> None:
@@ -69,7 +82,7 @@ class ReplicaSetRouter(
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        return _two_at_random(self, pending_request)
+        return _hinted(candidate_replicas, pending_request) or _two_at_random(self, pending_request)
 
 
 class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, RequestRouter):
@@ -97,6 +110,11 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        hinted = _hinted(candidate_replicas, pending_request)
+        if hinted is not None:
+            # Cache-aware disaggregation chose it for what it holds: only it. Another
+            # replica would compute the whole prompt.
+            return hinted
         ranks = await self._cost_ranks(candidate_replicas, pending_request)
         if ranks is None:
             return _two_at_random(self, pending_request)
@@ -117,11 +135,6 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
         if pending_request is None or request is None or len(candidates) < 2:
             return None
         by_id = {r.replica_id.unique_id: r for r in candidates}
-        hint = by_id.get(request.replica_hint)
-        if hint is not None:
-            # Cache-aware disaggregation chose it for what it holds: only it (Serve waits
-            # while it is full). Another replica would compute the whole prompt.
-            return [[hint]]
         hashes = self._prompt_hashes(pending_request, request)
         if not hashes:  # shorter than a block: nothing to find in any cache
             return None
@@ -175,11 +188,15 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
             self._index.forget.remote(sorted(replica_ids))
 
 
+def _first_arg(pending_request: PendingRequest | None) -> Any:
+    if pending_request is None or not pending_request.args:
+        return None
+    return pending_request.args[0]
+
+
 def _engine_request(pending_request: PendingRequest | None) -> Any:
     """The EngineRequest being routed, if that is what the call carries."""
     from deployments.protocol import EngineRequest
 
-    if pending_request is None or not pending_request.args:
-        return None
-    request = pending_request.args[0]
+    request = _first_arg(pending_request)
     return request if isinstance(request, EngineRequest) else None

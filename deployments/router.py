@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
+from deployments.cluster_health import HealthReport, survey
 from deployments.engine_server import replica_name
 from deployments.errors import DeadlineExceeded, EngineFailure, engine_failure, public_message
 from deployments.grpc_ingress import UndecodableRequest, quiet_client_errors
@@ -30,8 +31,14 @@ from deployments.orchestrator import (
     Orchestrator,
     StreamFn,
 )
-from deployments.protocol import EngineRequest, ResponseChunk, chunk_to_proto, input_from_proto
-from deployments.replica_set import RoleWatch
+from deployments.protocol import (
+    EngineRequest,
+    ReplicaProbe,
+    ResponseChunk,
+    chunk_to_proto,
+    input_from_proto,
+)
+from deployments.replica_set import REPLICA_SETS, RoleWatch
 from deployments.telemetry import RouterMetrics, RouterTelemetry, Tracing
 from engine.arg_utils import EngineArgs
 from engine.llm import load_tokenizer
@@ -92,6 +99,7 @@ class Router:
             release=LeaseReleaser(settings.kv_secret),
             telemetry=RouterTelemetry(self.tracing.tracer, RouterMetrics()),
             prefill_replicas=RoleWatch("prefill") if prefill is not None else None,
+            decode_replicas=RoleWatch("decode") if prefill is not None else None,
             **self._cluster_cache(settings, prefill is not None),
         )
 
@@ -113,7 +121,7 @@ class Router:
 
     def __serve_build_asgi_app__(self) -> Any:
         return build_openai_app(
-            lambda: self.orchestrator, self.facts.name, self.facts.max_model_len
+            lambda: self.orchestrator, self.facts.name, self.facts.max_model_len, self.health
         )
 
     # ------------------------------------------------------------------ gRPC: pdserve.v1.Generation
@@ -173,9 +181,21 @@ class Router:
         self, request: pb.HealthRequest, grpc_context: RayServegRPCContext
     ) -> pb.HealthResponse:
         _decoded_or_refuse(request, grpc_context)
-        handles = [h for h in (self._prefill, self._decode) if h is not None]
-        stats = await asyncio.gather(*(h.stats.remote() for h in handles))
-        return pb.HealthResponse(status="SERVING", engines=[pb.EngineStats(**s) for s in stats])
+        report = await self.health()
+        engines = [pb.EngineStats(**engine) for engine in report.engines]
+        return pb.HealthResponse(status=report.status, engines=engines)
+
+    async def health(self) -> HealthReport:
+        """Every replica of each engine role (deployments/cluster_health.py)."""
+        handles = {"decode" if self._prefill is not None else "colocated": self._decode}
+        if self._prefill is not None:
+            handles = {"prefill": self._prefill, **handles}
+
+        async def probe(role: str, replica: str) -> dict[str, Any]:
+            stats = handles[role].stats
+            return await (stats.remote(ReplicaProbe(replica)) if replica else stats.remote())
+
+        return await survey(list(handles), REPLICA_SETS, probe)
 
     async def ModelInfo(
         self, request: pb.ModelInfoRequest, grpc_context: RayServegRPCContext

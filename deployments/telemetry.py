@@ -29,6 +29,7 @@ from engine.request import RequestTiming, SamplingParams
 from engine.spec_decode.ngram import SpecDecodeStats
 
 if TYPE_CHECKING:
+    from deployments.migration import Migration
     from engine.core.kv_cache_manager import PrefixCacheStats
     from engine.engine_core import EngineStats
 
@@ -213,6 +214,7 @@ class ObservedRequest:
         self.e2e_s: float | None = None
         self.finish_reason: str | None = None
         self.outcome = "cancelled"  # until it ends one way or another
+        self.migrations = 0
 
     def carrier(self) -> dict[str, str]:
         return inject_context(self.span)
@@ -236,6 +238,21 @@ class ObservedRequest:
             self.e2e_s = chunk.e2e_s
             self.outcome = "ok" if chunk.finish_reason != "abort" else "aborted"
 
+    def migrated(self, move: Migration) -> None:
+        """Its generating leg moved to another engine (deployments/migration.py)."""
+        self.migrations += 1
+        self.span.add_event(
+            "pdserve.migration",
+            {
+                "pdserve.migration.attempt": move.attempt,
+                "pdserve.migration.target": move.target,
+                "pdserve.migration.output_tokens": move.num_output_tokens,
+                "pdserve.migration.reason": move.reason,
+            },
+        )
+        if self.metrics is not None:
+            self.metrics.migrations.inc(1, {"target": move.target})
+
     def failed(self, outcome: str, message: str) -> None:
         self.outcome = outcome
         set_error(self.span, message)
@@ -246,6 +263,7 @@ class ObservedRequest:
             "gen_ai.usage.output_tokens": self.completion_tokens,
             "pdserve.route": self.route,
             "pdserve.outcome": self.outcome,
+            "pdserve.migrations": self.migrations,
         }
         if self.finish_reason is not None:
             attributes["gen_ai.response.finish_reasons"] = [self.finish_reason]
@@ -284,6 +302,11 @@ class RouterMetrics:
         )
         self.prompt_tokens = metrics.Counter("pdserve_prompt_tokens", "Prompt tokens")
         self.generation_tokens = metrics.Counter("pdserve_generation_tokens", "Generated tokens")
+        self.migrations = metrics.Counter(
+            "pdserve_migrations",
+            "Requests moved to another engine after theirs failed, by the role moved to",
+            ("target",),
+        )
 
     def observe(self, request: ObservedRequest) -> None:
         tags = {"route": request.route or "none"}

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from deployments.launch import free_port
 
-__all__ = ["free_port", "replica_actors", "wait_until"]
+__all__ = ["free_port", "replica_actors", "sigkill_replica", "wait_until"]
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, period_s: float = 0.25) -> bool:
@@ -35,3 +35,22 @@ def replica_actors(deployment: str, app_name: str = "pdserve") -> list[str]:
         if actor["namespace"] == "serve"
         and actor["name"].startswith(f"SERVE_REPLICA::{app_name}#{deployment}#")
     )
+
+
+def sigkill_replica(actor_name: str) -> int:
+    """SIGKILL a replica actor's process (a crash, the kernel's OOM killer): no clean-up runs
+    in it. Its pid comes from the GCS actor table (Ray's private state API: the public one
+    needs the dashboard, which these tests leave off)."""
+    import os
+    import signal
+
+    from ray._private import state
+
+    (entry,) = [
+        actor
+        for actor in state.actors().values()
+        if actor.get("Name") == actor_name and actor.get("State") == "ALIVE"
+    ]
+    pid = int(entry["Pid"])
+    os.kill(pid, signal.SIGKILL)
+    return pid

@@ -27,11 +27,12 @@ from deployments.orchestrator import (
     ModelFacts,
     Orchestrator,
 )
-from deployments.protocol import EngineRequest, GenerateInput, ResponseChunk
+from deployments.protocol import EngineRequest
 from deployments.replica_set import ReplicaSets, RoleWatch
 from engine.llm import LLM
 from engine.outputs import EngineCoreOutput
 from engine.request import SamplingParams, StructuredOutputsParams
+from tests.model.flow_utils import idle, run, tokens
 
 ENGINE_ARGS = {"max_model_len": 128, "kv_cache_memory_bytes": 8 << 20}
 SECRET = "orchestrator-test"
@@ -74,31 +75,6 @@ def make_flow(
         prefill=prefill_server.generate if prefill == "engine" else prefill,
         release=LeaseReleaser(SECRET),
     )
-
-
-def run(flow: Orchestrator, prompt: Any, **params: Any) -> list[ResponseChunk]:
-    async def go() -> list[ResponseChunk]:
-        request = GenerateInput(prompt, SamplingParams(**params))
-        try:
-            return [chunk async for chunk in flow.generate(request)]
-        finally:
-            await flow.wait_background()  # releases run in the background
-
-    return asyncio.run(go())
-
-
-def tokens(chunks: list[ResponseChunk]) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
-
-
-def idle(server: EngineServer, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stats = server.stats()
-        if stats["num_free_blocks"] == stats["num_blocks"] and not stats["num_held_requests"]:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_disaggregated_equals_offline_and_streams_token_by_token(servers, offline):
@@ -229,7 +205,7 @@ def test_no_prefill_replica_running_means_decode_only_at_once(servers, offline):
         yield  # pragma: no cover
 
     sets = ReplicaSets()
-    sets.publish("prefill", 0)
+    sets.publish("prefill", [])
     flow = make_flow(servers, prefill=never)
     flow.prefill_replicas = RoleWatch("prefill", sets)
     expected = offline.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0]
@@ -252,16 +228,16 @@ def test_prefill_replica_set_emptied_while_waiting_gives_the_leg_up(servers, off
             closed.set()
 
     sets = ReplicaSets()
-    sets.publish("prefill", 1)
+    sets.publish("prefill", ["p1"])
     flow = make_flow(servers, prefill=queued, prefill_timeout_s=300.0)
     flow.prefill_replicas = RoleWatch("prefill", sets)
-    threading.Timer(0.5, sets.publish, ("prefill", 0)).start()
+    threading.Timer(0.5, sets.publish, ("prefill", [])).start()
     expected = offline.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0]
     chunks = run(flow, PROMPT, max_tokens=8, temperature=0.0)
     assert tokens(chunks) == expected.outputs[0].token_ids
     assert {c.route for c in chunks} == {"fallback"}
     assert closed.is_set()
-    sets.publish("prefill", 1)  # a replacement runs: disaggregated again
+    sets.publish("prefill", ["p1"])  # a replacement runs: disaggregated again
     flow = make_flow(servers)
     flow.prefill_replicas = RoleWatch("prefill", sets)
     chunks = run(flow, PROMPT, max_tokens=8, temperature=0.0)

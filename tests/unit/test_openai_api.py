@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.openai_requests import ChatCompletionRequest, CompletionRequest
 from deployments.openai_tools import template_kwargs, template_renders_tools
 from engine.tokenizer import Tokenizer, TokenizerConfig
 

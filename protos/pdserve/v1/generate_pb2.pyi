@@ -180,7 +180,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("role", "replica_id", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_held_requests", "kv_cache_usage")
+    __slots__ = ("role", "replica_id", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_held_requests", "kv_cache_usage", "state")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,7 @@ class EngineStats(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     role: str
     replica_id: str
     num_blocks: int
@@ -197,7 +198,8 @@ class EngineStats(_message.Message):
     num_waiting: int
     num_held_requests: int
     kv_cache_usage: float
-    def __init__(self, role: _Optional[str] = ..., replica_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
+    state: str
+    def __init__(self, role: _Optional[str] = ..., replica_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
     __slots__ = ("status", "engines")

@@ -105,7 +105,7 @@ class KVTransferServicer:
         chained block hashes, under a new lease (read them as a prefill engine's handed-off blocks;
         release the lease when done, or it expires). An empty block_ids: none held, or the engine
         cannot lend right now. Refusals: FAILED_PRECONDITION (this engine does not lend),
-        INVALID_ARGUMENT (no hashes).
+        INVALID_ARGUMENT (no hashes), UNAVAILABLE (the engine has stopped).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,88 @@
+"""Health of the whole app: every replica of every engine role, not one Serve happens to pick.
+
+The roles' request routers publish their replica sets (deployments/replica_set.py); a probe
+names one replica (`ReplicaProbe.replica_hint`) and the router sends it there alone. A replica
+that does not answer in time is reported `unreachable` (dead, restarting, or its loop wedged),
+with no figures. No Ray import here: the probe is a callable, so tests run it in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from deployments.replica_set import ReplicaSets
+
+logger = logging.getLogger(__name__)
+
+RUNNING = "running"
+UNREACHABLE = "unreachable"
+
+SERVING = "SERVING"
+DEGRADED = "DEGRADED"
+NOT_SERVING = "NOT_SERVING"
+
+# (role, replica id or "" for whichever replica Serve picks) -> EngineServer.stats()
+Probe = Callable[[str, str], Awaitable[dict[str, Any]]]
+
+
+@dataclass
+class HealthReport:
+    status: str
+    engines: list[dict[str, Any]]  # pdserve.v1.EngineStats fields
+
+
+async def survey(
+    roles: Sequence[str], sets: ReplicaSets, probe: Probe, timeout_s: float = 2.0
+) -> HealthReport:
+    """Every replica's stats (the roles concurrently). Where a role's set is not known yet
+    (its router has routed nothing) one probe goes to whichever replica Serve picks. The app
+    serves while some engine of any role answers: every engine can generate a whole request
+    (a prefill replica takes over when no decode replica runs, and the reverse)."""
+    per_role = await asyncio.gather(
+        *(_ask_each(probe, role, _replicas(sets, role), timeout_s) for role in roles)
+    )
+    engines = [engine for engines in per_role for engine in engines]
+    answered = [e for e in engines if e["state"] == RUNNING]
+    if len(answered) == len(engines):
+        status = SERVING
+    elif answered:
+        status = DEGRADED
+    else:
+        status = NOT_SERVING
+    return HealthReport(status, engines)
+
+
+def _replicas(sets: ReplicaSets, role: str) -> list[str]:
+    """The role's published replicas ("" once: any replica, while not known yet)."""
+    ids = sets.replica_ids(role)
+    return [""] if ids is None else ids
+
+
+async def _ask_each(
+    probe: Probe, role: str, replicas: list[str], timeout_s: float
+) -> list[dict[str, Any]]:
+    """One replica after another: calls that one request makes to one deployment at once
+    share Serve's internal request id, and a request router without Serve's FIFO mixin
+    (KVAwareRouter) may then hand one call's replica to another and spin (Ray 2.60)."""
+    engines = []
+    for replica in replicas:
+        answer = await _ask(probe, role, replica, timeout_s)
+        engines.append(answer if answer is not None else _unreachable(role, replica))
+    return engines
+
+
+async def _ask(probe: Probe, role: str, replica: str, timeout_s: float) -> dict[str, Any] | None:
+    try:
+        async with asyncio.timeout(timeout_s):
+            return {**await probe(role, replica), "state": RUNNING}
+    except Exception as exc:  # dead, restarting, wedged: reported, never raised
+        logger.info("health probe of %s replica %s: %r", role, replica or "(any)", exc)
+        return None
+
+
+def _unreachable(role: str, replica: str) -> dict[str, Any]:
+    return {"role": role, "replica_id": replica, "state": UNREACHABLE}

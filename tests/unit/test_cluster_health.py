@@ -1,0 +1,80 @@
+"""The app's health survey over published replica sets, with in-process probes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from deployments.cluster_health import (
+    DEGRADED,
+    NOT_SERVING,
+    RUNNING,
+    SERVING,
+    UNREACHABLE,
+    survey,
+)
+from deployments.replica_set import ReplicaSets
+
+
+def stats(role: str, replica: str) -> dict[str, Any]:
+    return {"role": role, "replica_id": replica or "picked-by-serve", "num_blocks": 8}
+
+
+def run(
+    sets: ReplicaSets, dead: frozenset[str] = frozenset(), hangs: frozenset[str] = frozenset()
+) -> Any:
+    asked: list[tuple[str, str]] = []
+
+    async def probe(role: str, replica: str) -> dict[str, Any]:
+        asked.append((role, replica))
+        if replica in hangs:
+            await asyncio.Event().wait()
+        if replica in dead:
+            raise RuntimeError("The actor died unexpectedly before finishing this task")
+        return stats(role, replica)
+
+    report = asyncio.run(survey(["prefill", "decode"], sets, probe, timeout_s=0.2))
+    return report, asked
+
+
+def test_every_published_replica_is_asked():
+    sets = ReplicaSets()
+    sets.publish("prefill", ["p1"])
+    sets.publish("decode", ["d2", "d1"])
+    report, asked = run(sets)
+    assert sorted(asked) == [("decode", "d1"), ("decode", "d2"), ("prefill", "p1")]
+    assert report.status == SERVING
+    assert [(e["role"], e["replica_id"], e["state"]) for e in report.engines] == [
+        ("prefill", "p1", RUNNING),
+        ("decode", "d1", RUNNING),
+        ("decode", "d2", RUNNING),
+    ]
+
+
+def test_a_role_not_known_yet_gets_one_probe_to_any_replica():
+    sets = ReplicaSets()
+    sets.publish("decode", ["d1"])
+    report, asked = run(sets)
+    assert ("prefill", "") in asked and report.status == SERVING
+
+
+def test_dead_and_wedged_replicas_are_unreachable_and_nothing_of_ray_leaks():
+    sets = ReplicaSets()
+    sets.publish("prefill", ["p1"])
+    sets.publish("decode", ["d1", "d2"])
+    report, _ = run(sets, dead=frozenset({"d1"}), hangs=frozenset({"d2"}))
+    assert report.status == DEGRADED  # the prefill replica can still answer requests
+    unreachable = [e for e in report.engines if e["state"] == UNREACHABLE]
+    assert unreachable == [
+        {"role": "decode", "replica_id": "d1", "state": UNREACHABLE},
+        {"role": "decode", "replica_id": "d2", "state": UNREACHABLE},
+    ]
+
+
+def test_no_engine_answering_is_not_serving():
+    sets = ReplicaSets()
+    sets.publish("prefill", ["p1"])
+    sets.publish("decode", [])
+    report, _ = run(sets, dead=frozenset({"p1"}))
+    assert report.status == NOT_SERVING
+    assert [e["state"] for e in report.engines] == [UNREACHABLE]
