@@ -43,6 +43,15 @@ class AppConfig:
     num_gpus_per_engine: float = 0.0
     num_cpus_router: float = 0.5
     max_ongoing_requests: int = 256  # per engine replica; the engine queues behind it
+    # Bounded admission (RESOURCE_EXHAUSTED / HTTP 429 with Retry-After over a bound, at once):
+    # requests waiting at each router replica for an engine replica, and at each proxy for a
+    # router replica (Serve's max_queued_requests; -1: no bound) ...
+    max_queued_requests: int = 1024
+    router_max_queued_requests: int = 4096
+    # ... and prompt tokens an engine holds still to compute (engine/core/admission.py; 0: no
+    # bound; engine_args may set max_queued_prompt_tokens itself).
+    max_queued_prompt_tokens: int = 262144
+    retry_after_s: float = 1.0
     # Engine arguments (vLLM's names) for every engine replica.
     engine_args: dict[str, Any] = field(default_factory=dict)
     kv_secret: str = ""  # shared by the engines' side channels; generated when empty
@@ -97,6 +106,11 @@ class AppConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.max_ongoing_requests < 1:
             raise ValueError("max_ongoing_requests must be >= 1")
+        for name in ("max_queued_requests", "router_max_queued_requests"):
+            if getattr(self, name) < 1 and getattr(self, name) != -1:
+                raise ValueError(f"{name} must be >= 1, or -1 for no bound")
+        if self.max_queued_prompt_tokens < 0 or self.retry_after_s < 0:
+            raise ValueError("max_queued_prompt_tokens and retry_after_s must be >= 0")
         if self.request_timeout_s <= 0 or self.prefill_timeout_s <= 0:
             raise ValueError("request_timeout_s and prefill_timeout_s must be > 0")
         if "kv_transfer_config" in self.engine_args:
@@ -145,7 +159,8 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
     if not config.kv_secret:
         # Built once here and bound into every replica's arguments: all engines share it.
         config.kv_secret = secrets.token_hex(16)
-    engine_args = dict(config.engine_args)
+    engine_args: dict[str, Any] = {"max_queued_prompt_tokens": config.max_queued_prompt_tokens}
+    engine_args.update(config.engine_args)
     settings = RouterSettings(
         model=config.model,
         engine_args=engine_args,
@@ -155,10 +170,15 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         served_model_name=config.served_model_name,
         otlp_endpoint=config.otlp_endpoint,
         kv_aware_routing=config.kv_aware_routing,
+        retry_after_s=config.retry_after_s,
     )
     router = RouterDeployment.options(
         num_replicas=config.router_replicas,
         max_ongoing_requests=config.max_ongoing_requests * 4,
+        max_queued_requests=config.router_max_queued_requests,
+        # The proxy's own answer over the bound: 429 with Retry-After (gRPC:
+        # RESOURCE_EXHAUSTED), as the engines' bounds answer through the Router.
+        backpressure_config={"status_code": 429, "retry_after_s": config.retry_after_s},
         ray_actor_options={"num_cpus": config.num_cpus_router},
     )
     if config.kv_aware_routing:
@@ -218,6 +238,7 @@ def _engine_options(
 ) -> dict[str, Any]:
     options: dict[str, Any] = {
         "max_ongoing_requests": config.max_ongoing_requests,
+        "max_queued_requests": config.max_queued_requests,
         "ray_actor_options": {
             "num_cpus": config.num_cpus_per_engine,
             "num_gpus": config.num_gpus_per_engine,

@@ -7,6 +7,7 @@ which are for the operator's log, not for an API client.
 
 from __future__ import annotations
 
+import math
 import re
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -15,6 +16,20 @@ INTERNAL_ERROR = "internal error; the server log has the details"
 
 class DeadlineExceeded(TimeoutError):
     """The request ran past its deadline; it was aborted on the engines."""
+
+
+class Overloaded(RuntimeError):
+    """An engine or the router is at its admission bound: RESOURCE_EXHAUSTED / HTTP 429, with
+    the seconds after which a retry may succeed."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(f"{message} (retry after {self.retry_after} s)")
+
+    @property
+    def retry_after(self) -> int:
+        """Whole seconds, at least 1 (HTTP's Retry-After)."""
+        return max(1, math.ceil(self.retry_after_s))
 
 
 class EngineFailure(RuntimeError):
@@ -37,6 +52,6 @@ def engine_failure(role: str, exc: BaseException) -> EngineFailure:
 
 def public_message(exc: BaseException) -> str:
     """What a client may read about `exc`."""
-    if isinstance(exc, (ValueError, DeadlineExceeded, EngineFailure)):
+    if isinstance(exc, (ValueError, DeadlineExceeded, EngineFailure, Overloaded)):
         return _ANSI.sub("", str(exc))
     return INTERNAL_ERROR

@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from deployments.errors import EngineFailure
+from deployments.errors import EngineFailure, Overloaded
 from deployments.protocol import EngineRequest
 from deployments.replica_set import ReplicaWatch
 from engine.outputs import EngineCoreOutput
@@ -79,7 +79,9 @@ class ResumableLeg:
                     async for chunk in chunks:
                         yield chunk
                 return
-            except EngineFailure as exc:
+            except (EngineFailure, Overloaded) as exc:
+                if isinstance(exc, Overloaded) and self._refusable():
+                    raise  # nothing sent yet: the client hears "at capacity" at once
                 if self.migrations >= self.engines.policy.max_migrations:
                     raise
                 self.migrations += 1
@@ -115,6 +117,11 @@ class ResumableLeg:
                     chunk = dataclasses.replace(chunk, request_id=self.request.request_id)
                 self.outputs.extend(chunk.new_token_ids)
                 yield chunk
+
+    def _refusable(self) -> bool:
+        """Whether the client has had nothing of this request yet (a decode leg that reads
+        handed-off KV follows a first token the client has)."""
+        return not (self.outputs or self.migrations or self.request.kv_transfer_params)
 
     def _resumed(self) -> EngineRequest:
         """The request again, from its prompt and every token generated so far: no KV to

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.cluster_health import NOT_SERVING, SERVING, HealthReport
-from deployments.errors import DeadlineExceeded, EngineFailure, public_message
+from deployments.errors import DeadlineExceeded, EngineFailure, Overloaded, public_message
 from deployments.openai_format import ChatFormat, CompletionFormat, ResponseFormat, sse_events
 from deployments.openai_requests import ChatCompletionRequest, CompletionRequest
 from deployments.openai_tools import template_kwargs
@@ -160,6 +160,10 @@ def build_openai_app(
             return _error(504, str(exc), "timeout")
         except EngineFailure as exc:  # a replica died or an engine failed mid-request
             return _error(503, public_message(exc), "server_error")
+        except Overloaded as exc:  # at an admission bound: retry later
+            response = _error(429, public_message(exc), "rate_limit_error")
+            response.headers["Retry-After"] = str(exc.retry_after)
+            return response
         except Exception as exc:
             logger.exception("request failed")
             return _error(500, public_message(exc), "server_error")

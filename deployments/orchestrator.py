@@ -20,7 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.errors import DeadlineExceeded
+from deployments.errors import DeadlineExceeded, Overloaded
 from deployments.kv_scoring import Borrower, CacheSurvey, ClusterCache, decode_holder
 from deployments.migration import (
     Migration,
@@ -291,6 +291,8 @@ class Orchestrator:
                 return None
             leg.result()
             completed = True
+        except Overloaded:
+            raise  # the engines are full: decode-only would only add to it
         except ValueError as exc:
             if loan is None:
                 raise  # the request itself is bad: decode-only would refuse it too

@@ -16,12 +16,19 @@ from typing import Any, NoReturn
 
 import grpc
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from deployments.cluster_health import HealthReport, survey
 from deployments.engine_server import replica_name
-from deployments.errors import DeadlineExceeded, EngineFailure, engine_failure, public_message
+from deployments.errors import (
+    DeadlineExceeded,
+    EngineFailure,
+    Overloaded,
+    engine_failure,
+    public_message,
+)
 from deployments.grpc_ingress import UndecodableRequest, quiet_client_errors
 from deployments.kv_leases import LeaseReleaser, PrefixBorrower
 from deployments.openai_api import build_openai_app
@@ -41,6 +48,7 @@ from deployments.protocol import (
 from deployments.replica_set import REPLICA_SETS, RoleWatch
 from deployments.telemetry import RouterMetrics, RouterTelemetry, Tracing
 from engine.arg_utils import EngineArgs
+from engine.core.admission import QueueFull
 from engine.llm import load_tokenizer
 from engine.models.catalog import served_model_name
 from engine.outputs import EngineCoreOutput
@@ -59,6 +67,7 @@ class RouterSettings:
     served_model_name: str = ""
     otlp_endpoint: str = ""
     kv_aware_routing: bool = False  # the engines publish to the app's KV index
+    retry_after_s: float = 1.0  # told to clients refused at an admission bound
 
 
 @dataclass
@@ -90,12 +99,13 @@ class Router:
         self._prefill = prefill
         self._in_flight: dict[str, _InFlight] = {}
         self.tracing = Tracing("router", replica_name(), settings.otlp_endpoint)
+        retry = settings.retry_after_s
         self.orchestrator = Orchestrator(
             self.tokenizer,
             self.facts,
             settings.flow,
-            decode=_stream_fn(decode, "decode" if prefill is not None else "colocated"),
-            prefill=_stream_fn(prefill, "prefill") if prefill is not None else None,
+            decode=_stream_fn(decode, "decode" if prefill is not None else "colocated", retry),
+            prefill=_stream_fn(prefill, "prefill", retry) if prefill is not None else None,
             release=LeaseReleaser(settings.kv_secret),
             telemetry=RouterTelemetry(self.tracing.tracer, RouterMetrics()),
             prefill_replicas=RoleWatch("prefill") if prefill is not None else None,
@@ -152,6 +162,9 @@ class Router:
             _refuse(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, exc)
         except EngineFailure as exc:
             _refuse(grpc_context, grpc.StatusCode.UNAVAILABLE, exc)
+        except Overloaded as exc:  # the message says when to retry (Serve's proxy drops
+            # trailing metadata of a failed call)
+            _refuse(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, exc)
         except Exception as exc:
             logger.exception("request %s failed", gen_input.request_id)
             _refuse(grpc_context, grpc.StatusCode.INTERNAL, exc)
@@ -211,9 +224,10 @@ class Router:
         )
 
 
-def _stream_fn(handle: DeploymentHandle, role: str) -> StreamFn:
+def _stream_fn(handle: DeploymentHandle, role: str, retry_after_s: float = 1.0) -> StreamFn:
     """Calls to an engine deployment: its ValueErrors come back as ValueErrors, and any other
-    failure as an EngineFailure whose message carries nothing of Ray's."""
+    failure as an EngineFailure whose message carries nothing of Ray's; a full engine (Serve's
+    queue for the deployment, or the engine's own admission bound) is Overloaded."""
     streaming = handle.options(stream=True)
 
     async def stream(request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
@@ -227,6 +241,9 @@ def _stream_fn(handle: DeploymentHandle, role: str) -> StreamFn:
             cause = getattr(exc, "cause", None)  # RayTaskError: the replica's own exception
             if isinstance(cause, ValueError):
                 raise ValueError(str(cause)) from None
+            if isinstance(exc, BackPressureError) or isinstance(cause, QueueFull):
+                message = f"the {role} engines are at capacity"
+                raise Overloaded(message, retry_after_s) from None
             logger.warning("the %s leg failed", role, exc_info=True)
             raise engine_failure(role, exc) from None
         finally:

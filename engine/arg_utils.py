@@ -44,6 +44,8 @@ class EngineArgs:
     # Off by default: on a CPU whose cores all run the forward pass it costs more than it
     # hides (docs/ARCHITECTURE.md §12); the runner thread's overlap is for accelerators.
     async_scheduling: bool = False
+    # Bounded admission for served engines (engine/core/admission.py); 0: no bound.
+    max_queued_prompt_tokens: int = 0
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     # On CUDA decode steps replay captured graphs (engine/worker/cuda_graphs.py); True: eager.
@@ -112,6 +114,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,  # type: ignore[arg-type]
             async_scheduling=self.async_scheduling,
+            max_queued_prompt_tokens=self.max_queued_prompt_tokens,
         )
         kv_transfer = None
         if self.kv_transfer_config is not None:

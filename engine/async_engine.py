@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from engine.arg_utils import EngineArgs
+from engine.core.admission import QueueFull
 from engine.core.kv_events import EngineLoad, KVEventBatch, KVSnapshot
 from engine.engine_core import EngineCore
 from engine.llm import (
@@ -359,7 +360,7 @@ class AsyncEngine:
                 **add.request_kwargs,
             )
             self.core.add_request(request)
-        except ValueError as exc:
+        except (ValueError, QueueFull) as exc:  # the caller's to handle: bad input, full
             add.sink.put(exc)
             return
         self._sinks[add.request_id] = add.sink

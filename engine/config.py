@@ -56,12 +56,16 @@ class SchedulerConfig:
     policy: SchedulingPolicy = "fcfs"
     # Schedule step N+1 while step N computes (engine_core.AsyncRunner).
     async_scheduling: bool = False
+    # Refuse a new prompt (QueueFull) past this many prompt tokens still to be computed;
+    # 0: no bound (offline batches queue everything at once). engine/core/admission.py.
+    max_queued_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _require_int("max_num_seqs", self.max_num_seqs, 1)
         _require_int("max_model_len", self.max_model_len, 1)
         _require_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _require_int("max_queued_prompt_tokens", self.max_queued_prompt_tokens, 0)
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if self.policy not in _POLICIES:

@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
+from engine.core.admission import check_admission
 from engine.core.kv_cache_manager import PrefixCacheStats
 from engine.core.kv_events import EngineLoad, KVEventStream
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -89,6 +90,8 @@ class EngineCore:
             if self.connector is None:
                 raise ValueError("kv_transfer_params need an engine with a kv_transfer_config")
             self.connector.validate_request(request)
+        bound = self.config.scheduler.max_queued_prompt_tokens
+        check_admission(request, self.scheduler.requests.values(), bound)
         self.scheduler.add_request(request)
 
     def abort_requests(

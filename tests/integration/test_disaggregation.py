@@ -210,3 +210,33 @@ def test_decode_abort_during_a_read_frees_blocks_only_after_the_read_stopped(col
     finally:
         prefill.close()
         decode.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_prefill_engine_restarted_on_its_address_is_read_from_again(transport, colocated):
+    """A prefill engine killed (SIGKILL) and started again on the same side-channel port (a
+    restarted container keeps its pod's address) is a new engine (new id, new NIXL agent): the
+    decode engine handshakes with it again and reads, rather than failing on what it knew of
+    the old one (vLLM issue #49238)."""
+    decode, prefill = engine(transport), engine(transport)
+    port = prefill.port
+    params = [GREEDY]
+    want = reference(colocated, PROMPTS[:2], params * 2)
+    try:
+        firsts, outs = prefill_then_decode(prefill, decode, PROMPTS[:1], params)
+        assert outs[0]["token_ids"] == want[0]
+        prefill.kill()
+        prefill = engine(transport, kv={"side_channel_port": port})
+        assert prefill.port == port
+        again, outs = prefill_then_decode(prefill, decode, PROMPTS[1:2], params)
+        before = firsts[0]["kv_transfer_params"]
+        after = again[0]["kv_transfer_params"]
+        assert after["remote_engine_id"] != before["remote_engine_id"]
+        assert after["remote_port"] == before["remote_port"] == port
+        assert outs[0]["token_ids"] == want[1]
+        stats = decode.drain()["stats"]
+        assert stats["reads_failed"] == 0 and stats["blocks_read"] >= 2  # read, not recomputed
+        assert_idle_and_clean(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()

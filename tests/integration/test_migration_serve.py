@@ -5,9 +5,15 @@ test of test_serve_app.py.)"""
 
 from __future__ import annotations
 
+import http.client
+import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import pytest
 
 from deployments.app import AppConfig
@@ -19,13 +25,28 @@ from protos.pdserve.v1 import generate_pb2 as pb
 from tests.integration.serve_utils import free_port, replica_actors, sigkill_replica, wait_until
 
 pytestmark = pytest.mark.integration
+JSON = {"Content-Type": "application/json"}
 
 ENGINE_ARGS = {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20}
 MAX_TOKENS = 180
+TIGHT = "tight"
+TIGHT_LIMITS = {
+    "decode_replicas": 1,
+    "max_ongoing_requests": 1,
+    "max_queued_requests": 1,
+    "retry_after_s": 3.0,
+}
+
+
+@dataclass
+class Served:
+    client: GenerationClient
+    target: str
+    http_port: int
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[GenerationClient]:
+def served() -> Iterator[Served]:
     config = AppConfig.from_args(
         {
             "model": "tiny",
@@ -36,14 +57,30 @@ def client() -> Iterator[GenerationClient]:
             "lease_seconds": 20,
         }
     )
-    grpc_port = free_port()
-    start(config, ServeOptions(grpc_port=grpc_port, http_port=free_port(), num_cpus=8))
-    served = GenerationClient(f"127.0.0.1:{grpc_port}", APP_NAME)
+    grpc_port, http_port = free_port(), free_port()
+    # "tight": one colocated engine taking one request at a time, one more waiting at each
+    # caller: the admission bounds are reached with a handful of requests.
+    start(
+        config,
+        ServeOptions(
+            grpc_port=grpc_port,
+            http_port=http_port,
+            num_cpus=8,
+            extra_apps={TIGHT: {"colocated": True, **TIGHT_LIMITS}},
+        ),
+    )
+    target = f"127.0.0.1:{grpc_port}"
+    app = Served(GenerationClient(target, APP_NAME), target, http_port)
     try:
-        yield served
+        yield app
     finally:
-        served.close()
+        app.client.close()
         stop()
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> GenerationClient:
+    return served.client
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +165,57 @@ def test_with_no_decode_replica_left_the_prefill_replica_takes_over(client, offl
     )
     assert client.complete(request, timeout=180).token_ids == late
     assert wait_until(lambda: idle(client), 180), client.health()
+
+
+def test_over_the_admission_bounds_requests_are_refused_at_once(served: Served) -> None:
+    """Eight streams at once on the tight app: those past the bounds (the engine's queue at
+    the Router, the Router's at the proxy) end at once with RESOURCE_EXHAUSTED, the Router's
+    refusals with a retry-after; the rest complete. HTTP gets 429 with Retry-After in
+    OpenAI's error shape. Then the app serves as before."""
+    tight = GenerationClient(served.target, TIGHT)
+    request = generate_request("Count", max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    def one(_: int) -> tuple[Any, float]:
+        begin = time.monotonic()
+        try:
+            return tight.complete(request, timeout=120), time.monotonic() - begin
+        except grpc.RpcError as exc:
+            return exc, time.monotonic() - begin
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    refused = [(r, t) for r, t in results if isinstance(r, grpc.RpcError)]
+    completed = [r for r, _ in results if not isinstance(r, grpc.RpcError)]
+    assert refused and completed, results
+    assert {r.code() for r, _ in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert all(t < 10 for _, t in refused)  # at once, not after the running streams
+    # The Router's refusals (the engine's queue full) say when to retry; the proxy's own
+    # (its queue for the Router full) are Serve's.
+    assert any("(retry after 3 s)" in r.details() for r, _ in refused), refused
+    for r, _ in refused:
+        assert "actor" not in r.details().lower() and "Traceback" not in r.details()
+    assert all(len(c.token_ids) == 200 for c in completed)
+    # One stream on the engine, one waiting for it at the Router: the next is refused.
+    running = tight.stream(request, timeout=120)
+    next(running)
+    waiting = tight.stream(request, timeout=120)
+    time.sleep(0.5)
+    status, headers, body = post(served.http_port, f"/{TIGHT}/v1/completions")
+    assert status == 429 and headers.get("retry-after") == "3", (status, body)
+    assert body["error"]["type"] == "rate_limit_error" and "capacity" in body["error"]["message"]
+    assert len([t for c in waiting for t in c.token_ids]) == 200
+    running.cancel()
+    after = tight.complete(generate_request("Count", max_tokens=4, temperature=0.0))
+    assert len(after.token_ids) == 4
+    tight.close()
+
+
+def post(port: int, path: str) -> tuple[int, dict[str, str], Any]:
+    body = {"model": "tiny", "prompt": "Count", "max_tokens": 100, "ignore_eos": True}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", path, json.dumps(body), JSON)
+    response = conn.getresponse()
+    data = response.read().decode()
+    conn.close()
+    headers = {k.lower(): v for k, v in response.getheaders()}
+    return response.status, headers, json.loads(data)

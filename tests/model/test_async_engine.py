@@ -263,3 +263,42 @@ def test_calls_on_the_loop_run_between_steps_and_fail_once_the_loop_is_gone(hf_r
     engine.shutdown()
     with pytest.raises(EngineDeadError):
         engine.run_on_loop(lambda: 3).result(timeout=1)
+
+
+def test_a_full_engine_refuses_new_prompts_at_once_and_serves_the_rest(hf_refs, monkeypatch):
+    """Over max_queued_prompt_tokens a new prompt is refused (QueueFull) before it is queued;
+    what was admitted completes, and once the queue drains prompts are admitted again."""
+    from engine.core.admission import QueueFull
+
+    eng = AsyncEngine(
+        hf_refs["llama_gqa"].path,
+        max_model_len=96,
+        block_size=4,
+        num_gpu_blocks_override=200,
+        max_num_batched_tokens=8,  # 40-token prompts take five steps each
+        max_queued_prompt_tokens=80,
+    )
+    step = eng.core.runner.execute_model
+
+    def slow_step(scheduler_output):
+        time.sleep(0.02)  # the queue cannot drain before the third prompt arrives
+        return step(scheduler_output)
+
+    monkeypatch.setattr(eng.core.runner, "execute_model", slow_step)
+    prompts = [[7 + i] * 40 for i in range(3)]
+
+    async def go():
+        admitted = [asyncio.create_task(collect(eng, p)) for p in prompts[:2]]
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull, match="retry later"):
+            await collect(eng, prompts[2])
+        done = await asyncio.gather(*admitted)
+        return done, await collect(eng, prompts[2])
+
+    try:
+        done, later = asyncio.run(go())
+        assert [len(outs[-1].outputs[0].token_ids) for outs in done] == [12, 12]
+        assert len(later[-1].outputs[0].token_ids) == 12
+        assert not eng.core.scheduler.requests
+    finally:
+        eng.shutdown()

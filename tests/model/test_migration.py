@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from deployments.engine_server import EngineServer
-from deployments.errors import EngineFailure, public_message
+from deployments.errors import EngineFailure, Overloaded, public_message
 from deployments.kv_leases import LeaseReleaser
 from deployments.migration import MigrationPolicy
 from deployments.orchestrator import FlowConfig, ModelFacts, Orchestrator, StreamFn
@@ -326,3 +326,46 @@ def test_an_abort_while_waiting_for_the_first_output_closes_the_call(servers):
 
     asyncio.run(go())
     assert closed.is_set()
+
+
+def overloaded_first(server: EngineServer, calls: list[EngineRequest], times: int = 1) -> StreamFn:
+    """A deployment whose first `times` calls are refused at admission (as the router's Serve
+    wrapper reports a full queue)."""
+
+    async def stream(request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
+        calls.append(request)
+        if len(calls) <= times:
+            raise Overloaded("the decode engines are at capacity; retry later", 2.0)
+        async with aclosing(server.generate(request)) as outputs:
+            async for output in outputs:
+                yield output
+
+    return stream
+
+
+def test_a_full_engine_refuses_before_anything_is_sent_and_nothing_moves(servers):
+    """Decode-only: refused at once (no migration, no retry); a full prefill deployment is not
+    a reason to go decode-only (that would move the load, not shed it)."""
+    calls: list[EngineRequest] = []
+    flow = make_flow(servers, overloaded_first(servers[1], calls), min_remote_prefill_tokens=999)
+    with pytest.raises(Overloaded) as info:
+        run(flow, PROMPT, max_tokens=8, temperature=0.0)
+    assert len(calls) == 1 and info.value.retry_after_s == 2.0
+    prefill_calls: list[EngineRequest] = []
+    decode = Dying(servers[1], after=0, failures=0)
+    flow = make_flow(servers, decode, prefill=overloaded_first(servers[0], prefill_calls))
+    with pytest.raises(Overloaded):
+        run(flow, PROMPT, max_tokens=8, temperature=0.0)
+    assert len(prefill_calls) == 1 and not decode.requests
+    assert all(idle(s) for s in servers)
+
+
+def test_a_full_decode_deployment_after_the_first_token_is_a_move(servers, offline):
+    """The client already has the prefill's token: the decode leg is retried elsewhere, not
+    refused."""
+    calls: list[EngineRequest] = []
+    flow = make_flow(servers, overloaded_first(servers[1], calls))
+    chunks = run(flow, PROMPT, max_tokens=12, temperature=0.0)
+    assert tokens(chunks) == greedy(offline, 12)
+    assert len(calls) == 2 and calls[0].kv_transfer_params and not calls[1].kv_transfer_params
+    assert all(idle(s) for s in servers)

@@ -46,3 +46,12 @@ def test_anything_not_ours_is_a_generic_line() -> None:
 )
 def test_our_own_messages_pass_without_colour_codes(exc: Exception) -> None:
     assert public_message(exc) == "bad token"
+
+
+def test_overloaded_says_when_to_retry_in_whole_seconds():
+    from deployments.errors import Overloaded
+
+    exc = Overloaded("the decode engines are at capacity", 0.2)
+    assert exc.retry_after == 1
+    assert public_message(exc) == "the decode engines are at capacity (retry after 1 s)"
+    assert Overloaded("full", 2.5).retry_after == 3

@@ -1,0 +1,43 @@
+"""Bounded admission: an engine refuses a prompt it could not start on soon, at once, rather
+than queueing work without end (the caller answers RESOURCE_EXHAUSTED / HTTP 429, and the
+client retries later or elsewhere)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.request import Request, RequestStatus
+
+
+class QueueFull(RuntimeError):
+    """The engine holds as many prompt tokens waiting to be computed as it may: try later."""
+
+
+def check_admission(
+    request: Request, requests: Iterable[Request], max_queued_prompt_tokens: int
+) -> None:
+    """QueueFull if admitting `request` would take the prompt tokens still to be computed past
+    `max_queued_prompt_tokens` (0: no bound). Requests that compute no prompt of their own are
+    always admitted: a decode leg reading its prompt's KV, and a request resumed on this engine
+    after another failed (refusing it would fail a stream already under way). A prompt is
+    admitted when nothing waits, however long: a bound below it would refuse it forever."""
+    if not max_queued_prompt_tokens or request.output_token_ids or _reads_kv(request):
+        return
+    queued = sum(_uncomputed(other) for other in requests)
+    if queued and queued + request.num_prompt_tokens > max_queued_prompt_tokens:
+        raise QueueFull(
+            f"the engine is at its bound of {max_queued_prompt_tokens} queued prompt tokens "
+            f"({queued} waiting); retry later"
+        )
+
+
+def _reads_kv(request: Request) -> bool:
+    return bool(request.kv_transfer_params and request.kv_transfer_params.get("do_remote_prefill"))
+
+
+def _uncomputed(request: Request) -> int:
+    if request.status not in (RequestStatus.WAITING, RequestStatus.RUNNING):
+        return 0  # finished, or reading its KV from another engine
+    if _reads_kv(request):
+        return 0
+    return max(0, request.num_prompt_tokens - request.num_computed_tokens)
