@@ -180,6 +180,8 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         # RESOURCE_EXHAUSTED), as the engines' bounds answer through the Router.
         backpressure_config={"status_code": 429, "retry_after_s": config.retry_after_s},
         ray_actor_options={"num_cpus": config.num_cpus_router},
+        # Its replicas find each other through it (Abort of a request another one holds).
+        request_router_config=_request_router(config, "router", kv_aware=False),
     )
     if config.kv_aware_routing:
         # The engines publish their prefix caches' events; the legs' routers read them.
@@ -217,9 +219,9 @@ def _decode_router(config: AppConfig, role: str) -> dict[str, Any]:
     return {"request_router_config": _request_router(config, role)}
 
 
-def _request_router(config: AppConfig, role: str) -> dict[str, Any]:
-    """Serve's `request_router_config` for one leg's engine deployment."""
-    if not config.kv_aware_routing:
+def _request_router(config: AppConfig, role: str, kv_aware: bool = True) -> dict[str, Any]:
+    """Serve's `request_router_config` for one role's deployment."""
+    if not (kv_aware and config.kv_aware_routing):
         return {
             "request_router_class": "deployments.request_routers.ReplicaSetRouter",
             "request_router_kwargs": {"role": role},

@@ -46,6 +46,7 @@ from deployments.protocol import (
     input_from_proto,
 )
 from deployments.replica_set import REPLICA_SETS, RoleWatch
+from deployments.router_peers import RouterPeers
 from deployments.telemetry import RouterMetrics, RouterTelemetry, Tracing
 from engine.arg_utils import EngineArgs
 from engine.core.admission import QueueFull
@@ -98,6 +99,7 @@ class Router:
         self._decode = decode
         self._prefill = prefill
         self._in_flight: dict[str, _InFlight] = {}
+        self._peers = RouterPeers()
         self.tracing = Tracing("router", replica_name(), settings.otlp_endpoint)
         retry = settings.retry_after_s
         self.orchestrator = Orchestrator(
@@ -182,13 +184,22 @@ class Router:
     async def Abort(
         self, request: pb.AbortRequest, grpc_context: RayServegRPCContext
     ) -> pb.AbortResponse:
+        """Abort a request on whichever router replica holds it: this one, or each of the
+        others in turn (the Router deployment's request router publishes them, and a probe
+        naming one is routed to it alone)."""
         request = _decoded_or_refuse(request, grpc_context)
-        record = self._in_flight.get(request.request_id)
+        if self.abort_here(None, request.request_id):
+            return pb.AbortResponse(found=True)
+        return pb.AbortResponse(found=await self._peers.abort(request.request_id))
+
+    def abort_here(self, probe: ReplicaProbe | None, request_id: str) -> bool:
+        """Abort `request_id` if this replica holds it (`probe` only steers the call here)."""
+        record = self._in_flight.get(request_id)
         if record is None or record.task is None:
-            return pb.AbortResponse(found=False)
+            return False
         record.aborted = True
         record.task.cancel()
-        return pb.AbortResponse(found=True)
+        return True
 
     async def Health(
         self, request: pb.HealthRequest, grpc_context: RayServegRPCContext

@@ -1,5 +1,6 @@
 """Request migration on real local Ray Serve: decode replicas killed with SIGKILL mid-stream.
-One prefill and two decode replicas; the offline engine in this process is the oracle.
+One prefill, two decode and two router replicas; the offline engine in this process is the
+oracle. Also: Abort across router replicas, Health over every replica, admission bounds.
 (The case of a single decode replica, whose streams move to the prefill replica, is the last
 test of test_serve_app.py.)"""
 
@@ -32,6 +33,7 @@ MAX_TOKENS = 180
 TIGHT = "tight"
 TIGHT_LIMITS = {
     "decode_replicas": 1,
+    "router_replicas": 1,  # the bounds are per router replica
     "max_ongoing_requests": 1,
     "max_queued_requests": 1,
     "retry_after_s": 3.0,
@@ -52,6 +54,7 @@ def served() -> Iterator[Served]:
             "model": "tiny",
             "engine_args": ENGINE_ARGS,
             "decode_replicas": 2,
+            "router_replicas": 2,
             "num_cpus_per_engine": 0.5,
             "transport": "nixl",
             "lease_seconds": 20,
@@ -139,6 +142,25 @@ def test_health_reports_every_replica(client: GenerationClient) -> None:
     roles = sorted((e.role, e.state) for e in health.engines)
     assert roles == [("decode", "running"), ("decode", "running"), ("prefill", "running")]
     assert len({e.replica_id for e in health.engines}) == 3
+
+
+def test_abort_finds_the_request_on_whichever_router_replica_holds_it(client) -> None:
+    """Serve's proxy sends each call to either router replica: every Abort finds its stream
+    (about half of them on the other replica), and each stream ends with "abort"."""
+    calls = []
+    for i in range(6):
+        request = generate_request(
+            f"Abort me {i}", request_id=f"abort-{i}", max_tokens=200, ignore_eos=True
+        )
+        call = client.stream(request, timeout=120)
+        next(call)
+        calls.append(call)
+    assert [client.abort(f"abort-{i}") for i in range(6)] == [True] * 6
+    for call in calls:
+        rest = list(call)
+        assert rest[-1].finish_reason == "abort"
+    assert not client.abort("abort-0")  # ended: nobody holds it
+    assert wait_until(lambda: idle(client), 60), client.health()
 
 
 def test_sigkill_of_a_decode_replica_loses_no_stream(client, offline) -> None:
