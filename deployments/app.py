@@ -16,6 +16,7 @@ from typing import Any
 from deployments.migration import MigrationPolicy
 from deployments.orchestrator import FlowConfig
 from deployments.protocol import RequestLimits
+from deployments.sla_autoscaling import autoscaling_config
 from engine.config import check_known_keys, check_load_failure_policy, check_transport
 from engine.models.catalog import SMOLLM2_MODEL
 
@@ -34,6 +35,10 @@ class AppConfig:
     # Serve autoscaling_config dicts; when set they replace the fixed replica counts.
     prefill_autoscaling: dict[str, Any] | None = None
     decode_autoscaling: dict[str, Any] | None = None
+    # P/D-aware autoscaling of both engine roles against SLO targets (sla_autoscaling.py):
+    # {"ttft_s": 2, "tpot_s": 0.2, "kv_cache_usage": 0.85, ..., "min_replicas": 1,
+    # "max_replicas": 4, "upscale_delay_s": 10, "downscale_delay_s": 60}; replaces the two above.
+    sla_autoscaling: dict[str, Any] | None = None
     router_replicas: int = 1
     # Resources per engine replica: one GPU each on a GPU cluster.
     num_cpus_per_engine: float = 1.0
@@ -115,12 +120,31 @@ class AppConfig:
             raise ValueError("request_timeout_s and prefill_timeout_s must be > 0")
         if "kv_transfer_config" in self.engine_args:
             raise ValueError("engine_args may not set kv_transfer_config: the app builds it")
+        if self.sla_autoscaling is not None:
+            if self.prefill_autoscaling or self.decode_autoscaling:
+                raise ValueError(
+                    "sla_autoscaling replaces prefill_autoscaling and decode_autoscaling: "
+                    "set one or the other"
+                )
+            if self.colocated:
+                raise ValueError(
+                    "sla_autoscaling scales prefill and decode replicas: not colocated"
+                )
+            if self.autoscaling("prefill")["min_replicas"] < 1:  # type: ignore[index]
+                raise ValueError("sla_autoscaling.min_replicas must be >= 1")
         prefill_min = (self.prefill_autoscaling or {}).get("min_replicas", 1)
         if not self.colocated and prefill_min < 1:
             # With no prefill replica the router goes decode-only and sends the prefill
             # deployment no request: Serve would see no demand to scale it up from zero.
             raise ValueError("prefill_autoscaling.min_replicas must be >= 1")
         self.limits()
+
+    def autoscaling(self, role: str) -> dict[str, Any] | None:
+        """Serve's autoscaling_config for an engine role ("prefill", "decode", "colocated");
+        None: a fixed replica count."""
+        if self.sla_autoscaling is not None and role != "colocated":
+            return autoscaling_config(role, self.sla_autoscaling)
+        return self.prefill_autoscaling if role == "prefill" else self.decode_autoscaling
 
     def kv_transfer_config(self) -> dict[str, Any]:
         return {
@@ -189,20 +213,20 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
     engine_extras = (config.otlp_endpoint, config.pin_engine_cores)
     if config.colocated:
         engine = ColocatedDeployment.options(
-            **_engine_options(config, config.decode_autoscaling, config.decode_replicas),
+            **_engine_options(config, config.autoscaling("colocated"), config.decode_replicas),
             **_decode_router(config, "colocated"),
         )
         colocated = engine.bind(config.model, engine_args, None, *engine_extras)
         return router.bind(settings, colocated)
     kv = config.kv_transfer_config()
     prefill = PrefillDeployment.options(
-        **_engine_options(config, config.prefill_autoscaling, config.prefill_replicas),
+        **_engine_options(config, config.autoscaling("prefill"), config.prefill_replicas),
         # The prefill leg's router also tells the Router when no prefill replica runs (it
         # then goes decode-only at once).
         request_router_config=_request_router(config, "prefill"),
     )
     decode = DecodeDeployment.options(
-        **_engine_options(config, config.decode_autoscaling, config.decode_replicas),
+        **_engine_options(config, config.autoscaling("decode"), config.decode_replicas),
         **_decode_router(config, "decode"),
     )
     return router.bind(

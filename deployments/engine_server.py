@@ -23,6 +23,7 @@ from ray import serve
 from deployments.core_pinning import CoreClaim, place_engine
 from deployments.kv_publisher import KVEventPublisher
 from deployments.protocol import EngineRequest, ReplicaProbe
+from deployments.sla_autoscaling import RecentLatencies
 from deployments.telemetry import (
     EngineMetrics,
     Tracing,
@@ -74,6 +75,8 @@ class EngineServer:
         self.replica_id = replica_name()
         self.tracing = Tracing(self.role, self.replica_id, otlp_endpoint)
         self.metrics = _engine_metrics()
+        self._waiting_prompt_tokens = 0  # of requests without a first output yet
+        self._latencies = RecentLatencies()
         self._sampler = _start_sampler(self) if self.metrics is not None else None
         self._kv_publisher = _start_kv_publisher(self.engine, self.role)
         logger.info(
@@ -89,7 +92,23 @@ class EngineServer:
         """Stream a request's token ids. Bad input raises ValueError before anything runs; a
         caller that stops listening (cancelled by Serve) aborts the request."""
         num_output = 0
-        async for output in self.engine.generate_tokens(
+        # Its prompt waits here until its first output: the SLA policy's queued prompt tokens.
+        waiting = len(request.prompt_token_ids)
+        self._waiting_prompt_tokens += waiting
+        try:
+            async for output in self._generate(request):
+                if waiting:
+                    self._waiting_prompt_tokens -= waiting
+                    waiting = 0
+                num_output += len(output.new_token_ids)
+                if output.timing is not None:
+                    self._observe(request, output, output.timing, num_output)
+                yield output
+        finally:
+            self._waiting_prompt_tokens -= waiting
+
+    def _generate(self, request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
+        return self.engine.generate_tokens(
             request.prompt_token_ids,
             request.params,
             request.request_id,
@@ -98,11 +117,18 @@ class EngineServer:
             kv_transfer_params=request.kv_transfer_params,
             output_token_ids=request.output_token_ids,
             coalesce=True,  # a router that falls behind gets tokens in batches, not one by one
-        ):
-            num_output += len(output.new_token_ids)
-            if output.timing is not None:
-                self._observe(request, output, output.timing, num_output)
-            yield output
+        )
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics hook: what deployments/sla_autoscaling.py scales
+        on (TTFT and TPOT over the last 30 s, where requests finished in it)."""
+        stats = self.engine.core.stats()
+        return {
+            "queued_prompt_tokens": float(self._waiting_prompt_tokens),
+            "kv_cache_usage": stats.kv_cache_usage,
+            "running_requests": float(stats.num_running),
+            **self._latencies.means(),
+        }
 
     def _observe(
         self,
@@ -112,6 +138,12 @@ class EngineServer:
         num_output: int,
     ) -> None:
         """A finished request: its spans (with the engine's own timestamps) and metrics."""
+        ttft = tpot = None
+        if timing.first_token is not None:
+            ttft = timing.first_token - timing.arrival
+            if timing.finished is not None and num_output > 1:
+                tpot = (timing.finished - timing.first_token) / (num_output - 1)
+        self._latencies.observe(ttft, tpot)
         if self.metrics is not None:
             self.metrics.observe_transfer(timing, self.transport, self.block_bytes)
         if not self.tracing.enabled or not request.trace_context:

@@ -1,0 +1,81 @@
+"""SLA autoscaling on real local Ray Serve: under load past its targets the decode deployment
+grows from one replica to two, and back to one once the load is gone. Serve's controller runs
+deployments/sla_autoscaling.py's policy on what the engine replicas record."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from deployments.app import AppConfig
+from deployments.client import GenerationClient, generate_request
+from deployments.launch import APP_NAME, ServeOptions, start, stop
+from tests.integration.serve_utils import free_port, wait_until
+
+pytestmark = pytest.mark.integration
+
+SLA = {
+    "running_requests": 2,  # a decode replica running more than two is over target
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "upscale_delay_s": 0,
+    "downscale_delay_s": 3,
+    "look_back_period_s": 11,  # over the default metrics interval (10 s), or Serve warns
+}
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[GenerationClient]:
+    # Replicas push their autoscaling metrics every second instead of every ten.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+        env.setenv("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+        config = AppConfig.from_args(
+            {
+                "model": "tiny",
+                "engine_args": {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20},
+                "num_cpus_per_engine": 0.5,
+                "transport": "nixl",
+                "sla_autoscaling": SLA,
+            }
+        )
+        grpc_port = free_port()
+        start(config, ServeOptions(grpc_port=grpc_port, http_port=free_port(), num_cpus=8))
+        served = GenerationClient(f"127.0.0.1:{grpc_port}", APP_NAME)
+        try:
+            yield served
+        finally:
+            served.close()
+            stop()
+
+
+def decode_replicas() -> int:
+    from ray import serve
+
+    deployment = serve.status().applications[APP_NAME].deployments["DecodeServer"]
+    return int(deployment.replica_states.get("RUNNING", 0))
+
+
+def test_decode_scales_one_to_two_under_load_and_back(client: GenerationClient) -> None:
+    assert decode_replicas() == 1
+    done = threading.Event()
+
+    def load(i: int) -> int:
+        sent = 0
+        while not done.is_set():
+            request = generate_request(f"Load {i}", max_tokens=200, ignore_eos=True)
+            client.complete(request, timeout=120)
+            sent += 1
+        return sent
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(load, i) for i in range(8)]
+        try:
+            assert wait_until(lambda: decode_replicas() == 2, 120)
+        finally:
+            done.set()
+        assert all(f.result() >= 1 for f in futures)
+    assert wait_until(lambda: decode_replicas() == 1, 120)
