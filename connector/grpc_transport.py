@@ -75,6 +75,11 @@ class GrpcTransport(KVTransport):
         with self._lock:
             self._clients[engine_id] = client
 
+    def forget_remote(self, engine_id: str) -> None:
+        """Drop a peer that is gone (restarted under a new engine id)."""
+        with self._lock:
+            self._clients.pop(engine_id, None)
+
     def start_read(self, read: BlockRead) -> None:
         if self._cache is None:
             raise RuntimeError("GrpcTransport.register() first")

@@ -278,6 +278,13 @@ class NixlTransport(KVTransport):
             agent.add_remote_agent(peer.agent_metadata)
             self._peers[engine_id] = peer
 
+    def forget_remote(self, engine_id: str) -> None:
+        """Drop a peer that is gone (restarted under a new engine id): its agent's metadata."""
+        with self._lock:
+            peer = self._peers.pop(engine_id, None)
+            if peer is not None and self._agent is not None:
+                self._agent.remove_remote_agent(peer.agent_name)
+
     # -- reads --------------------------------------------------------------------------------
 
     def inject_failure(self, after: int) -> None:

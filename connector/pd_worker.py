@@ -59,10 +59,11 @@ class PDWorker:
         self.port = 0
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
         self._peers: set[str] = set()
+        self._engine_at: dict[tuple[str, int], str] = {}  # the engine a side channel serves
         self._active: dict[str, _ActiveRead] = {}
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
-        self.stats = {"blocks_read": 0, "reads_failed": 0}
+        self.stats = {"blocks_read": 0, "reads_failed": 0, "remote_engines": 0}
 
     # ------------------------------------------------------------------ set-up
 
@@ -171,6 +172,23 @@ class PDWorker:
             set_client(reply.engine_id, client)
         self.transport.add_remote(reply.engine_id, reply.transport_metadata)
         self._peers.add(reply.engine_id)
+        self._forget_replaced((remote.host, remote.port), reply.engine_id)
+        self.stats["remote_engines"] = len(self._peers)
+
+    def _forget_replaced(self, address: tuple[str, int], engine_id: str) -> None:
+        """A new engine at an address another served (a restarted prefill engine): the old
+        one is gone, so is what we held for it (its NIXL agent's metadata). Reads still
+        posted to it end first (they fail: nothing answers)."""
+        old = self._engine_at.get(address)
+        self._engine_at[address] = engine_id
+        if old is None or old == engine_id:
+            return
+        self._peers.discard(old)
+        if any(a.load.remote.engine_id == old for a in self._active.values()):
+            return
+        forget = getattr(self.transport, "forget_remote", None)
+        if forget is not None:
+            forget(old)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         self._renew_leases()

@@ -10,12 +10,20 @@ Two things Serve's proxy would otherwise get wrong for us, fixed through its own
 - A refused request must raise (a streaming method that returns after set_code ends OK), and
   Serve then logs it at ERROR with a traceback, in the replica and in the proxy. A filter on
   Serve's logger turns those records, for client errors only, into one INFO line.
+- A call whose Router replica dies mid-request ends, from the proxy, with INTERNAL and Ray's
+  own text (actor id, pid, node address). Serve's server replaces the handlers a servicer
+  function registers with behaviours of its `service_handler_factory`; ours wraps that factory
+  on the server it is given, so each behaviour gets a servicer context that passes everything
+  through except such details: the client reads UNAVAILABLE and a line of ours
+  (`PublicContext`). Serve offers no interceptor hook for its proxy; if the factory is not
+  there (another Ray), the proxy's own text goes through and a warning says so.
 
 Kept light (grpc, protobuf, the generated stubs): Serve's proxy imports this module.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,7 +92,9 @@ class _Recorder:
 
 
 def add_GenerationServicer_to_server(servicer: Any, server: Any) -> None:
-    """The generated registration, with decoders that never fail (see the module docstring)."""
+    """The generated registration, with decoders that never fail and no Ray text in what the
+    proxy tells clients (see the module docstring)."""
+    _public_factory(server)
     recorder = _Recorder()
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, recorder)
     for service, handlers in recorder.services.items():
@@ -99,6 +109,71 @@ def add_GenerationServicer_to_server(servicer: Any, server: Any) -> None:
         if register is not None:
             register(service, tolerant)
     quiet_client_errors()  # this runs in Serve's proxy process
+
+
+ROUTER_DIED = "the router replica serving this request died or failed; retry the request"
+_RAY_MARKS = ("actor_id", "ActorDiedError", "RayActorError", "ServeReplica", "Traceback", "\x1b[")
+
+
+class PublicContext:
+    """A servicer context that never lets Ray's own error text reach the client; everything
+    else goes to the real context."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    def set_details(self, details: str) -> None:
+        if _ray_text(details):
+            self._context.set_code(grpc.StatusCode.UNAVAILABLE)
+            details = ROUTER_DIED
+        self._context.set_details(details)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> Any:
+        if _ray_text(details):
+            code, details = grpc.StatusCode.UNAVAILABLE, ROUTER_DIED
+        return await self._context.abort(code, details)
+
+
+def _ray_text(details: Any) -> bool:
+    return isinstance(details, str) and any(mark in details for mark in _RAY_MARKS)
+
+
+def _public_factory(server: Any) -> None:
+    """Wrap the server's behaviour factory (Serve's gRPCGenericServer) once."""
+    factory = getattr(server, "service_handler_factory", None)
+    if factory is None:
+        logging.getLogger(__name__).warning(
+            "Serve's gRPC server has no service_handler_factory: a call cut by a dead router "
+            "replica will carry Ray's error text"
+        )
+        return
+    if getattr(factory, "_pdserve_public", False):
+        return
+
+    def public_factory(*args: Any, **kwargs: Any) -> Any:
+        return _public(factory(*args, **kwargs))
+
+    public_factory._pdserve_public = True  # type: ignore[attr-defined]
+    server.service_handler_factory = public_factory
+
+
+def _public(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    """The behaviour, given a PublicContext instead of the real one."""
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def stream(request: Any, context: Any) -> Any:
+            async for message in behaviour(request, PublicContext(context)):
+                yield message
+
+        return stream
+
+    async def unary(request: Any, context: Any) -> Any:
+        return await behaviour(request, PublicContext(context))
+
+    return unary
 
 
 class ClientErrorLogFilter(logging.Filter):

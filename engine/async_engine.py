@@ -364,6 +364,10 @@ class AsyncEngine:
             add.sink.put(exc)
             return
         self._sinks[add.request_id] = add.sink
+        for displaced in self.core.take_displaced():
+            sink = self._sinks.pop(displaced, None)
+            if sink is not None:
+                sink.put(QueueFull("refused for a request of higher priority; retry later"))
 
     def _end(self, end: _End) -> None:
         sink = self._sinks.get(end.request_id)

@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
-from engine.core.admission import check_admission
+from engine.core.admission import QueueFull, check_admission, displaceable
 from engine.core.kv_cache_manager import PrefixCacheStats
 from engine.core.kv_events import EngineLoad, KVEventStream
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -54,6 +54,7 @@ class EngineCore:
         tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config
+        self.displaced: list[str] = []  # refused for higher-priority requests (take_displaced)
         self.arch = arch
         self.runner = ModelRunner(config, arch, reasoning or ReasoningTokens(), tokenizer)
         self.runner.load_model()
@@ -91,8 +92,22 @@ class EngineCore:
                 raise ValueError("kv_transfer_params need an engine with a kv_transfer_config")
             self.connector.validate_request(request)
         bound = self.config.scheduler.max_queued_prompt_tokens
-        check_admission(request, self.scheduler.requests.values(), bound)
+        try:
+            check_admission(request, self.scheduler.requests.values(), bound)
+        except QueueFull:
+            victims = displaceable(request, self.scheduler.requests.values(), bound)
+            if not victims:
+                raise
+            ids = [victim.request_id for victim in victims]
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            self.displaced.extend(ids)
         self.scheduler.add_request(request)
+
+    def take_displaced(self) -> list[str]:
+        """Requests refused since the last call to make room for higher-priority ones (their
+        callers hear QueueFull, as if refused at admission)."""
+        displaced, self.displaced = self.displaced, []
+        return displaced
 
     def abort_requests(
         self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED

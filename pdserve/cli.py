@@ -109,7 +109,7 @@ def _build_parser() -> argparse.ArgumentParser:
     make_model.add_argument("--seed", type=int, default=None)
     bench = commands.add_parser("bench", help="benchmarks; each prints one JSON object")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    from pdserve.bench import kv, latency, offline, sched, spec, structured
+    from pdserve.bench import chaos, kv, latency, offline, sched, spec, structured
     from pdserve.bench import serve as bench_serve
 
     structured.add_arguments(
@@ -124,6 +124,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     spec.add_arguments(
         benches.add_parser("spec", help="n-gram speculative decoding vs plain, one stream")
+    )
+    chaos.add_arguments(
+        benches.add_parser("chaos", help="load on a local app while its replicas are killed")
     )
     return parser
 

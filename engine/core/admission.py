@@ -1,6 +1,8 @@
 """Bounded admission: an engine refuses a prompt it could not start on soon, at once, rather
 than queueing work without end (the caller answers RESOURCE_EXHAUSTED / HTTP 429, and the
-client retries later or elsewhere)."""
+client retries later or elsewhere). A prompt of higher priority (a smaller `priority`, vLLM's
+order) may displace waiting prompts of lower priority that have not started: they are refused
+in its place, as if they had arrived to a full queue."""
 
 from __future__ import annotations
 
@@ -29,6 +31,38 @@ def check_admission(
             f"the engine is at its bound of {max_queued_prompt_tokens} queued prompt tokens "
             f"({queued} waiting); retry later"
         )
+
+
+def displaceable(
+    request: Request, requests: Iterable[Request], max_queued_prompt_tokens: int
+) -> list[Request]:
+    """The waiting requests whose refusal makes room for `request`: of lower priority (the
+    lowest and, among equals, the latest first), not started (nothing computed, nothing sent,
+    no KV being read). [] when even all of them would not make room."""
+    others = list(requests)
+    queued = sum(_uncomputed(other) for other in others)
+    victims: list[Request] = []
+    for victim in sorted(
+        (o for o in others if _displaceable_by(o, request)),
+        key=lambda o: (o.priority, o.arrival_time),
+        reverse=True,
+    ):
+        if queued + request.num_prompt_tokens <= max_queued_prompt_tokens:
+            break
+        victims.append(victim)
+        queued -= _uncomputed(victim)
+    fits = not queued or queued + request.num_prompt_tokens <= max_queued_prompt_tokens
+    return victims if fits else []
+
+
+def _displaceable_by(other: Request, request: Request) -> bool:
+    return (
+        other.priority > request.priority
+        and other.status == RequestStatus.WAITING
+        and not other.num_computed_tokens
+        and not other.output_token_ids
+        and not _reads_kv(other)
+    )
 
 
 def _reads_kv(request: Request) -> bool:

@@ -236,6 +236,7 @@ def test_a_prefill_engine_restarted_on_its_address_is_read_from_again(transport,
         assert outs[0]["token_ids"] == want[1]
         stats = decode.drain()["stats"]
         assert stats["reads_failed"] == 0 and stats["blocks_read"] >= 2  # read, not recomputed
+        assert stats["remote_engines"] == 1  # the old engine forgotten
         assert_idle_and_clean(prefill, decode)
     finally:
         prefill.close()

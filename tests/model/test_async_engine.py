@@ -265,26 +265,34 @@ def test_calls_on_the_loop_run_between_steps_and_fail_once_the_loop_is_gone(hf_r
         engine.run_on_loop(lambda: 3).result(timeout=1)
 
 
-def test_a_full_engine_refuses_new_prompts_at_once_and_serves_the_rest(hf_refs, monkeypatch):
-    """Over max_queued_prompt_tokens a new prompt is refused (QueueFull) before it is queued;
-    what was admitted completes, and once the queue drains prompts are admitted again."""
-    from engine.core.admission import QueueFull
-
+def bounded_slow_engine(hf_refs, monkeypatch, **kwargs):
+    """An engine bounded at 80 queued prompt tokens whose steps take at least 20 ms and cover
+    8 tokens: a 40-token prompt waits five steps, long enough for others to queue behind."""
     eng = AsyncEngine(
         hf_refs["llama_gqa"].path,
         max_model_len=96,
         block_size=4,
         num_gpu_blocks_override=200,
-        max_num_batched_tokens=8,  # 40-token prompts take five steps each
+        max_num_batched_tokens=8,
         max_queued_prompt_tokens=80,
+        **kwargs,
     )
     step = eng.core.runner.execute_model
 
     def slow_step(scheduler_output):
-        time.sleep(0.02)  # the queue cannot drain before the third prompt arrives
+        time.sleep(0.02)
         return step(scheduler_output)
 
     monkeypatch.setattr(eng.core.runner, "execute_model", slow_step)
+    return eng
+
+
+def test_a_full_engine_refuses_new_prompts_at_once_and_serves_the_rest(hf_refs, monkeypatch):
+    """Over max_queued_prompt_tokens a new prompt is refused (QueueFull) before it is queued;
+    what was admitted completes, and once the queue drains prompts are admitted again."""
+    from engine.core.admission import QueueFull
+
+    eng = bounded_slow_engine(hf_refs, monkeypatch)
     prompts = [[7 + i] * 40 for i in range(3)]
 
     async def go():
@@ -299,6 +307,31 @@ def test_a_full_engine_refuses_new_prompts_at_once_and_serves_the_rest(hf_refs, 
         done, later = asyncio.run(go())
         assert [len(outs[-1].outputs[0].token_ids) for outs in done] == [12, 12]
         assert len(later[-1].outputs[0].token_ids) == 12
+        assert not eng.core.scheduler.requests
+    finally:
+        eng.shutdown()
+
+
+def test_a_higher_priority_prompt_displaces_a_waiting_lower_one(hf_refs, monkeypatch):
+    """At the bound, a prompt of higher priority takes the place of the lowest-priority one
+    still waiting: that caller hears QueueFull (as if refused at admission); the rest run."""
+    from engine.core.admission import QueueFull
+
+    eng = bounded_slow_engine(hf_refs, monkeypatch, scheduling_policy="priority")
+
+    async def go():
+        first = asyncio.create_task(collect(eng, [7] * 40, priority=5))
+        await asyncio.sleep(0.05)  # running: never displaced
+        low = asyncio.create_task(collect(eng, [8] * 40, priority=5))
+        await asyncio.sleep(0)
+        urgent = await collect(eng, [9] * 40, priority=0)
+        with pytest.raises(QueueFull, match="higher priority"):
+            await low
+        return await first, urgent
+
+    try:
+        first, urgent = asyncio.run(go())
+        assert len(first[-1].outputs[0].token_ids) == len(urgent[-1].outputs[0].token_ids) == 12
         assert not eng.core.scheduler.requests
     finally:
         eng.shutdown()

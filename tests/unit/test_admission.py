@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import SchedulerConfig
-from engine.core.admission import QueueFull, check_admission
+from engine.core.admission import QueueFull, check_admission, displaceable
 from engine.request import Request, SamplingParams
 from tests.unit.sched_utils import make_request, make_scheduler, runner_for, step
 
@@ -46,3 +46,33 @@ def test_no_bound_a_lone_long_prompt_resumed_requests_and_kv_readers_always_get_
 def test_the_bound_is_checked_as_an_engine_argument():
     with pytest.raises(ValueError, match="max_queued_prompt_tokens"):
         SchedulerConfig(16, 4, 64, max_queued_prompt_tokens=-1)
+
+
+def test_a_higher_priority_prompt_displaces_the_lowest_waiting_ones():
+    scheduler = make_scheduler(policy="priority")
+    admit(scheduler, make_request("low-old", 30, priority=5, arrival_time=1.0), bound=64)
+    admit(scheduler, make_request("low-new", 30, priority=5, arrival_time=2.0), bound=64)
+    urgent = make_request("urgent", 30, priority=0)
+    with pytest.raises(QueueFull):
+        check_admission(urgent, scheduler.requests.values(), 64)
+    # The lowest priority, the latest first; just enough to make room.
+    assert [r.request_id for r in displaceable(urgent, scheduler.requests.values(), 64)] == [
+        "low-new"
+    ]
+    # Equal priority displaces nothing. A prompt longer than the bound gets in once nothing
+    # waits (as at admission), so it displaces every lower one.
+    same = make_request("same", 30, priority=5)
+    assert displaceable(same, scheduler.requests.values(), 64) == []
+    huge = make_request("huge", 100, priority=0)
+    assert [r.request_id for r in displaceable(huge, scheduler.requests.values(), 64)] == [
+        "low-new",
+        "low-old",
+    ]
+
+
+def test_started_requests_are_never_displaced():
+    scheduler = make_scheduler(policy="priority", max_num_batched_tokens=8)
+    admit(scheduler, make_request("started", 30, priority=9), bound=40)
+    step(scheduler, runner_for(scheduler))  # 8 of its tokens computed
+    urgent = make_request("urgent", 30, priority=0)
+    assert displaceable(urgent, scheduler.requests.values(), 40) == []

@@ -1,0 +1,374 @@
+"""pdserve bench chaos: steady load on a local Serve app while its replicas are killed.
+
+Loopback only, bounded in time and in requests. Clients send greedy requests whose answers are
+known (offline generation on the same weights), cancel some streams part-way, and send some
+malformed requests; every `kill_every_s` a replica of the next role in turn (prefill, decode,
+router) is killed with SIGKILL. Every request must end with its output or a clear error:
+
+- completed: exact (the offline tokens) or mismatched (must be 0);
+- failed with a clear error: a gRPC status whose message carries nothing of Ray's (a stream cut
+  by its router replica's death is one: the request was in that process);
+- failed unclearly: a message with actor ids, colour codes or a traceback (must be 0);
+- lost: no answer by the client's own deadline, past the server's (must be 0).
+
+Afterwards every engine must hold no block and no request (`blocks_held_after`), and the
+engine replicas' resident memory is compared with what it was after the warm-up (growth for
+the processes that lived through the run; a killed replica's replacement is a new process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ROLES = ("prefill", "decode", "router")
+_DEPLOYMENTS = {"prefill": "PrefillServer", "decode": "DecodeServer", "router": "Router"}
+_INTERNALS = ("actor", "Traceback", "\x1b[", "ray.", "RayTaskError")
+
+
+@dataclass
+class ChaosConfig:
+    model: str = "tiny"
+    duration_s: float = 600.0
+    max_requests: int = 100_000
+    concurrency: int = 6
+    max_tokens: int = 48
+    kill_every_s: float = 60.0
+    cancel_fraction: float = 0.1
+    malformed_fraction: float = 0.05
+    request_timeout_s: float = 60.0  # the server's deadline; the client waits longer
+    num_cpus: int = 8
+    decode_replicas: int = 2
+    router_replicas: int = 2
+    engine_args: dict[str, Any] = field(
+        default_factory=lambda: {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20}
+    )
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.duration_s <= 0 or self.max_requests < 1 or self.concurrency < 1:
+            raise ValueError("duration_s, max_requests and concurrency must be positive")
+        for name in ("cancel_fraction", "malformed_fraction"):
+            if not 0 <= getattr(self, name) < 0.5:
+                raise ValueError(f"{name} must be in [0, 0.5)")
+
+
+@dataclass
+class _Tally:
+    counts: Counter[str] = field(default_factory=Counter)
+    unclear: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, outcome: str, message: str = "") -> None:
+        with self.lock:
+            self.counts[outcome] += 1
+            if outcome == "failed_unclear" and len(self.unclear) < 5:
+                self.unclear.append(message[:300])
+
+
+def run(config: ChaosConfig) -> dict[str, Any]:
+    from deployments.app import AppConfig
+    from deployments.launch import APP_NAME, ServeOptions, free_port, start, stop
+
+    prompts = [f"Chaos request {i} asks about" for i in range(24)]
+    expected = _offline(config, prompts)
+    app = AppConfig.from_args(
+        {
+            "model": config.model,
+            "engine_args": config.engine_args,
+            "decode_replicas": config.decode_replicas,
+            "router_replicas": config.router_replicas,
+            "num_cpus_per_engine": 0.5,
+            "request_timeout_s": config.request_timeout_s,
+        }
+    )
+    grpc_port = free_port()
+    # Ray forwards its processes' output to this one's stdout, which carries the report.
+    with contextlib.redirect_stdout(sys.stderr):
+        start(
+            app, ServeOptions(grpc_port=grpc_port, http_port=free_port(), num_cpus=config.num_cpus)
+        )
+        try:
+            return _chaos(config, f"127.0.0.1:{grpc_port}", APP_NAME, prompts, expected)
+        finally:
+            stop()
+
+
+def _offline(config: ChaosConfig, prompts: list[str]) -> list[list[int]]:
+    from engine.llm import LLM
+    from engine.request import SamplingParams
+
+    llm = LLM(config.model, **config.engine_args)
+    try:
+        params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0, ignore_eos=True)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    finally:
+        llm.close()
+
+
+def _chaos(
+    config: ChaosConfig, target: str, app: str, prompts: list[str], expected: list[list[int]]
+) -> dict[str, Any]:
+    from deployments.client import GenerationClient
+
+    client = GenerationClient(target, app)
+    tally = _Tally()
+    load = _Load(client, config, prompts, expected, tally)
+    for i in range(3):  # warm-up: every engine has run, memory is what steady state holds
+        _one(load, random.Random(i), plain=True)
+    rss_before = _engine_rss()
+    stop_at = time.monotonic() + config.duration_s
+    issued = _Issued(config.max_requests)
+    kills: Counter[str] = Counter()
+    killer = threading.Thread(target=_killer, args=(config, stop_at, kills), daemon=True)
+    workers = [
+        threading.Thread(
+            target=_worker, args=(load, random.Random(config.seed + w), stop_at, issued)
+        )
+        for w in range(config.concurrency)
+    ]
+    began = time.monotonic()
+    killer.start()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    elapsed = time.monotonic() - began
+    killer.join(timeout=5)
+    idle_s, leftovers = _wait_idle(client, timeout_s=180)
+    rss_after = _engine_rss()
+    client.close()
+    counts = tally.counts
+    return {
+        "config": asdict(config),
+        "duration_s": round(elapsed, 1),
+        "requests": issued.count,
+        "completed": counts["exact"] + counts["mismatch"],
+        "completed_exact": counts["exact"],
+        "completed_mismatch": counts["mismatch"],
+        "cancelled": counts["cancelled"],
+        "malformed_refused": counts["refused"],
+        "malformed_accepted": counts["accepted_malformed"],
+        "failed_clear": counts["failed_clear"],
+        "failed_unclear": counts["failed_unclear"],
+        "unclear_examples": tally.unclear,
+        "lost": counts["lost"],
+        "kills": dict(kills),
+        "idle_after_s": idle_s,
+        **leftovers,
+        "engine_rss_mb": {"after_warmup": rss_before, "after": rss_after},
+        # Processes alive at both samples (a killed replica's replacement is a new one).
+        "engine_rss_growth_mb": {
+            key: round(rss_after[key] - rss_before[key], 1)
+            for key in rss_before.keys() & rss_after.keys()
+        },
+    }
+
+
+class _Issued:
+    """Requests issued so far, against the bound."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.count >= self.bound:
+                return False
+            self.count += 1
+            return True
+
+
+@dataclass
+class _Load:
+    """What every client thread shares: the endpoint, the prompts and their known answers."""
+
+    client: Any
+    config: ChaosConfig
+    prompts: list[str]
+    expected: list[list[int]]
+    tally: _Tally
+
+
+def _worker(load: _Load, rng: random.Random, stop_at: float, issued: _Issued) -> None:
+    while time.monotonic() < stop_at and issued.take():
+        _one(load, rng)
+
+
+def _one(load: _Load, rng: random.Random, plain: bool = False) -> None:
+    import grpc
+
+    from deployments.client import generate_request
+
+    client, config, tally = load.client, load.config, load.tally
+    prompts, expected = load.prompts, load.expected
+    roll = rng.random()
+    if not plain and roll < config.malformed_fraction:
+        _malformed(client, rng, tally)
+        return
+    i = rng.randrange(len(prompts))
+    request = generate_request(
+        prompts[i],
+        max_tokens=config.max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        timeout_s=config.request_timeout_s,
+    )
+    cancel = not plain and roll < config.malformed_fraction + config.cancel_fraction
+    client_deadline = config.request_timeout_s + 30
+    try:
+        call = client.stream(request, timeout=client_deadline)
+        tokens: list[int] = []
+        for n, chunk in enumerate(call):
+            tokens.extend(chunk.token_ids)
+            if cancel and n == 2:
+                call.cancel()
+                tally.add("cancelled")
+                return
+        tally.add("exact" if tokens == expected[i] else "mismatch")
+    except grpc.RpcError as exc:
+        _failed(exc, tally, cancelled=cancel)
+
+
+def _failed(exc: Any, tally: _Tally, cancelled: bool) -> None:
+    import grpc
+
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.CANCELLED and cancelled:
+        tally.add("cancelled")
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
+        tally.add("lost")  # grpc's own deadline: the server never answered
+    elif any(mark in details for mark in _INTERNALS):
+        tally.add("failed_unclear", f"{code.name}: {details}")
+    else:
+        tally.add("failed_clear")
+
+
+def _malformed(client: Any, rng: random.Random, tally: _Tally) -> None:
+    import grpc
+
+    from deployments.client import generate_request
+
+    bad = rng.choice(
+        [
+            generate_request([1, 10**7], max_tokens=4),  # outside the vocabulary
+            generate_request("", max_tokens=4),  # empty
+            generate_request("Too long", max_tokens=10**6),  # past the context
+            generate_request("Bad temperature", max_tokens=4, temperature=-1.0),
+        ]
+    )
+    try:
+        client.complete(bad, timeout=30)
+        tally.add("accepted_malformed")
+    except grpc.RpcError as exc:
+        clear = exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+        tally.add("refused" if clear else "failed_unclear", f"{exc.code().name}: {exc.details()}")
+
+
+def _killer(config: ChaosConfig, stop_at: float, kills: Counter[str]) -> None:
+    """SIGKILL a replica of the next role in turn every `kill_every_s`."""
+    turn = 0
+    while time.monotonic() + config.kill_every_s < stop_at:
+        time.sleep(config.kill_every_s)
+        role = ROLES[turn % len(ROLES)]
+        turn += 1
+        if _kill_one(_DEPLOYMENTS[role], random.Random(turn)):
+            kills[role] += 1
+
+
+def _replica_pids(deployment: str) -> list[int]:
+    from ray._private import state
+
+    return [
+        int(actor["Pid"])
+        for actor in state.actors().values()
+        if actor.get("State") == "ALIVE"
+        and f"#{deployment}#" in str(actor.get("Name", ""))
+        and str(actor.get("Name", "")).startswith("SERVE_REPLICA::")
+        and actor.get("Pid")
+    ]
+
+
+def _kill_one(deployment: str, rng: random.Random) -> bool:
+    import os
+    import signal
+
+    pids = _replica_pids(deployment)
+    if not pids:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(rng.choice(pids), signal.SIGKILL)
+        print(f"bench chaos: killed a {deployment} replica", file=sys.stderr, flush=True)
+        return True
+    return False
+
+
+def _engine_rss() -> dict[str, float]:
+    """Resident MiB of each engine replica process now (by pid)."""
+    import psutil
+
+    rss = {}
+    for deployment in ("PrefillServer", "DecodeServer"):
+        for pid in _replica_pids(deployment):
+            with contextlib.suppress(psutil.Error):
+                rss[f"{deployment}:{pid}"] = round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+    return rss
+
+
+def _wait_idle(client: Any, timeout_s: float) -> tuple[float | None, dict[str, int]]:
+    """Seconds until every replica runs and holds nothing (None: not within `timeout_s`), and
+    what the engines hold at that point."""
+    began = time.monotonic()
+    leftovers = {"blocks_held_after": -1, "requests_held_after": -1, "unreachable_after": -1}
+    while time.monotonic() - began < timeout_s:
+        with contextlib.suppress(Exception):
+            health = client.health()
+            leftovers = {
+                "blocks_held_after": sum(e.num_blocks - e.num_free_blocks for e in health.engines),
+                "requests_held_after": sum(
+                    e.num_running + e.num_waiting + e.num_held_requests for e in health.engines
+                ),
+                "unreachable_after": sum(e.state != "running" for e in health.engines),
+            }
+            if health.status == "SERVING" and not any(leftovers.values()):
+                return round(time.monotonic() - began, 1), leftovers
+        time.sleep(1.0)
+    return None, leftovers
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = ChaosConfig()
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--duration-s", type=float, default=defaults.duration_s)
+    parser.add_argument("--max-requests", type=int, default=defaults.max_requests)
+    parser.add_argument("--concurrency", type=int, default=defaults.concurrency)
+    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
+    parser.add_argument("--kill-every-s", type=float, default=defaults.kill_every_s)
+    parser.add_argument("--cancel-fraction", type=float, default=defaults.cancel_fraction)
+    parser.add_argument("--malformed-fraction", type=float, default=defaults.malformed_fraction)
+    parser.add_argument("--num-cpus", type=int, default=defaults.num_cpus)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+
+
+def config_from_args(args: argparse.Namespace) -> ChaosConfig:
+    return ChaosConfig(
+        model=args.model,
+        duration_s=args.duration_s,
+        max_requests=args.max_requests,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        kill_every_s=args.kill_every_s,
+        cancel_fraction=args.cancel_fraction,
+        malformed_fraction=args.malformed_fraction,
+        num_cpus=args.num_cpus,
+        seed=args.seed,
+    )
