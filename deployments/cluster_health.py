@@ -78,10 +78,13 @@ async def _ask_each(
 async def _ask(probe: Probe, role: str, replica: str, timeout_s: float) -> dict[str, Any] | None:
     try:
         async with asyncio.timeout(timeout_s):
-            return {**await probe(role, replica), "state": RUNNING}
+            stats = await probe(role, replica)
     except Exception as exc:  # dead, restarting, wedged: reported, never raised
         logger.info("health probe of %s replica %s: %r", role, replica or "(any)", exc)
         return None
+    if replica and stats.get("replica_id") != replica:
+        return None  # gone from Serve's set: another replica answered in its place
+    return {**stats, "state": RUNNING}
 
 
 def _unreachable(role: str, replica: str) -> dict[str, Any]:

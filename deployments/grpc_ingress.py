@@ -112,7 +112,16 @@ def add_GenerationServicer_to_server(servicer: Any, server: Any) -> None:
 
 
 ROUTER_DIED = "the router replica serving this request died or failed; retry the request"
-_RAY_MARKS = ("actor_id", "ActorDiedError", "RayActorError", "ServeReplica", "Traceback", "\x1b[")
+_RAY_MARKS = (
+    "actor_id",
+    "The actor ",
+    "ActorDiedError",
+    "ActorUnavailableError",
+    "RayActorError",
+    "ServeReplica",
+    "Traceback",
+    "\x1b[",
+)
 
 
 class PublicContext:

@@ -83,6 +83,8 @@ class ResumableLeg:
                 if isinstance(exc, Overloaded) and self._refusable():
                     raise  # nothing sent yet: the client hears "at capacity" at once
                 if self.migrations >= self.engines.policy.max_migrations:
+                    if isinstance(exc, Overloaded):  # mid-stream: a failure, not a 429
+                        raise EngineFailure(f"no engine could take the request on: {exc}") from None
                     raise
                 self.migrations += 1
                 logger.warning(

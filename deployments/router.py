@@ -188,12 +188,14 @@ class Router:
         others in turn (the Router deployment's request router publishes them, and a probe
         naming one is routed to it alone)."""
         request = _decoded_or_refuse(request, grpc_context)
-        if self.abort_here(None, request.request_id):
+        if await self.abort_here(None, request.request_id):
             return pb.AbortResponse(found=True)
         return pb.AbortResponse(found=await self._peers.abort(request.request_id))
 
-    def abort_here(self, probe: ReplicaProbe | None, request_id: str) -> bool:
-        """Abort `request_id` if this replica holds it (`probe` only steers the call here)."""
+    async def abort_here(self, probe: ReplicaProbe | None, request_id: str) -> bool:
+        """Abort `request_id` if this replica holds it (`probe` only steers the call here).
+        A coroutine: it runs on the replica's event loop, where the task can be cancelled
+        (Serve runs plain methods in a thread pool)."""
         record = self._in_flight.get(request_id)
         if record is None or record.task is None:
             return False

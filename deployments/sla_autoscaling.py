@@ -137,14 +137,18 @@ class RecentLatencies:
             self._ttft.append((now, ttft_s))
         if tpot_s is not None:
             self._tpot.append((now, tpot_s))
+        self._forget_before(now - self.window_s)  # bounded even if nobody asks for means
+
+    def _forget_before(self, horizon: float) -> None:
+        for samples in (self._ttft, self._tpot):
+            while samples and samples[0][0] < horizon:
+                samples.popleft()
 
     def means(self) -> dict[str, float]:
         """{"ttft_s": ..., "tpot_s": ...}, each only where the window holds a request."""
-        horizon = time.monotonic() - self.window_s
+        self._forget_before(time.monotonic() - self.window_s)
         means = {}
         for name, samples in (("ttft_s", self._ttft), ("tpot_s", self._tpot)):
-            while samples and samples[0][0] < horizon:
-                samples.popleft()
             values = [v for _, v in list(samples)]  # one copy: the loop thread appends
             if values:
                 means[name] = sum(values) / len(values)

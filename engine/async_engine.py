@@ -363,11 +363,13 @@ class AsyncEngine:
         except (ValueError, QueueFull) as exc:  # the caller's to handle: bad input, full
             add.sink.put(exc)
             return
+        finally:
+            # Requests refused to make room (even if this one then failed validation).
+            for displaced in self.core.take_displaced():
+                sink = self._sinks.pop(displaced, None)
+                if sink is not None:
+                    sink.put(QueueFull("refused for a request of higher priority; retry later"))
         self._sinks[add.request_id] = add.sink
-        for displaced in self.core.take_displaced():
-            sink = self._sinks.pop(displaced, None)
-            if sink is not None:
-                sink.put(QueueFull("refused for a request of higher priority; retry later"))
 
     def _end(self, end: _End) -> None:
         sink = self._sinks.get(end.request_id)

@@ -23,7 +23,7 @@ def check_admission(
     always admitted: a decode leg reading its prompt's KV, and a request resumed on this engine
     after another failed (refusing it would fail a stream already under way). A prompt is
     admitted when nothing waits, however long: a bound below it would refuse it forever."""
-    if not max_queued_prompt_tokens or request.output_token_ids or _reads_kv(request):
+    if not max_queued_prompt_tokens or _client_has_tokens(request) or _reads_kv(request):
         return
     queued = sum(_uncomputed(other) for other in requests)
     if queued and queued + request.num_prompt_tokens > max_queued_prompt_tokens:
@@ -60,13 +60,22 @@ def _displaceable_by(other: Request, request: Request) -> bool:
         other.priority > request.priority
         and other.status == RequestStatus.WAITING
         and not other.num_computed_tokens
-        and not other.output_token_ids
+        and not _client_has_tokens(other)
         and not _reads_kv(other)
     )
 
 
+def _client_has_tokens(request: Request) -> bool:
+    """A resumed request, or one whose first tokens another engine sent (forced here): its
+    stream is under way, refusing it would break it."""
+    return bool(request.output_token_ids or request.sampling_params.forced_output_token_ids)
+
+
 def _reads_kv(request: Request) -> bool:
-    return bool(request.kv_transfer_params and request.kv_transfer_params.get("do_remote_prefill"))
+    """A decode leg reading its prompt's KV (a prefill leg reading a prefix loan computes the
+    rest of its prompt: it counts)."""
+    params = request.kv_transfer_params or {}
+    return bool(params.get("do_remote_prefill")) and not params.get("do_remote_decode")
 
 
 def _uncomputed(request: Request) -> int:

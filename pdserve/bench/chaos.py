@@ -159,6 +159,7 @@ def _chaos(
         "failed_clear": counts["failed_clear"],
         "failed_unclear": counts["failed_unclear"],
         "unclear_examples": tally.unclear,
+        "timed_out": counts["timed_out"],
         "lost": counts["lost"],
         "kills": dict(kills),
         "idle_after_s": idle_s,
@@ -247,6 +248,8 @@ def _failed(exc: Any, tally: _Tally, cancelled: bool) -> None:
         tally.add("cancelled")
     elif code == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
         tally.add("lost")  # grpc's own deadline: the server never answered
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        tally.add("timed_out")  # the server's deadline: answered, but a hang would show here
     elif any(mark in details for mark in _INTERNALS):
         tally.add("failed_unclear", f"{code.name}: {details}")
     else:

@@ -16,7 +16,7 @@ def test_a_short_chaos_run_loses_nothing_and_leaks_nothing() -> None:
     report = run(ChaosConfig(duration_s=45, kill_every_s=12, concurrency=4, max_tokens=32, seed=3))
     print(report)
     assert report["kills"] == {"prefill": 1, "decode": 1, "router": 1}
-    assert report["lost"] == 0
+    assert report["lost"] == 0 and report["timed_out"] == 0
     assert report["completed_mismatch"] == 0
     assert report["failed_unclear"] == 0, report["unclear_examples"]
     assert report["malformed_accepted"] == 0

@@ -369,3 +369,18 @@ def test_a_full_decode_deployment_after_the_first_token_is_a_move(servers, offli
     assert tokens(chunks) == greedy(offline, 12)
     assert len(calls) == 2 and calls[0].kv_transfer_params and not calls[1].kv_transfer_params
     assert all(idle(s) for s in servers)
+
+
+def test_capacity_mid_stream_is_a_failure_not_a_429(servers):
+    """The client has the prefill's token; when no decode engine takes the request on, it
+    ends as a failure (UNAVAILABLE), never as "retry later" over a half-sent answer."""
+    calls: list[EngineRequest] = []
+    flow = make_flow(
+        servers,
+        overloaded_first(servers[1], calls, times=99),
+        migration=MigrationPolicy(max_migrations=1, backoff_s=0),
+    )
+    with pytest.raises(EngineFailure, match="no engine could take the request on"):
+        run(flow, PROMPT, max_tokens=8, temperature=0.0)
+    assert len(calls) == 2
+    assert all(idle(s) for s in servers)

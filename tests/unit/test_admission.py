@@ -76,3 +76,18 @@ def test_started_requests_are_never_displaced():
     step(scheduler, runner_for(scheduler))  # 8 of its tokens computed
     urgent = make_request("urgent", 30, priority=0)
     assert displaceable(urgent, scheduler.requests.values(), 40) == []
+
+
+def test_a_stream_under_way_is_neither_refused_nor_displaced():
+    """Its first token already sent by the prefill engine (forced here) or by a failed engine
+    (resumed): refusing it would break a stream, not shed a request."""
+    scheduler = make_scheduler(policy="priority")
+    admit(scheduler, make_request("queued", 60, priority=0), bound=64)
+    forced = make_request("forced", 30, priority=9, forced_output_token_ids=[5])
+    admit(scheduler, forced, bound=64)  # over the bound, admitted
+    urgent = make_request("urgent", 30, priority=0)
+    assert displaceable(urgent, scheduler.requests.values(), 64) == []
+    loan_prefill = make_request("loan", 30)
+    loan_prefill.kv_transfer_params = {"do_remote_prefill": True, "do_remote_decode": True}
+    with pytest.raises(QueueFull):  # a prefill leg reading a prefix loan computes the rest
+        check_admission(loan_prefill, scheduler.requests.values(), 64)

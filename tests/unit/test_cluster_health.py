@@ -78,3 +78,18 @@ def test_no_engine_answering_is_not_serving():
     report, _ = run(sets, dead=frozenset({"p1"}))
     assert report.status == NOT_SERVING
     assert [e["state"] for e in report.engines] == [UNREACHABLE]
+
+
+def test_a_hinted_probe_answered_by_another_replica_is_unreachable():
+    """Serve routes a hint naming a replica no longer in its set to another one: its answer
+    must not make the gone replica look running."""
+    sets = ReplicaSets()
+    sets.publish("prefill", ["p1"])
+    sets.publish("decode", ["d-gone"])
+
+    async def probe(role: str, replica: str) -> dict[str, Any]:
+        return stats(role, "d-other" if replica == "d-gone" else replica)
+
+    report = asyncio.run(survey(["prefill", "decode"], sets, probe, timeout_s=0.2))
+    assert report.status == DEGRADED
+    assert report.engines[-1] == {"role": "decode", "replica_id": "d-gone", "state": UNREACHABLE}

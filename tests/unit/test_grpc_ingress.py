@@ -106,12 +106,15 @@ def test_the_proxy_never_tells_a_client_rays_own_text() -> None:
     context.set_code(grpc.StatusCode.INTERNAL)
     context.set_details(ray_text)
     context.set_details("the decode engine failed mid-request: its replica died")
+    context.set_details("The actor 8f2a is unavailable: RPC error 10.0.0.3:41919")
     asyncio.run(context.abort(grpc.StatusCode.INTERNAL, ray_text))
     assert real.calls == [
         ("code", grpc.StatusCode.INTERNAL),
         ("code", grpc.StatusCode.UNAVAILABLE),
         ("details", ROUTER_DIED),
         ("details", "the decode engine failed mid-request: its replica died"),
+        ("code", grpc.StatusCode.UNAVAILABLE),
+        ("details", ROUTER_DIED),
         ("abort", (grpc.StatusCode.UNAVAILABLE, ROUTER_DIED)),
     ]
     assert context.peer() == "ipv4:127.0.0.1:5"

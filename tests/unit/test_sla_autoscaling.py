@@ -111,3 +111,13 @@ def test_recent_latencies_forget_requests_older_than_the_window(monkeypatch):
     assert window.means() == {"ttft_s": 2.0, "tpot_s": 0.1}
     clock[0] = 131.0
     assert window.means() == {}
+
+
+def test_recent_latencies_stay_bounded_when_nobody_reads_them(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("deployments.sla_autoscaling.time.monotonic", lambda: clock[0])
+    window = RecentLatencies(window_s=30)
+    for i in range(1000):
+        clock[0] = float(i)
+        window.observe(0.5, 0.05)
+    assert len(window._ttft) == len(window._tpot) == 31  # the last 30 s, not all 1000
