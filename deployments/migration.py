@@ -107,7 +107,7 @@ class ResumableLeg:
         error, or a role that loses its last replica before the request's first output, is
         an EngineFailure (a reason to move)."""
         chunks = stream_fn(request)
-        if stream_fn is self.engines.first:
+        if stream_fn is self.engines.first and self.engines.can_fall_back:
             chunks = self.engines.unless_gone(chunks)
         async with aclosing(chunks) as outputs:
             async for chunk in outputs:
@@ -157,6 +157,11 @@ class MigrationTargets:
         self.replicas = replicas
         self.fallback = fallback
 
+    @property
+    def can_fall_back(self) -> bool:
+        """Whether there is a prefill deployment to go to and a watch to say when."""
+        return self.fallback is not None and self.replicas is not None
+
     def next_target(self) -> tuple[str, StreamFn]:
         replicas, fallback = self.replicas, self.fallback
         if fallback is not None and replicas is not None and not replicas.available():
@@ -169,11 +174,8 @@ class MigrationTargets:
         """`chunks`, or an EngineFailure if the role loses its last replica before the first
         one arrives: Serve would hold the request until it starts another (seconds to
         minutes) while a prefill replica could serve it now."""
+        assert self.replicas is not None, "only where can_fall_back"
         async with aclosing(chunks):
-            if self.fallback is None or self.replicas is None:
-                async for chunk in chunks:
-                    yield chunk
-                return
             first = asyncio.ensure_future(anext(chunks))
             gone = asyncio.ensure_future(self.replicas.gone())
             try:
