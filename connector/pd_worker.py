@@ -153,7 +153,7 @@ class PDWorker:
         key = (remote.host, remote.port)
         if key not in self._clients:
             self._clients[key] = SideChannelClient(
-                remote.host, remote.port, self.config.secret, _CLIENT_TIMEOUT_S
+                remote.host, remote.port, self.config.secret, _CLIENT_TIMEOUT_S, self.config.tls
             )
         return self._clients[key]
 

@@ -5,7 +5,9 @@ Every engine serves one. A finished prefill request's blocks stay held under a l
 engine learns which requests' blocks it may free from `LeaseTable.take_finished()`.
 `ReadBlocks` is the block pull of the gRPC transport (connector/grpc_transport.py).
 
-Every call carries the shared secret as metadata `x-pdserve-secret`. Refusals:
+Every call carries the shared secret as metadata `x-pdserve-secret`; with
+`kv_transfer_config.tls` the channel is mutual TLS as well (a caller without a certificate the
+shared CA signed does not get through the handshake). Refusals:
   wrong or missing secret                           UNAUTHENTICATED
   compatibility hash or transport mismatch          FAILED_PRECONDITION (both values shown)
   expected_engine_id is not this engine             NOT_FOUND
@@ -43,7 +45,7 @@ from connector.leases import (
     LeaseError,
     LeaseTable,
 )
-from engine.config import KVTransferConfig
+from engine.config import KVTransferConfig, SideChannelTLS
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -72,6 +74,26 @@ _SERVER_OPTIONS = [
     # gRPC sets SO_REUSEPORT by default: a second server would silently share a fixed port.
     ("grpc.so_reuseport", 0),
 ]
+
+
+def server_credentials(tls: SideChannelTLS) -> grpc.ServerCredentials:
+    """Mutual TLS: the engine's certificate, and callers must show one the CA signed."""
+    cert, key, ca = tls.pem()
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=True
+    )
+
+
+def client_channel(
+    target: str, tls: SideChannelTLS | None, options: list[tuple[str, Any]]
+) -> grpc.Channel:
+    """A channel to an engine's side channel: plain, or mutual TLS checking `server_name`."""
+    if tls is None:
+        return grpc.insecure_channel(target, options=options)
+    cert, key, ca = tls.pem()
+    credentials = grpc.ssl_channel_credentials(ca, private_key=key, certificate_chain=cert)
+    named = [*options, ("grpc.ssl_target_name_override", tls.server_name)]
+    return grpc.secure_channel(target, credentials, options=named)
 
 
 def block_bytes_view(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -136,7 +158,10 @@ class SideChannelServer:
         _add_servicer(_KVTransferServicer(self), server)
         address = f"{grpc_host(self.config.side_channel_host)}:{self.config.side_channel_port}"
         try:
-            port = server.add_insecure_port(address)
+            if self.config.tls is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, server_credentials(self.config.tls))
         except RuntimeError as exc:
             raise OSError(f"side channel cannot bind {address}: {exc}") from exc
         if port == 0:

@@ -11,7 +11,14 @@ from typing import Any
 import grpc
 
 from connector.block_data import BlockChunk, decode_block_data
-from connector.side_channel import CHANNEL_OPTIONS, SECRET_METADATA_KEY, SERVICE, grpc_host
+from connector.side_channel import (
+    CHANNEL_OPTIONS,
+    SECRET_METADATA_KEY,
+    SERVICE,
+    client_channel,
+    grpc_host,
+)
+from engine.config import SideChannelTLS
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -105,12 +112,19 @@ class BlockStream:
 class SideChannelClient:
     """Calls one engine's side channel. Thread-safe; every call has a deadline."""
 
-    def __init__(self, host: str, port: int, secret: str, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        secret: str,
+        timeout_s: float = 10.0,
+        tls: SideChannelTLS | None = None,
+    ) -> None:
         self.target = f"{grpc_host(host)}:{port}"
         self.timeout_s = timeout_s
         self.remote: HandshakeReply | None = None  # set by handshake()
         self._metadata = ((SECRET_METADATA_KEY, secret),)
-        self._channel = grpc.insecure_channel(self.target, options=_CLIENT_OPTIONS)
+        self._channel = client_channel(self.target, tls, _CLIENT_OPTIONS)
         self._stub = pb_grpc.KVTransferStub(self._channel)
         # Serialized BlockData, parsed by BlockStream without copying the data.
         self._read_blocks = self._channel.unary_stream(

@@ -9,17 +9,26 @@ NIXL or gRPC. `colocated=true`: Router -> one EngineServer deployment doing both
 
 from __future__ import annotations
 
+import os
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployments.api_keys import ApiKeys, configured_keys
 from deployments.migration import MigrationPolicy
 from deployments.orchestrator import FlowConfig
 from deployments.protocol import RequestLimits
 from deployments.sla_autoscaling import autoscaling_config
-from engine.config import check_known_keys, check_load_failure_policy, check_transport
+from engine.config import (
+    SideChannelTLS,
+    check_known_keys,
+    check_load_failure_policy,
+    check_transport,
+    config_from_dict,
+)
 from engine.models.catalog import SMOLLM2_MODEL
 
+KV_SECRET_ENV = "PDSERVE_KV_SECRET"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -59,9 +68,16 @@ class AppConfig:
     retry_after_s: float = 1.0
     # Engine arguments (vLLM's names) for every engine replica.
     engine_args: dict[str, Any] = field(default_factory=dict)
-    kv_secret: str = ""  # shared by the engines' side channels; generated when empty
+    # Shared by the engines' side channels; empty: $PDSERVE_KV_SECRET (a Kubernetes Secret),
+    # else drawn once per build (then engines of two builds refuse each other's KV).
+    kv_secret: str = ""
+    # API keys (vLLM's --api-key): one or a list, plus $PDSERVE_API_KEY; none: open APIs.
+    api_key: str | list[str] = field(default_factory=list)
     lease_seconds: float = 30.0
     kv_load_failure_policy: str = "recompute"
+    # Mutual TLS on the engines' side channel: {certfile, keyfile, ca_certs, server_name}
+    # (engine.config.SideChannelTLS; PEM paths on every node, e.g. a mounted Secret).
+    side_channel_tls: dict[str, str] | None = None
     min_remote_prefill_tokens: int = 0
     # Cache-aware disaggregation (with kv_aware_routing): a prompt of which a decode replica
     # holds all but at most this many tokens skips the prefill leg; 0 turns it off.
@@ -118,6 +134,8 @@ class AppConfig:
             raise ValueError("max_queued_prompt_tokens and retry_after_s must be >= 0")
         if self.request_timeout_s <= 0 or self.prefill_timeout_s <= 0:
             raise ValueError("request_timeout_s and prefill_timeout_s must be > 0")
+        configured_keys(self.api_key, {})
+        self.tls()
         if "kv_transfer_config" in self.engine_args:
             raise ValueError("engine_args may not set kv_transfer_config: the app builds it")
         if self.sla_autoscaling is not None:
@@ -152,7 +170,13 @@ class AppConfig:
             "secret": self.kv_secret,
             "lease_seconds": self.lease_seconds,
             "kv_load_failure_policy": self.kv_load_failure_policy,
+            "tls": self.side_channel_tls,
         }
+
+    def tls(self) -> SideChannelTLS | None:
+        if self.side_channel_tls is None:
+            return None
+        return config_from_dict("side_channel_tls", self.side_channel_tls, SideChannelTLS)
 
     def limits(self) -> RequestLimits:
         names = RequestLimits.__dataclass_fields__
@@ -180,9 +204,8 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
     from deployments.router import RouterDeployment, RouterSettings
 
     config = AppConfig.from_args(args)
-    if not config.kv_secret:
-        # Built once here and bound into every replica's arguments: all engines share it.
-        config.kv_secret = secrets.token_hex(16)
+    # Resolved once here and bound into every replica's arguments: all engines share it.
+    config.kv_secret = config.kv_secret or os.environ.get(KV_SECRET_ENV) or secrets.token_hex(16)
     engine_args: dict[str, Any] = {"max_queued_prompt_tokens": config.max_queued_prompt_tokens}
     engine_args.update(config.engine_args)
     settings = RouterSettings(
@@ -195,6 +218,8 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         otlp_endpoint=config.otlp_endpoint,
         kv_aware_routing=config.kv_aware_routing,
         retry_after_s=config.retry_after_s,
+        api_keys=ApiKeys.resolve(config.api_key),
+        side_channel_tls=config.tls(),
     )
     router = RouterDeployment.options(
         num_replicas=config.router_replicas,

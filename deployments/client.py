@@ -85,10 +85,26 @@ class Completion:
 
 
 class GenerationClient:
-    def __init__(self, target: str, application: str = "") -> None:
-        self.channel = grpc.insecure_channel(target)
+    """`api_key`: sent as `authorization: Bearer KEY`. `root_certificates` (PEM): TLS to the
+    proxy's TLS port, trusting that CA (b"": the system's roots); None: plain text."""
+
+    def __init__(
+        self,
+        target: str,
+        application: str = "",
+        api_key: str = "",
+        root_certificates: bytes | None = None,
+    ) -> None:
+        if root_certificates is None:
+            self.channel = grpc.insecure_channel(target)
+        else:
+            credentials = grpc.ssl_channel_credentials(root_certificates or None)
+            self.channel = grpc.secure_channel(target, credentials)
         self.stub = pb_grpc.GenerationStub(self.channel)
-        self.metadata = ((APP_METADATA_KEY, application),) if application else ()
+        metadata = [(APP_METADATA_KEY, application)] if application else []
+        if api_key:
+            metadata.append(("authorization", f"Bearer {api_key}"))
+        self.metadata = tuple(metadata)
 
     def stream(
         self, request: pb.GenerateRequest, timeout: float | None = None

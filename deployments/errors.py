@@ -32,6 +32,11 @@ class Overloaded(RuntimeError):
         return max(1, math.ceil(self.retry_after_s))
 
 
+class Unauthenticated(PermissionError):
+    """No valid API key (deployments/api_keys.py): gRPC UNAUTHENTICATED / HTTP 401. The
+    message never names the key the caller sent."""
+
+
 class EngineFailure(RuntimeError):
     """An engine leg failed mid-request (its replica died, its loop stopped, it reported an
     error). The message is written for clients."""
@@ -52,6 +57,6 @@ def engine_failure(role: str, exc: BaseException) -> EngineFailure:
 
 def public_message(exc: BaseException) -> str:
     """What a client may read about `exc`."""
-    if isinstance(exc, (ValueError, DeadlineExceeded, EngineFailure, Overloaded)):
+    if isinstance(exc, (ValueError, DeadlineExceeded, EngineFailure, Overloaded, Unauthenticated)):
         return _ANSI.sub("", str(exc))
     return INTERNAL_ERROR

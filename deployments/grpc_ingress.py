@@ -17,6 +17,11 @@ Two things Serve's proxy would otherwise get wrong for us, fixed through its own
   through except such details: the client reads UNAVAILABLE and a line of ours
   (`PublicContext`). Serve offers no interceptor hook for its proxy; if the factory is not
   there (another Ray), the proxy's own text goes through and a warning says so.
+- Serve's gRPC proxy listens in plain text only (its HTTP proxy takes `ssl_keyfile` /
+  `ssl_certfile`). With $PDSERVE_GRPC_TLS_CERTFILE and $PDSERVE_GRPC_TLS_KEYFILE set in the
+  proxy's environment, the servicer function (which runs before the server starts) adds a TLS
+  port to the same server: $PDSERVE_GRPC_TLS_PORT, default 9443. Same handlers, same
+  behaviour; only the transport differs. Expose that port and keep the plain one internal.
 
 Kept light (grpc, protobuf, the generated stubs): Serve's proxy imports this module.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +101,7 @@ def add_GenerationServicer_to_server(servicer: Any, server: Any) -> None:
     """The generated registration, with decoders that never fail and no Ray text in what the
     proxy tells clients (see the module docstring)."""
     _public_factory(server)
+    _add_tls_port(server)
     recorder = _Recorder()
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, recorder)
     for service, handlers in recorder.services.items():
@@ -109,6 +116,29 @@ def add_GenerationServicer_to_server(servicer: Any, server: Any) -> None:
         if register is not None:
             register(service, tolerant)
     quiet_client_errors()  # this runs in Serve's proxy process
+
+
+TLS_CERTFILE_ENV = "PDSERVE_GRPC_TLS_CERTFILE"
+TLS_KEYFILE_ENV = "PDSERVE_GRPC_TLS_KEYFILE"
+TLS_PORT_ENV = "PDSERVE_GRPC_TLS_PORT"
+DEFAULT_TLS_PORT = 9443
+
+
+def _add_tls_port(server: Any) -> int | None:
+    """A TLS port beside Serve's plain one when the environment names a certificate and key
+    (see the module docstring); its port, or None. A half-given pair is an error: the proxy
+    must not come up in plain text only when TLS was asked for."""
+    certfile, keyfile = os.environ.get(TLS_CERTFILE_ENV), os.environ.get(TLS_KEYFILE_ENV)
+    if not certfile and not keyfile:
+        return None
+    if not (certfile and keyfile):
+        raise ValueError(f"set both {TLS_CERTFILE_ENV} and {TLS_KEYFILE_ENV}, or neither")
+    with open(keyfile, "rb") as key, open(certfile, "rb") as cert:
+        credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+    port = int(os.environ.get(TLS_PORT_ENV) or DEFAULT_TLS_PORT)
+    bound = server.add_secure_port(f"[::]:{port}", credentials)
+    logging.getLogger(__name__).info("gRPC proxy also serves TLS on port %d", bound)
+    return int(bound)
 
 
 ROUTER_DIED = "the router replica serving this request died or failed; retry the request"

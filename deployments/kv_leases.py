@@ -24,6 +24,7 @@ import grpc
 from connector.metadata import RemoteKV, tokens_hash
 from connector.side_channel_client import SideChannelClient, SideChannelError
 from deployments.kv_scoring import CacheSurvey
+from engine.config import SideChannelTLS
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,15 +34,18 @@ _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 class _Clients:
     """One side-channel client per engine address."""
 
-    def __init__(self, secret: str, timeout_s: float) -> None:
+    def __init__(self, secret: str, timeout_s: float, tls: SideChannelTLS | None) -> None:
         self.secret = secret
         self.timeout_s = timeout_s
+        self.tls = tls
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
 
     async def call(self, host: str, port: int, fn: Callable[[SideChannelClient], T]) -> T:
         key = (host, port)
         if key not in self._clients:
-            self._clients[key] = SideChannelClient(host, port, self.secret, self.timeout_s)
+            self._clients[key] = SideChannelClient(
+                host, port, self.secret, self.timeout_s, self.tls
+            )
         try:
             return await asyncio.to_thread(fn, self._clients[key])
         except Exception as exc:
@@ -57,8 +61,10 @@ class _Clients:
 class LeaseReleaser:
     """Ends a lease over its engine's side channel (the Orchestrator's ReleaseFn)."""
 
-    def __init__(self, secret: str, timeout_s: float = 2.0) -> None:
-        self._clients = _Clients(secret, timeout_s)
+    def __init__(
+        self, secret: str, timeout_s: float = 2.0, tls: SideChannelTLS | None = None
+    ) -> None:
+        self._clients = _Clients(secret, timeout_s, tls)
 
     async def __call__(self, kv_transfer_params: dict[str, Any]) -> None:
         remote = RemoteKV.from_params(kv_transfer_params)
@@ -69,9 +75,14 @@ class PrefixBorrower:
     """Borrows a prompt's leading blocks for its prefill leg where that saves enough work."""
 
     def __init__(
-        self, secret: str, block_size: int, min_tokens: int, timeout_s: float = 1.0
+        self,
+        secret: str,
+        block_size: int,
+        min_tokens: int,
+        timeout_s: float = 1.0,
+        tls: SideChannelTLS | None = None,
     ) -> None:
-        self._clients = _Clients(secret, timeout_s)
+        self._clients = _Clients(secret, timeout_s, tls)
         self.block_size = block_size
         # A loan must spare the prefill at least this many prompt tokens (a lease, a
         # handshake and a read cost about what computing a few blocks does).

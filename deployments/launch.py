@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,6 +36,17 @@ class ServeOptions:
     # endpoint. None: the dashboard off (tests), and Ray picks the metrics port.
     dashboard_port: int | None = None
     metrics_export_port: int | None = None
+    # TLS (PEM files): HTTPS on http_port (Serve's own), and gRPC over TLS on grpc_tls_port
+    # beside the plain grpc_port (deployments/grpc_ingress.py).
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    grpc_tls_port: int = 9443
+
+    @property
+    def tls(self) -> bool:
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ValueError("give both --ssl-keyfile and --ssl-certfile, or neither")
+        return bool(self.ssl_certfile)
 
     @property
     def num_apps(self) -> int:
@@ -57,11 +68,17 @@ def start(
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    _init_local_ray(options.num_cpus or _logical_cpus(config, options), options)
+    with _proxy_environment(options):
+        _init_local_ray(options.num_cpus or _logical_cpus(config, options), options)
     if after_ray_init is not None:
         after_ray_init()
     serve.start(
-        http_options=HTTPOptions(host=options.host, port=options.http_port),
+        http_options=HTTPOptions(
+            host=options.host,
+            port=options.http_port,
+            ssl_keyfile=options.ssl_keyfile,
+            ssl_certfile=options.ssl_certfile,
+        ),
         grpc_options=gRPCOptions(
             port=options.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]
         ),
@@ -70,8 +87,10 @@ def start(
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     where = {
         "grpc": f"{options.host}:{options.grpc_port}",
-        "http": f"http://{options.host}:{options.http_port}",
+        "http": f"{'https' if options.tls else 'http'}://{options.host}:{options.http_port}",
     }
+    if options.tls:
+        where["grpc_tls"] = f"{options.host}:{options.grpc_tls_port}"
     for name, overrides in options.extra_apps.items():
         extra = AppConfig.from_args({**args, **overrides})
         serve.run(build_app(asdict(extra)), name=name, route_prefix=f"/{name}")
@@ -81,6 +100,31 @@ def start(
     if options.metrics_export_port is not None:
         where["metrics"] = f"http://{options.host}:{options.metrics_export_port}/metrics"
     return where
+
+
+@contextlib.contextmanager
+def _proxy_environment(options: ServeOptions) -> Iterator[None]:
+    """The gRPC proxy's TLS settings as environment variables while Ray starts: its processes
+    inherit them from the raylet, and this process gets its own environment back after."""
+    from deployments import grpc_ingress
+
+    wanted = {}
+    if options.tls:
+        wanted = {
+            grpc_ingress.TLS_CERTFILE_ENV: os.path.abspath(str(options.ssl_certfile)),
+            grpc_ingress.TLS_KEYFILE_ENV: os.path.abspath(str(options.ssl_keyfile)),
+            grpc_ingress.TLS_PORT_ENV: str(options.grpc_tls_port),
+        }
+    before = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # Ray waits a fixed time for its GCS to publish its port and for its raylet to register; on a
@@ -191,6 +235,7 @@ def run_until_interrupted(config: AppConfig, options: ServeOptions) -> None:
         print(
             f"pdserve: serving model {config.model!r} ({mode}); "
             f"gRPC on {where['grpc']}, HTTP on {where['http']}"
+            + (f", gRPC over TLS on {where['grpc_tls']}" if "grpc_tls" in where else "")
             + "".join(f", app {n!r} at {where[f'{n}_http']}" for n in options.extra_apps),
             flush=True,
         )

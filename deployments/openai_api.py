@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.api_keys import ApiKeys, without_credentials
 from deployments.cluster_health import NOT_SERVING, SERVING, HealthReport
 from deployments.errors import DeadlineExceeded, EngineFailure, Overloaded, public_message
 from deployments.openai_format import ChatFormat, CompletionFormat, ResponseFormat, sse_events
@@ -49,10 +50,11 @@ def build_openai_app(
     model_name: str,
     max_model_len: int,
     health_report: Callable[[], Awaitable[HealthReport]] | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> FastAPI:
     """The FastAPI app. `orchestrator` is looked up per request (the router owns it);
     `health_report` surveys the engines (without one, /health says only that the router
-    runs)."""
+    runs); with `api_keys`, every route but /health needs one (deployments/api_keys.py)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 
     def token_text(token_id: int) -> str:
@@ -66,23 +68,42 @@ def build_openai_app(
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
             message = f"request body is {length} bytes; the limit is {limit} (max_body_bytes)"
-            orchestrator().telemetry.rejected(dict(request.headers), message)
+            orchestrator().telemetry.rejected(without_credentials(request.headers), message)
             return _error(413, message)
         return await call_next(request)
+
+    keys = api_keys or ApiKeys()
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next: Callable[[Request], Any]) -> Any:
+        # Outermost (added last): nothing else runs for a caller without a key.
+        refusal = (
+            None
+            if request.url.path == "/health"
+            else keys.refusal(request.headers.get("authorization"))
+        )
+        if refusal is None:
+            return await call_next(request)
+        orchestrator().telemetry.rejected(
+            without_credentials(request.headers), refusal, "unauthenticated"
+        )
+        response = _error(401, refusal, code="invalid_api_key")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # FastAPI's own refusals (a body that is not UTF-8 or nests too deep to parse, an
         # unknown route, a wrong method) in OpenAI's error shape, not FastAPI's {"detail": ...}.
         if exc.status_code < 500:
-            orchestrator().telemetry.rejected(dict(request.headers), str(exc.detail))
+            orchestrator().telemetry.rejected(without_credentials(request.headers), str(exc.detail))
             return _error(exc.status_code, str(exc.detail))
         return _error(exc.status_code, str(exc.detail), "server_error")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message = _validation_message(exc)
-        orchestrator().telemetry.rejected(dict(request.headers), message)
+        orchestrator().telemetry.rejected(without_credentials(request.headers), message)
         return _error(400, message)
 
     @app.get("/v1/models")
@@ -121,7 +142,7 @@ def build_openai_app(
         body: Any, request: Request, to_input: Callable[..., GenerateInput], fmt: ResponseFormat
     ) -> Any:
         flow = orchestrator()
-        carrier = dict(request.headers)
+        carrier = without_credentials(request.headers)
         try:
             if body.model is not None and body.model != model_name:
                 raise ValueError(f"model {body.model!r} is not served here; use {model_name!r}")
@@ -205,8 +226,10 @@ def _chat_input(body: ChatCompletionRequest, flow: Orchestrator) -> GenerateInpu
     return GenerateInput(token_ids, params, "", body.priority, body.cache_salt, body.timeout_s)
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    body = {"object": "error", "message": message, "type": kind, "code": status}
+def _error(
+    status: int, message: str, kind: str = "invalid_request_error", code: str | int | None = None
+) -> JSONResponse:
+    body = {"object": "error", "message": message, "type": kind, "code": code or status}
     return JSONResponse({"error": body}, status_code=status)
 
 

@@ -11,7 +11,7 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import grpc
@@ -20,12 +20,14 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
+from deployments.api_keys import ApiKeys, without_credentials
 from deployments.cluster_health import HealthReport, survey
 from deployments.engine_server import replica_name
 from deployments.errors import (
     DeadlineExceeded,
     EngineFailure,
     Overloaded,
+    Unauthenticated,
     engine_failure,
     public_message,
 )
@@ -49,6 +51,7 @@ from deployments.replica_set import REPLICA_SETS, RoleWatch
 from deployments.router_peers import RouterPeers
 from deployments.telemetry import RouterMetrics, RouterTelemetry, Tracing
 from engine.arg_utils import EngineArgs
+from engine.config import SideChannelTLS
 from engine.core.admission import QueueFull
 from engine.llm import load_tokenizer
 from engine.models.catalog import served_model_name
@@ -69,6 +72,8 @@ class RouterSettings:
     otlp_endpoint: str = ""
     kv_aware_routing: bool = False  # the engines publish to the app's KV index
     retry_after_s: float = 1.0  # told to clients refused at an admission bound
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # digests only (api_keys.py)
+    side_channel_tls: SideChannelTLS | None = None  # to release and borrow KV over mTLS
 
 
 @dataclass
@@ -108,7 +113,7 @@ class Router:
             settings.flow,
             decode=_stream_fn(decode, "decode" if prefill is not None else "colocated", retry),
             prefill=_stream_fn(prefill, "prefill", retry) if prefill is not None else None,
-            release=LeaseReleaser(settings.kv_secret),
+            release=LeaseReleaser(settings.kv_secret, tls=settings.side_channel_tls),
             telemetry=RouterTelemetry(self.tracing.tracer, RouterMetrics()),
             prefill_replicas=RoleWatch("prefill") if prefill is not None else None,
             decode_replicas=RoleWatch("decode") if prefill is not None else None,
@@ -128,12 +133,18 @@ class Router:
         min_loan = flow.min_prefix_loan_tokens
         return {
             "cluster_cache": IndexedClusterCache(app_name, self.block_size),
-            "borrower": PrefixBorrower(settings.kv_secret, self.block_size, min_loan),
+            "borrower": PrefixBorrower(
+                settings.kv_secret, self.block_size, min_loan, tls=settings.side_channel_tls
+            ),
         }
 
     def __serve_build_asgi_app__(self) -> Any:
         return build_openai_app(
-            lambda: self.orchestrator, self.facts.name, self.facts.max_model_len, self.health
+            lambda: self.orchestrator,
+            self.facts.name,
+            self.facts.max_model_len,
+            self.health,
+            self.settings.api_keys,
         )
 
     # ------------------------------------------------------------------ gRPC: pdserve.v1.Generation
@@ -141,7 +152,7 @@ class Router:
     async def Generate(
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
-        carrier = dict(grpc_context.invocation_metadata())
+        carrier = self._authenticated(grpc_context)
         try:
             gen_input = input_from_proto(_decoded(request))
             if gen_input.request_id in self._in_flight:
@@ -187,10 +198,21 @@ class Router:
         """Abort a request on whichever router replica holds it: this one, or each of the
         others in turn (the Router deployment's request router publishes them, and a probe
         naming one is routed to it alone)."""
+        self._authenticated(grpc_context)
         request = _decoded_or_refuse(request, grpc_context)
         if await self.abort_here(None, request.request_id):
             return pb.AbortResponse(found=True)
         return pb.AbortResponse(found=await self._peers.abort(request.request_id))
+
+    def _authenticated(self, grpc_context: RayServegRPCContext) -> dict[str, str]:
+        """The call's metadata minus its credentials; UNAUTHENTICATED without a valid key."""
+        metadata = dict(grpc_context.invocation_metadata())
+        carrier = without_credentials(metadata)
+        refusal = self.settings.api_keys.refusal(metadata.get("authorization"))
+        if refusal is not None:
+            self.orchestrator.telemetry.rejected(carrier, refusal, "unauthenticated")
+            _refuse(grpc_context, grpc.StatusCode.UNAUTHENTICATED, Unauthenticated(refusal))
+        return carrier
 
     async def abort_here(self, probe: ReplicaProbe | None, request_id: str) -> bool:
         """Abort `request_id` if this replica holds it (`probe` only steers the call here).
@@ -226,6 +248,7 @@ class Router:
     async def ModelInfo(
         self, request: pb.ModelInfoRequest, grpc_context: RayServegRPCContext
     ) -> pb.ModelInfoResponse:
+        self._authenticated(grpc_context)
         _decoded_or_refuse(request, grpc_context)
         return pb.ModelInfoResponse(
             model=self.facts.name,

@@ -194,10 +194,13 @@ class RouterTelemetry:
         )
         return ObservedRequest(span, self.metrics)
 
-    def rejected(self, carrier: Mapping[str, str] | None, message: str) -> None:
-        """A request refused before it could be parsed (malformed, missing fields)."""
+    def rejected(
+        self, carrier: Mapping[str, str] | None, message: str, outcome: str = "invalid"
+    ) -> None:
+        """A request refused before it could be parsed (malformed, missing fields; outcome
+        "unauthenticated": no valid API key)."""
         observed = self.observe(carrier)
-        observed.failed("invalid", message)
+        observed.failed(outcome, message)
         observed.end()
 
 

@@ -151,6 +151,36 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SideChannelTLS:
+    """Mutual TLS on the engines' side channel (`kv_transfer_config.tls`): every engine serves
+    and calls with one certificate (PEM files) that the shared CA signed, and refuses peers
+    without one. `server_name` is the name in that certificate the callers check: engines are
+    reached by pod IP, so one shared name (a DNS SAN) stands in for the address."""
+
+    certfile: str
+    keyfile: str
+    ca_certs: str
+    server_name: str = "pdserve-engine"
+
+    def __post_init__(self) -> None:
+        for name in ("certfile", "keyfile", "ca_certs", "server_name"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"kv_transfer_config.tls.{name} must be a non-empty string")
+
+    def pem(self) -> tuple[bytes, bytes, bytes]:
+        """(certificate chain, private key, CA certificates), read now (a rotated Secret is
+        picked up by the next channel or server)."""
+        pems = []
+        for name in ("certfile", "keyfile", "ca_certs"):
+            try:
+                with open(getattr(self, name), "rb") as file:
+                    pems.append(file.read())
+            except OSError as exc:
+                raise ValueError(f"kv_transfer_config.tls.{name}: {exc.strerror}") from None
+        return pems[0], pems[1], pems[2]
+
+
+@dataclass(frozen=True)
 class KVTransferConfig:
     """How an engine takes part in KV transfer (the `kv_transfer_config` engine argument).
 
@@ -166,8 +196,14 @@ class KVTransferConfig:
     kv_load_failure_policy: KVLoadFailurePolicy = "recompute"
     # A stable name for this engine in handshakes and kv_transfer_params ("" = random).
     engine_id: str = ""
+    # Mutual TLS on the side channel (a SideChannelTLS or its dict); None: plain text, the
+    # shared secret alone.
+    tls: SideChannelTLS | None = None
 
     def __post_init__(self) -> None:
+        if self.tls is not None:
+            tls = config_from_dict("kv_transfer_config.tls", self.tls, SideChannelTLS)
+            object.__setattr__(self, "tls", tls)
         check_transport(self.connector, "connector")
         port = self.side_channel_port
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:

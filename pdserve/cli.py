@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -91,6 +93,17 @@ def _add_client(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--application", default="pdserve", help="Serve app name")
     parser.add_argument("--stream", action="store_true", help="print text as it arrives")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY", "").split(",")[0].strip(),
+        help="sent as 'authorization: Bearer KEY' (default: $PDSERVE_API_KEY's first key)",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="call the proxy's TLS port, trusting this CA ('system': the system's roots)",
+    )
     _add_prompt_and_sampling(parser)
 
 
@@ -210,7 +223,10 @@ def _run_client(args: argparse.Namespace) -> int:
     requests = [
         generate_request(p, chat=not args.raw, **_sampling_kwargs(args)) for p in _prompts(args)
     ]
-    with GenerationClient(args.target, args.application) as client:
+    roots = None
+    if args.tls_ca is not None:
+        roots = b"" if args.tls_ca == "system" else Path(args.tls_ca).read_bytes()
+    with GenerationClient(args.target, args.application, args.api_key, roots) as client:
         try:
             for request in requests:
                 completion = Completion()

@@ -35,6 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also deploy app NAME with these app-argument overrides, e.g. "
         '\'untraced={"otlp_endpoint": ""}\' (repeatable)',
     )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="clients must send 'Authorization: Bearer KEY' (HTTP) or metadata "
+        "'authorization: Bearer KEY' (gRPC); repeatable; also $PDSERVE_API_KEY, comma-separated",
+    )
+    parser.add_argument("--ssl-keyfile", default=None, help="TLS key (PEM): HTTPS, gRPC TLS port")
+    parser.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
+    parser.add_argument(
+        "--grpc-tls-port", type=int, default=9443, help="gRPC over TLS (with --ssl-certfile)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=9000)
     parser.add_argument("--http-port", type=int, default=8000)
@@ -159,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
             "pin_engine_cores": args.pin_engine_cores,
             "engine_args": _with_tokenizer(args.engine_args, args.tokenizer),
             "otlp_endpoint": args.otlp_endpoint,
+            "api_key": args.api_key,
             **{limit.name: getattr(args, limit.name) for limit in fields(RequestLimits)},
         }
     )
@@ -171,6 +184,9 @@ def run(args: argparse.Namespace) -> int:
         extra_apps=_extra_apps(args),
         dashboard_port=None if args.no_dashboard else args.dashboard_port,
         metrics_export_port=args.metrics_export_port,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        grpc_tls_port=args.grpc_tls_port,
     )
     run_until_interrupted(config, options)
     return 0
