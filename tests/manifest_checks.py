@@ -1,0 +1,262 @@
+"""Checks of the Kubernetes files under k8s/ (tests/unit/test_manifests.py runs them on the files
+as shipped, and on broken copies to show each check can fail).
+
+Each check returns the problems it found (empty: fine), so a test can assert both ways:
+- `crd_problems`: a custom resource against its CRD's vendored OpenAPI schema (k8s/schemas),
+  strictly: an unknown field is a problem, as with `kubectl apply --validate=strict`.
+- `core_problems`: a core object against Kubernetes' own schema (kubernetes-validate, strict).
+- `serve_config_problems`: the serve config through Ray's ServeDeploySchema, then through what
+  Serve does when it deploys it: build_app with the config's args, then the config's
+  `deployments:` overrides applied to the built deployments (Serve's own function).
+- `rayservice_problems`: what a RayService needs beyond its schema to work as shipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonpatch
+import jsonschema
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "k8s"
+KUBERAY_SCHEMA = K8S / "schemas" / "kuberay-v1.7.0-rayservice-v1.json"
+PODMONITOR_SCHEMA = K8S / "schemas" / "prometheus-operator-v0.93.0-podmonitor-v1.json"
+KUBERNETES_VERSION = "1.33.0"
+SECRET_ENV = ("PDSERVE_KV_SECRET", "PDSERVE_API_KEY")
+SECRETS_IN_ARGS = ("kv_secret", "api_key")
+AUTOSCALING_IN_ARGS = ("prefill_autoscaling", "decode_autoscaling", "sla_autoscaling")
+GPU = "nvidia.com/gpu"
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def with_overlay(resource: dict[str, Any], overlay: Path) -> dict[str, Any]:
+    """`resource` with an overlay's JSON 6902 patches applied (what kustomize does with them)."""
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    patched = copy.deepcopy(resource)
+    for entry in kustomization["patches"]:
+        target = entry["target"]
+        if (target["kind"], target["name"]) != (resource["kind"], resource["metadata"]["name"]):
+            continue
+        operations = yaml.safe_load((overlay / entry["path"]).read_text())
+        patched = jsonpatch.apply_patch(patched, operations)
+    return patched
+
+
+# ------------------------------------------------------------------------ schemas
+
+
+def crd_problems(resource: dict[str, Any], schema_path: Path) -> list[str]:
+    validator = jsonschema.Draft7Validator(_strict_schema(schema_path))
+    return [_where(error) for error in validator.iter_errors(resource)]
+
+
+@cache
+def _strict_schema(schema_path: Path) -> dict[str, Any]:
+    return _strict(json.loads(schema_path.read_text()))
+
+
+def _strict(node: Any) -> Any:
+    """The schema with unknown fields refused wherever the CRD lists the fields (the API
+    server's strict field validation) and kept where it says to preserve them."""
+    if isinstance(node, list):
+        return [_strict(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    strict = {key: _strict(value) for key, value in node.items()}
+    if (
+        "properties" in strict
+        and "additionalProperties" not in strict
+        and not strict.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        strict["additionalProperties"] = False
+    return strict
+
+
+def core_problems(resource: dict[str, Any]) -> list[str]:
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        return [_where(error)]
+    except kubernetes_validate.SchemaNotFoundError as error:
+        return [error.message]
+    return []
+
+
+def _where(error: Any) -> str:
+    path = "/".join(str(part) for part in error.absolute_path)
+    return f"{path or '(root)'}: {error.message}"
+
+
+# ------------------------------------------------------------------------ serve config
+
+
+def serve_config_problems(config: dict[str, Any]) -> list[str]:
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        schema = ServeDeploySchema.model_validate(config)
+    except Exception as error:  # pydantic's ValidationError
+        return [f"ServeDeploySchema: {error}"]
+    problems = []
+    for app in schema.applications:
+        try:
+            _deploy_overrides(app)
+        except Exception as error:
+            problems.append(f"application {app.name!r}: {type(error).__name__}: {error}")
+    return problems
+
+
+def _deploy_overrides(app: Any) -> dict[str, Any]:
+    """What Serve's controller does with one application of a config: import the builder,
+    call it with the args, build the deployments, apply the `deployments:` overrides (Ray's
+    own functions; only the job id, which needs a running Ray, is made up)."""
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve._private.application_state import override_deployment_info
+    from ray.serve._private.build_app import build_app
+    from ray.serve._private.deploy_utils import deploy_args_to_deployment_info
+
+    application = call_user_app_builder_with_args_if_necessary(
+        import_attr(app.import_path), app.args
+    )
+    built = build_app(application, name=app.name, default_runtime_env={})
+    infos = {}
+    for deployment in built.deployments:
+        ingress = deployment.name == built.ingress_deployment_name
+        infos[deployment.name] = deploy_args_to_deployment_info(
+            deployment_name=deployment.name,
+            deployment_config_proto_bytes=deployment._deployment_config.to_proto_bytes(),
+            replica_config_proto_bytes=deployment._replica_config.to_proto_bytes(),
+            deployer_job_id="manifest-test",
+            app_name=app.name,
+            ingress=ingress,
+            route_prefix=app.route_prefix if ingress else None,
+        )
+    return override_deployment_info(infos, app)
+
+
+# ------------------------------------------------------------------------ RayService
+
+
+def rayservice_problems(rayservice: dict[str, Any]) -> list[str]:
+    spec = rayservice["spec"]
+    cluster = spec["rayClusterConfig"]
+    serve_config = yaml.safe_load(spec["serveConfigV2"])
+    problems = _serve_ports(spec, cluster["headGroupSpec"], serve_config)
+    if not cluster.get("enableInTreeAutoscaling"):
+        problems.append("enableInTreeAutoscaling is off: Serve's replicas never get new nodes")
+    for app in serve_config["applications"]:
+        args = app.get("args") or {}
+        problems += [
+            f"{name} is in args (a change redeploys every replica): use deployments:"
+            for name in AUTOSCALING_IN_ARGS
+            if args.get(name)
+        ]
+        problems += [
+            f"{name} is in args (Serve logs args): give it through the pods' environment"
+            for name in SECRETS_IN_ARGS
+            if args.get(name)
+        ]
+    drain_s = max(
+        float((app.get("args") or {}).get("request_timeout_s", 300))
+        for app in serve_config["applications"]
+    )
+    groups = [("head", cluster["headGroupSpec"])] + [
+        (group["groupName"], group) for group in cluster["workerGroupSpecs"]
+    ]
+    for name, group in groups:
+        problems += [f"{name}: {p}" for p in _pod_problems(group["template"]["spec"], drain_s)]
+    for group in cluster["workerGroupSpecs"]:
+        problems += _model_delivery(group, serve_config)
+    return problems
+
+
+def _serve_ports(spec: dict[str, Any], head: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """KubeRay builds the Serve Service from the head's ports named `serve` or `serve-*`."""
+    ports = {
+        p["containerPort"]: p.get("name", "")
+        for p in head["template"]["spec"]["containers"][0]["ports"]
+    }
+    problems = []
+    wanted = {"HTTP": (config.get("http_options") or {}).get("port", 8000)}
+    wanted["gRPC"] = (config.get("grpc_options") or {}).get("port", 9000)
+    for api, port in wanted.items():
+        name = ports.get(port)
+        if name is None or not (name == "serve" or name.startswith("serve-")):
+            problems.append(
+                f"the head's {api} port {port} is named {name!r}: KubeRay's Serve Service takes "
+                "only ports named serve or serve-*"
+            )
+    service_ports = {
+        p["name"]: p for p in spec.get("serveService", {}).get("spec", {}).get("ports", [])
+    }
+    grpc_name = ports.get(wanted["gRPC"], "")
+    if service_ports.get(grpc_name, {}).get("appProtocol") != "kubernetes.io/h2c":
+        problems.append(f"serveService port {grpc_name!r} lacks appProtocol kubernetes.io/h2c")
+    return problems
+
+
+def _pod_problems(pod: dict[str, Any], drain_s: float) -> list[str]:
+    problems = []
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        resources = container.get("resources", {})
+        if resources.get("requests") != resources.get("limits"):
+            problems.append(f"container {container['name']}: requests differ from limits")
+    ray = pod["containers"][0]
+    from_secret = {
+        env["name"] for env in ray.get("env", []) if "secretKeyRef" in env.get("valueFrom", {})
+    }
+    problems += [
+        f"{name} does not come from a Secret" for name in SECRET_ENV if name not in from_secret
+    ]
+    if GPU in ray.get("resources", {}).get("limits", {}):
+        if not pod.get("nodeSelector"):
+            problems.append("GPU pods without a nodeSelector")
+        if not any(t.get("key") == GPU for t in pod.get("tolerations", [])):
+            problems.append(f"GPU pods without a toleration for {GPU}")
+        grace = pod.get("terminationGracePeriodSeconds", 30)
+        if grace < drain_s:
+            problems.append(
+                f"terminationGracePeriodSeconds {grace} < the engines' drain {drain_s:g} s"
+            )
+    return problems
+
+
+def _model_delivery(group: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """Every worker pod must hold the model at the path the app serves, on any node: a
+    per-pod volume filled by `pdserve download`, or a ReadOnlyMany claim."""
+    from pdserve.cli import _build_parser
+
+    pod = group["template"]["spec"]
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for volume in volumes.values():
+        claim = volume.get("persistentVolumeClaim")
+        if claim is not None and not claim.get("readOnly"):
+            return [f"volume {volume['name']}: a shared claim must be mounted readOnly (ROX)"]
+    models = {(app.get("args") or {}).get("model", "") for app in config["applications"]}
+    fetched = set()
+    for init in pod.get("initContainers", []):
+        command = init.get("command", [])
+        if command[:2] == ["pdserve", "download"]:
+            args = _build_parser().parse_args(command[1:])
+            fetched.add(str(args.dir))
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0].get("volumeMounts", [])}
+    problems = []
+    for model in models:
+        mount = next((path for path in mounts if model.startswith(path + "/")), None)
+        if mount is None:
+            problems.append(f"model {model!r} is on no volume of the {group['groupName']} pods")
+        elif model not in fetched and "persistentVolumeClaim" not in volumes[mounts[mount]]:
+            problems.append(f"model {model!r}: nothing puts it there (pdserve download)")
+    return problems
