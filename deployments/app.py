@@ -10,11 +10,10 @@ NIXL or gRPC. `colocated=true`: Router -> one EngineServer deployment doing both
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.api_keys import ApiKeys, configured_keys
+from deployments.credentials import ApiKeys, configured_keys, kv_secret_to_bind
 from deployments.migration import MigrationPolicy
 from deployments.orchestrator import FlowConfig
 from deployments.protocol import RequestLimits
@@ -28,7 +27,6 @@ from engine.config import (
 )
 from engine.models.catalog import SMOLLM2_MODEL
 
-KV_SECRET_ENV = "PDSERVE_KV_SECRET"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -204,8 +202,9 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
     from deployments.router import RouterDeployment, RouterSettings
 
     config = AppConfig.from_args(args)
-    # Resolved once here and bound into every replica's arguments: all engines share it.
-    config.kv_secret = config.kv_secret or os.environ.get(KV_SECRET_ENV) or secrets.token_hex(16)
+    # Resolved once here and bound into every replica's arguments (or, from the environment,
+    # a reference each replica resolves on its node): all engines share it.
+    config.kv_secret = kv_secret_to_bind(config.kv_secret, os.environ)
     engine_args: dict[str, Any] = {"max_queued_prompt_tokens": config.max_queued_prompt_tokens}
     engine_args.update(config.engine_args)
     settings = RouterSettings(

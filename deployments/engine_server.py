@@ -21,6 +21,7 @@ import torch
 from ray import serve
 
 from deployments.core_pinning import CoreClaim, place_engine
+from deployments.credentials import kv_secret
 from deployments.kv_publisher import KVEventPublisher
 from deployments.protocol import EngineRequest, ReplicaProbe
 from deployments.sla_autoscaling import RecentLatencies
@@ -66,6 +67,7 @@ class EngineServer:
         if kv is not None:
             kv.setdefault("side_channel_host", node_ip())
             kv.setdefault("side_channel_port", 0)
+            kv["secret"] = kv_secret(kv.get("secret", ""))
         engine_args = self.role_engine_args(engine_args)
         self.engine = AsyncEngine(model, **engine_args, kv_transfer_config=kv)
         core = self.engine.core

@@ -33,7 +33,7 @@ class Overloaded(RuntimeError):
 
 
 class Unauthenticated(PermissionError):
-    """No valid API key (deployments/api_keys.py): gRPC UNAUTHENTICATED / HTTP 401. The
+    """No valid API key (deployments/credentials.py): gRPC UNAUTHENTICATED / HTTP 401. The
     message never names the key the caller sent."""
 
 

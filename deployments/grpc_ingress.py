@@ -136,9 +136,11 @@ def _add_tls_port(server: Any) -> int | None:
     with open(keyfile, "rb") as key, open(certfile, "rb") as cert:
         credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
     port = int(os.environ.get(TLS_PORT_ENV) or DEFAULT_TLS_PORT)
-    bound = server.add_secure_port(f"[::]:{port}", credentials)
+    bound = int(server.add_secure_port(f"[::]:{port}", credentials))
+    if bound == 0:
+        raise OSError(f"the gRPC proxy cannot listen for TLS on port {port}")
     logging.getLogger(__name__).info("gRPC proxy also serves TLS on port %d", bound)
-    return int(bound)
+    return bound
 
 
 ROUTER_DIED = "the router replica serving this request died or failed; retry the request"

@@ -31,8 +31,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.api_keys import ApiKeys, without_credentials
 from deployments.cluster_health import NOT_SERVING, SERVING, HealthReport
+from deployments.credentials import ApiKeys, without_credentials
 from deployments.errors import DeadlineExceeded, EngineFailure, Overloaded, public_message
 from deployments.openai_format import ChatFormat, CompletionFormat, ResponseFormat, sse_events
 from deployments.openai_requests import ChatCompletionRequest, CompletionRequest
@@ -54,7 +54,7 @@ def build_openai_app(
 ) -> FastAPI:
     """The FastAPI app. `orchestrator` is looked up per request (the router owns it);
     `health_report` surveys the engines (without one, /health says only that the router
-    runs); with `api_keys`, every route but /health needs one (deployments/api_keys.py)."""
+    runs); with `api_keys`, every route but /health needs one (deployments/credentials.py)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 
     def token_text(token_id: int) -> str:
@@ -77,11 +77,9 @@ def build_openai_app(
     @app.middleware("http")
     async def _authenticate(request: Request, call_next: Callable[[Request], Any]) -> Any:
         # Outermost (added last): nothing else runs for a caller without a key.
-        refusal = (
-            None
-            if request.url.path == "/health"
-            else keys.refusal(request.headers.get("authorization"))
-        )
+        # The route's own path: an app under a route prefix sees the prefix in root_path.
+        path = request.scope["path"].removeprefix(request.scope.get("root_path", ""))
+        refusal = None if path == "/health" else keys.refusal(request.headers.get("authorization"))
         if refusal is None:
             return await call_next(request)
         orchestrator().telemetry.rejected(

@@ -20,8 +20,8 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
-from deployments.api_keys import ApiKeys, without_credentials
 from deployments.cluster_health import HealthReport, survey
+from deployments.credentials import ApiKeys, kv_secret, without_credentials
 from deployments.engine_server import replica_name
 from deployments.errors import (
     DeadlineExceeded,
@@ -66,13 +66,13 @@ class RouterSettings:
     model: str
     engine_args: dict[str, Any]
     flow: FlowConfig
-    kv_secret: str = ""
+    kv_secret: str = ""  # or a reference to $PDSERVE_KV_SECRET (credentials.py)
     transport: str = ""  # "" in colocated mode
     served_model_name: str = ""
     otlp_endpoint: str = ""
     kv_aware_routing: bool = False  # the engines publish to the app's KV index
     retry_after_s: float = 1.0  # told to clients refused at an admission bound
-    api_keys: ApiKeys = field(default_factory=ApiKeys)  # digests only (api_keys.py)
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # salted digests only (credentials.py)
     side_channel_tls: SideChannelTLS | None = None  # to release and borrow KV over mTLS
 
 
@@ -113,7 +113,7 @@ class Router:
             settings.flow,
             decode=_stream_fn(decode, "decode" if prefill is not None else "colocated", retry),
             prefill=_stream_fn(prefill, "prefill", retry) if prefill is not None else None,
-            release=LeaseReleaser(settings.kv_secret, tls=settings.side_channel_tls),
+            release=LeaseReleaser(kv_secret(settings.kv_secret), tls=settings.side_channel_tls),
             telemetry=RouterTelemetry(self.tracing.tracer, RouterMetrics()),
             prefill_replicas=RoleWatch("prefill") if prefill is not None else None,
             decode_replicas=RoleWatch("decode") if prefill is not None else None,
@@ -134,7 +134,10 @@ class Router:
         return {
             "cluster_cache": IndexedClusterCache(app_name, self.block_size),
             "borrower": PrefixBorrower(
-                settings.kv_secret, self.block_size, min_loan, tls=settings.side_channel_tls
+                kv_secret(settings.kv_secret),
+                self.block_size,
+                min_loan,
+                tls=settings.side_channel_tls,
             ),
         }
 

@@ -6,7 +6,8 @@ copied into the directory; anything else of the form `org/name` is a Hugging Fac
 repository, fetched with huggingface_hub (a dependency of tokenizers) with the token in
 $HF_TOKEN, if any. Only what the engine reads is fetched: config, tokenizer files, safetensors
 weights. A finished download leaves a marker naming what it holds, so a restarted pod (or a
-persistent volume) with the same model does nothing.
+persistent volume) with the same model does nothing, and one with another model is emptied
+first (no shard of the old model is left to be read with the new one).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def download(model: str, directory: Path, revision: str | None = None) -> Path:
     if {key: held.get(key) for key in wanted} == wanted:
         logger.info("%s is already in %s", model, directory)
         return directory / held["path"] if held.get("path") else directory
+    if marker.is_file():
+        # Another model (or revision) was here: none of its files may be read with the new one.
+        _empty(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if model in NAMED_MODELS:
         served = _copy_named(model, directory)
@@ -63,6 +67,14 @@ def download(model: str, directory: Path, revision: str | None = None) -> Path:
     relative = "" if served == directory else served.name
     marker.write_text(json.dumps({**wanted, "path": relative}))
     return served
+
+
+def _empty(directory: Path) -> None:
+    for path in directory.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def _copy_named(model: str, directory: Path) -> Path:

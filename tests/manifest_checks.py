@@ -154,6 +154,13 @@ def rayservice_problems(rayservice: dict[str, Any]) -> list[str]:
     cluster = spec["rayClusterConfig"]
     serve_config = yaml.safe_load(spec["serveConfigV2"])
     problems = _serve_ports(spec, cluster["headGroupSpec"], serve_config)
+    if ((serve_config.get("http_options") or {}).get("ssl_certfile")) and not _probes_overridden(
+        cluster
+    ):
+        problems.append(
+            "http_options.ssl_* with KubeRay's own probes: they speak plain HTTP, so no pod "
+            "would join the Serve Service (terminate TLS at an Ingress, or override the probes)"
+        )
     if not cluster.get("enableInTreeAutoscaling"):
         problems.append("enableInTreeAutoscaling is off: Serve's replicas never get new nodes")
     for app in serve_config["applications"]:
@@ -172,6 +179,12 @@ def rayservice_problems(rayservice: dict[str, Any]) -> list[str]:
         float((app.get("args") or {}).get("request_timeout_s", 300))
         for app in serve_config["applications"]
     )
+    deletion_delay = spec.get("rayClusterDeletionDelaySeconds", 60)
+    if deletion_delay < drain_s:
+        problems.append(
+            f"rayClusterDeletionDelaySeconds {deletion_delay} < the engines' drain {drain_s:g} s:"
+            " an upgrade cuts the old cluster's streams"
+        )
     groups = [("head", cluster["headGroupSpec"])] + [
         (group["groupName"], group) for group in cluster["workerGroupSpecs"]
     ]
@@ -180,6 +193,11 @@ def rayservice_problems(rayservice: dict[str, Any]) -> list[str]:
     for group in cluster["workerGroupSpecs"]:
         problems += _model_delivery(group, serve_config)
     return problems
+
+
+def _probes_overridden(cluster: dict[str, Any]) -> bool:
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    return all("readinessProbe" in g["template"]["spec"]["containers"][0] for g in groups)
 
 
 def _serve_ports(spec: dict[str, Any], head: dict[str, Any], config: dict[str, Any]) -> list[str]:

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -48,6 +49,7 @@ _QUANTILES = (0.5, 0.9, 0.99, 0.999)
 @dataclass
 class ServeBenchConfig:
     target: str = "127.0.0.1:9000"
+    api_key: str = ""  # sent as `authorization: Bearer KEY` (a deployment with API keys)
     apps: list[str] = field(default_factory=lambda: ["pdserve"])  # Serve app names
     # Deploy these configurations one after another instead (name -> app arguments).
     deploy: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -139,7 +141,7 @@ async def _one(
 async def _run_app(
     app: str, vocab_size: int, config: ServeBenchConfig, progress: Any
 ) -> tuple[list[RequestResult], float]:
-    metadata = ((APP_METADATA_KEY, app),) if app else ()
+    metadata = _metadata(app, config)
     async with grpc.aio.insecure_channel(config.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         for prompt in warmup_prompts(config, vocab_size):
@@ -308,9 +310,14 @@ def _deployed(
             stop()
 
 
+def _metadata(app: str, config: ServeBenchConfig) -> tuple[tuple[str, str], ...]:
+    auth = [("authorization", f"Bearer {config.api_key}")] if config.api_key else []
+    return tuple(([(APP_METADATA_KEY, app)] if app else []) + auth)
+
+
 def _vocab_size(config: ServeBenchConfig) -> int:
     app = config.apps[0]
-    metadata = ((APP_METADATA_KEY, app),) if app else ()
+    metadata = _metadata(app, config)
     with grpc.insecure_channel(config.target) as channel:
         info = pb_grpc.GenerationStub(channel).ModelInfo(
             pb.ModelInfoRequest(), timeout=30, metadata=metadata
@@ -326,6 +333,11 @@ def _vocab_size(config: ServeBenchConfig) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="127.0.0.1:9000", help="gRPC HOST:PORT")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY", "").split(",")[0].strip(),
+        help="for a deployment with API keys (default: $PDSERVE_API_KEY's first key)",
+    )
     parser.add_argument(
         "--app",
         action="append",
@@ -408,6 +420,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         raise ValueError("--deploy names must be distinct")
     return ServeBenchConfig(
         target=args.target,
+        api_key=args.api_key,
         apps=args.app or ["pdserve"],
         deploy=deploy,
         model=args.model,

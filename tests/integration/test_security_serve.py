@@ -153,10 +153,15 @@ def test_https_needs_a_valid_key(secured: Secured) -> None:
 
 
 def test_keys_are_in_no_log_and_no_span(secured: Secured) -> None:
+    # Each key, and a wrong one, over both APIs (whatever ran before in this module).
     with _grpc(secured.grpc_port, WRONG_KEY) as client, pytest.raises(grpc.RpcError):
         client.complete(generate_request(PROMPT, **PARAMS), timeout=60)
-    with _grpc(secured.grpc_port, KEYS[0]) as client:
-        client.complete(generate_request(PROMPT, **PARAMS), timeout=120)
+    body = {"model": "tiny", "prompt": PROMPT, **PARAMS}
+    assert _https(secured, "/v1/completions", body, WRONG_KEY)[0] == 401
+    for key in KEYS:
+        with _grpc(secured.grpc_port, key) as client:
+            client.complete(generate_request(PROMPT, **PARAMS), timeout=120)
+        assert _https(secured, "/v1/completions", body, key)[0] == 200
 
     def refusals_exported() -> bool:
         return bool(

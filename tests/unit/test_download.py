@@ -49,8 +49,13 @@ def test_a_hub_repo_is_fetched_with_only_what_the_engine_reads(
     ]
     download("Qwen/Qwen2.5-7B-Instruct", tmp_path / "q", revision="main")
     assert len(calls) == 1  # already there
+    (tmp_path / "q" / "model-00002-of-00002.safetensors").write_bytes(b"old shard")
     download("Qwen/Qwen2.5-7B-Instruct", tmp_path / "q", revision="v2")
-    assert len(calls) == 2  # another revision is another download
+    assert len(calls) == 2  # another revision is another download, into an emptied directory
+    assert sorted(p.name for p in (tmp_path / "q").iterdir()) == [
+        ".pdserve-download.json",
+        "config.json",
+    ]
 
 
 @pytest.mark.parametrize("model", ["../etc", "/models/x", "no-slash", "a/b/c", ""])

@@ -146,6 +146,16 @@ def _writable_shared_claim(rs: dict[str, Any]) -> None:
     gpu_pod(rs)["volumes"][0] = {"name": "models", "persistentVolumeClaim": {"claimName": "m"}}
 
 
+def _short_deletion_delay(rs: dict[str, Any]) -> None:
+    rs["spec"].pop("rayClusterDeletionDelaySeconds")
+
+
+def _https_behind_kuberay_probes(rs: dict[str, Any]) -> None:
+    config = serve_config(rs)
+    config["http_options"].update(ssl_keyfile="/tls/tls.key", ssl_certfile="/tls/tls.crt")
+    with_serve_config(rs, config)
+
+
 SEMANTIC_BREAKS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "gRPC port renamed back to grpc": (_rename_grpc_port, "named 'grpc'"),
     "gRPC port without h2c": (_drop_h2c, "h2c"),
@@ -158,6 +168,8 @@ SEMANTIC_BREAKS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "in-tree autoscaling off": (_no_autoscaler, "enableInTreeAutoscaling"),
     "model never fetched": (_model_not_fetched, "nothing puts it there"),
     "shared writable claim": (_writable_shared_claim, "readOnly"),
+    "old cluster deleted mid-stream": (_short_deletion_delay, "rayClusterDeletionDelaySeconds 60"),
+    "HTTPS behind plain-HTTP probes": (_https_behind_kuberay_probes, "they speak plain HTTP"),
 }
 
 

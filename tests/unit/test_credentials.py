@@ -1,6 +1,7 @@
-"""API keys (deployments/api_keys.py): where keys come from, what a caller must send, and the
-HTTP side through the real FastAPI app (Starlette's test client; the Serve and gRPC sides run
-in tests/integration/test_security_serve.py)."""
+"""Credentials (deployments/credentials.py): where API keys and the KV secret come from, what a
+caller must send, what the replicas are given, and the HTTP side through the real FastAPI app
+(Starlette's test client; the Serve and gRPC sides run in
+tests/integration/test_security_serve.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,16 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from deployments.api_keys import MISSING, WRONG, ApiKeys, configured_keys, without_credentials
 from deployments.app import AppConfig, build_app
+from deployments.credentials import (
+    KV_SECRET_FROM_ENV,
+    MISSING,
+    WRONG,
+    ApiKeys,
+    configured_keys,
+    kv_secret,
+    without_credentials,
+)
 from deployments.openai_api import build_openai_app
 from deployments.protocol import RequestLimits
 from deployments.router import RouterSettings
@@ -61,16 +70,33 @@ def test_without_keys_everything_is_open_and_messages_never_name_a_key() -> None
     assert without_credentials(headers) == {"traceparent": "00-ab-cd-01"}
 
 
-def test_the_router_gets_digests_never_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_router_gets_salted_digests_never_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
-    monkeypatch.setenv("PDSERVE_KV_SECRET", "shared-secret")
     app = build_app({"model": "tiny", "api_key": ["from-args"]})
-    settings = _bound_settings(app)
-    assert settings.api_keys == ApiKeys.of(["from-args", "from-env"])
-    assert settings.api_keys.refusal("Bearer from-env") is None
-    assert settings.kv_secret == "shared-secret"  # every build of the app agrees on it
-    text = repr(settings)
+    keys = _bound_settings(app).api_keys
+    assert len(keys.digests) == 2
+    for key in ("from-args", "from-env"):
+        assert keys.refusal(f"Bearer {key}") is None
+    assert keys.refusal("Bearer from-neither") == WRONG
+    text = repr(_bound_settings(app))
     assert "from-args" not in text and "from-env" not in text
+    again = _bound_settings(build_app({"model": "tiny", "api_key": ["from-args"]})).api_keys
+    assert again.salt != keys.salt and not set(again.digests) & set(keys.digests)
+
+
+def test_the_kv_secret_from_the_environment_is_never_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PDSERVE_KV_SECRET", "shared-secret")
+    settings = _bound_settings(build_app({"model": "tiny"}))
+    assert settings.kv_secret == KV_SECRET_FROM_ENV
+    assert kv_secret(settings.kv_secret) == "shared-secret"  # what each replica reads
+    assert _bound_settings(build_app({"model": "tiny", "kv_secret": "given"})).kv_secret == "given"
+    monkeypatch.delenv("PDSERVE_KV_SECRET")
+    with pytest.raises(RuntimeError, match="PDSERVE_KV_SECRET, which this node's environment"):
+        kv_secret(KV_SECRET_FROM_ENV)
+    drawn = {_bound_settings(build_app({"model": "tiny"})).kv_secret for _ in range(2)}
+    assert len(drawn) == 2 and KV_SECRET_FROM_ENV not in drawn  # one per build
 
 
 def _bound_settings(app: Any) -> RouterSettings:
@@ -98,6 +124,11 @@ def test_http_needs_a_key_on_every_route_but_health(http: TestClient) -> None:
             assert error["message"] in (MISSING, WRONG)
             assert "nope" not in json.dumps(response.json())
     assert http.get("/health").status_code == 200
+    # Under a route prefix (Serve's root_path) only the app's own /health is open.
+    prefixed = TestClient(http.app, root_path="/app")
+    assert prefixed.get("/app/health").status_code == 200
+    assert prefixed.get("/app/v1/models").status_code == 401
+    assert TestClient(http.app, root_path="/health").get("/health/v1/models").status_code == 401
     for key in ("k1", "k2"):
         response = http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
         assert response.status_code == 200
