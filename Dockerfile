@@ -1,4 +1,4 @@
-# The image KubeRay runs (k8s/rayservice.yaml): Ray 2.60 with CUDA, plus pdserve and its stack.
+# The image KubeRay runs (k8s/base/rayservice.yaml): Ray 2.60 with CUDA, plus pdserve and its stack.
 # Builds with the classic builder as well as BuildKit: no BuildKit-only syntax (no RUN --mount,
 # COPY --link/--chmod, heredocs or `# syntax=` line); tests/unit/test_manifests.py checks it.
 #

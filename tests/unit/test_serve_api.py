@@ -231,7 +231,7 @@ def test_serve_config_file_is_a_valid_deploy_config() -> None:
 def test_kuberay_service_embeds_a_valid_serve_config() -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    service = yaml.safe_load((ROOT / "k8s" / "rayservice.yaml").read_text())
+    service = yaml.safe_load((ROOT / "k8s" / "base" / "rayservice.yaml").read_text())
     assert service["kind"] == "RayService"
     serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
     (app,) = ServeDeploySchema.model_validate(serve_config).applications
