@@ -98,7 +98,15 @@ def test_grpc_needs_a_valid_key(secured: Secured) -> None:
     with _grpc(secured.grpc_port, KEYS[1]) as client:
         completion = client.complete(generate_request(PROMPT, **PARAMS), timeout=120)
     assert len(completion.token_ids) == PARAMS["max_tokens"]
-    assert completion.route == "disaggregated"  # KV crossed over NIXL, side channel on mTLS
+    assert completion.route == "disaggregated"
+
+    def transfers() -> list[dict]:
+        return secured.sink.find(lambda s: s["name"] == "kv_transfer")
+
+    # The KV crossed over NIXL after a handshake on the mutual-TLS side channel, and nothing
+    # was recomputed for want of it.
+    assert wait_until(lambda: bool(transfers()), timeout_s=30)
+    assert {s["attributes"]["pdserve.kv.outcome"] for s in transfers()} == {"ok"}
 
 
 def test_grpc_over_tls_gives_the_same_tokens(secured: Secured) -> None:

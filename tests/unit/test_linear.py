@@ -30,8 +30,8 @@ def test_packed_linear_matches_torch(rows, bias):
 
 
 # Output widths around the 16-column block (padding), input widths off the 8-lane vector, and
-# row counts across the 3-row register tile and the 64-row panel.
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64, 65, 130])
+# row counts across the register tile (6 rows with AVX-512, else 3) and the 64-row panel.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 7, 13, 64, 65, 130])
 @pytest.mark.parametrize(("in_features", "out_features"), [(48, 80), (37, 15), (64, 33)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_blocked_linear_matches_torch(rows, in_features, out_features, bias):
@@ -46,6 +46,22 @@ def test_blocked_linear_matches_torch(rows, in_features, out_features, bias):
         residual = torch.randn(rows, out_features)
         torch.testing.assert_close(blocked(x, residual), linear(x) + residual, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(blocked(x.view(1, rows, -1)), linear(x).view(1, rows, -1))
+
+
+@pytest.mark.parametrize("rows", [7, 32, 100])
+def test_blocked_linear_rows_do_not_change_results(rows):
+    """Many rows go through k in chunks and 6-row tiles, one row through one whole column:
+    each output is still summed in the same order, so each row equals itself computed alone,
+    bit for bit (a batch never changes a request's logits)."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(576, 200, bias=True)  # k over several chunks, a partial last block
+    blocked = BlockedLinear(linear, cpu_kernels.load())
+    x = torch.randn(rows, 576)
+    with torch.inference_mode():
+        together = blocked(x)
+        alone = torch.cat([blocked(x[i : i + 1]) for i in range(rows)])
+    assert torch.equal(together, alone)
+    torch.testing.assert_close(together, linear(x), rtol=1e-5, atol=1e-5)
 
 
 def test_blocked_linear_refuses_mismatched_inputs():
@@ -116,6 +132,20 @@ def test_streamed_head_matches_torch_on_both_paths(rows):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(streamed(x), head(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(streamed(x.view(rows, 1, 64)), head(x).view(rows, 1, -1))
+
+
+def test_streamed_head_rows_do_not_change_results():
+    """Rows share the kernel's tiles three at a time; each row's logits are still summed as
+    when it is alone, bit for bit (odd k: the tail after the 8-lane body too)."""
+    torch.manual_seed(3)
+    head = nn.Linear(75, 1001, bias=False)
+    streamed = StreamedHead(head)
+    x = torch.randn(32, 75)
+    with torch.inference_mode():
+        together = streamed(x)
+        alone = torch.cat([streamed(x[i : i + 1]) for i in range(32)])
+    assert torch.equal(together, alone)
+    torch.testing.assert_close(together, head(x), rtol=1e-5, atol=1e-5)
 
 
 def test_torch_backend_and_half_precision_under_auto_stay_unpacked():

@@ -8,7 +8,8 @@
 // thirds of this speed at one row). A register tile of R x-rows by 32 W columns (2 blocks)
 // keeps 4R accumulators: each W vector feeds R multiply-adds and each broadcast x element 4.
 // Measured on the CI machine's 2 cores: at 1 row 25-28 GB/s against oneDNN's 16-20; at 32
-// rows on par with oneDNN; beyond ~64 rows (prefills) oneDNN's GEMM is up to 1.5x faster.
+// rows on par with oneDNN with 3-row tiles over whole columns; beyond ~64 rows (prefills)
+// oneDNN's GEMM is up to 1.5x faster.
 
 #pragma once
 
@@ -42,24 +43,36 @@ struct Operands {
   int64_t y_stride, k, n;
 };
 
-// Rows [m0, m0 + R) against blocks [b0, b0 + B).
+// Rows [m0, m0 + R) against blocks [b0, b0 + B), over k in [k0, k1). The accumulators start
+// at zero when k0 == 0, else from `part` (this tile's partial sums, R x 2B vectors); they end in
+// y (with bias and residual) when k1 == k, else back in `part`. A partial sum stored and
+// reloaded is the same float, so every output is summed in the same order (k ascending)
+// whatever the chunking: results do not depend on the number of rows.
 template <int64_t R, int64_t B>
-inline void tile(const Operands& o, int64_t m0, int64_t b0) {
+inline void tile(const Operands& o, int64_t m0, int64_t b0, int64_t k0, int64_t k1, Vec* part) {
   Vec acc[R][2 * B] = {};
-  const int64_t k = o.k;
+  if (k0 > 0) {
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < 2 * B; ++c) acc[r][c] = part[r * 2 * B + c];
+  }
   const float* xs[R];
   for (int64_t r = 0; r < R; ++r) xs[r] = o.x + (m0 + r) * o.x_stride;
-  const float* w = o.w + b0 * k * kBlock;
-  for (int64_t i = 0; i < k; ++i) {
+  const float* w = o.w + b0 * o.k * kBlock;
+  for (int64_t i = k0; i < k1; ++i) {
     Vec wv[2 * B];
     for (int64_t b = 0; b < B; ++b) {
-      wv[2 * b] = load(w + (b * k + i) * kBlock);
-      wv[2 * b + 1] = load(w + (b * k + i) * kBlock + kLanes);
+      wv[2 * b] = load(w + (b * o.k + i) * kBlock);
+      wv[2 * b + 1] = load(w + (b * o.k + i) * kBlock + kLanes);
     }
     for (int64_t r = 0; r < R; ++r) {
       const Vec xv = Vec{} + xs[r][i];
       for (int64_t c = 0; c < 2 * B; ++c) acc[r][c] += xv * wv[c];
     }
+  }
+  if (k1 < o.k) {
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < 2 * B; ++c) part[r * 2 * B + c] = acc[r][c];
+    return;
   }
   for (int64_t r = 0; r < R; ++r) {
     const int64_t m = m0 + r;
@@ -77,22 +90,42 @@ inline void tile(const Operands& o, int64_t m0, int64_t b0) {
   }
 }
 
-// Every row of [m_begin, m_end) against blocks [b0, b0 + B): 3-row tiles, then the rest.
-template <int64_t B>
-inline void block_rows(const Operands& o, int64_t m_begin, int64_t m_end, int64_t b0) {
-  int64_t m = m_begin;
-  if (m_end - m_begin >= 3) {
-    for (; m + 3 <= m_end; m += 3) tile<3, B>(o, m, b0);
-  }
-  switch (m_end - m) {
-    case 2: return tile<2, B>(o, m, b0);
-    case 1: return tile<1, B>(o, m, b0);
-    default: return;
+// Row tiles: up to 6 rows x 32 columns (24 accumulators: AVX-512 gives 32 vector registers),
+// so each W vector loaded feeds 6 rows; fewer on targets with 16 registers.
+#if defined(__AVX512VL__)
+constexpr int64_t kTileRows = 6;
+#else
+constexpr int64_t kTileRows = 3;
+#endif
+
+template <int64_t B, int64_t R = kTileRows>
+inline void rows_tail(const Operands& o, int64_t m, int64_t left, int64_t b0, int64_t k0,
+                      int64_t k1, Vec* part) {
+  if constexpr (R > 0) {
+    if (left == R) return tile<R, B>(o, m, b0, k0, k1, part);
+    return rows_tail<B, R - 1>(o, m, left, b0, k0, k1, part);
   }
 }
 
-// x rows stay in L2 in panels of this many while a thread's blocks stream past.
-constexpr int64_t kPanel = 64;
+// Rows [m_begin, m_end) (at most one panel) against blocks [b0, b0 + B). With many rows, k goes
+// in chunks: a chunk of W (kChunk x 2B x 16 floats) stays in L1 while every row tile of the
+// panel passes over it, instead of streaming the whole column from L2 for each tile.
+constexpr int64_t kChunk = 128;
+constexpr int64_t kPanel = 64;  // x rows stay in L2 in panels of this many
+
+template <int64_t B>
+inline void block_rows(const Operands& o, int64_t m_begin, int64_t m_end, int64_t b0) {
+  Vec part[kPanel * 2 * B];
+  const int64_t chunk = (m_end - m_begin) > kTileRows ? kChunk : o.k;
+  for (int64_t k0 = 0; k0 < o.k; k0 += chunk) {
+    const int64_t k1 = std::min(o.k, k0 + chunk);
+    int64_t m = m_begin;
+    for (; m + kTileRows <= m_end; m += kTileRows)
+      tile<kTileRows, B>(o, m, b0, k0, k1, part + (m - m_begin) * 2 * B);
+    if (m < m_end)
+      rows_tail<B>(o, m, m_end - m, b0, k0, k1, part + (m - m_begin) * 2 * B);
+  }
+}
 
 inline void run(const Operands& o, int64_t rows) {
   const int64_t blocks = (o.n + kBlock - 1) / kBlock;
