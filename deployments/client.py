@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from deployments.credentials import bearer
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -101,10 +102,8 @@ class GenerationClient:
             credentials = grpc.ssl_channel_credentials(root_certificates or None)
             self.channel = grpc.secure_channel(target, credentials)
         self.stub = pb_grpc.GenerationStub(self.channel)
-        metadata = [(APP_METADATA_KEY, application)] if application else []
-        if api_key:
-            metadata.append(("authorization", f"Bearer {api_key}"))
-        self.metadata = tuple(metadata)
+        app = ((APP_METADATA_KEY, application),) if application else ()
+        self.metadata = app + bearer(api_key)
 
     def stream(
         self, request: pb.GenerateRequest, timeout: float | None = None

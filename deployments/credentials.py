@@ -87,6 +87,17 @@ def _digest(salt: bytes, key: str) -> str:
     return hmac.new(salt, key.encode(), hashlib.sha256).hexdigest()
 
 
+def bearer(api_key: str) -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata that presents `api_key` (none for no key)."""
+    return ((AUTHORIZATION, f"Bearer {api_key}"),) if api_key else ()
+
+
+def client_api_key() -> str:
+    """What a client sends by default: the first key of $PDSERVE_API_KEY, if any."""
+    keys = configured_keys(None, os.environ)
+    return keys[0] if keys else ""
+
+
 def without_credentials(headers: Mapping[str, str]) -> dict[str, str]:
     """Headers or metadata minus the credentials (what may reach telemetry)."""
     return {name: value for name, value in headers.items() if name.lower() != AUTHORIZATION}

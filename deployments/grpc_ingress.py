@@ -124,13 +124,13 @@ TLS_PORT_ENV = "PDSERVE_GRPC_TLS_PORT"
 DEFAULT_TLS_PORT = 9443
 
 
-def _add_tls_port(server: Any) -> int | None:
+def _add_tls_port(server: Any) -> None:
     """A TLS port beside Serve's plain one when the environment names a certificate and key
-    (see the module docstring); its port, or None. A half-given pair is an error: the proxy
+    (see the module docstring). A half-given pair is an error: the proxy
     must not come up in plain text only when TLS was asked for."""
     certfile, keyfile = os.environ.get(TLS_CERTFILE_ENV), os.environ.get(TLS_KEYFILE_ENV)
     if not certfile and not keyfile:
-        return None
+        return
     if not (certfile and keyfile):
         raise ValueError(f"set both {TLS_CERTFILE_ENV} and {TLS_KEYFILE_ENV}, or neither")
     with open(keyfile, "rb") as key, open(certfile, "rb") as cert:
@@ -140,7 +140,6 @@ def _add_tls_port(server: Any) -> int | None:
     if bound == 0:
         raise OSError(f"the gRPC proxy cannot listen for TLS on port {port}")
     logging.getLogger(__name__).info("gRPC proxy also serves TLS on port %d", bound)
-    return bound
 
 
 ROUTER_DIED = "the router replica serving this request died or failed; retry the request"

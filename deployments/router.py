@@ -101,6 +101,7 @@ class Router:
             vocab_size=arch.vocab_size,
         )
         self.block_size = config.cache.block_size
+        self.kv_secret = kv_secret(settings.kv_secret)  # resolved on this node, once
         self._decode = decode
         self._prefill = prefill
         self._in_flight: dict[str, _InFlight] = {}
@@ -113,7 +114,7 @@ class Router:
             settings.flow,
             decode=_stream_fn(decode, "decode" if prefill is not None else "colocated", retry),
             prefill=_stream_fn(prefill, "prefill", retry) if prefill is not None else None,
-            release=LeaseReleaser(kv_secret(settings.kv_secret), tls=settings.side_channel_tls),
+            release=LeaseReleaser(self.kv_secret, tls=settings.side_channel_tls),
             telemetry=RouterTelemetry(self.tracing.tracer, RouterMetrics()),
             prefill_replicas=RoleWatch("prefill") if prefill is not None else None,
             decode_replicas=RoleWatch("decode") if prefill is not None else None,
@@ -134,7 +135,7 @@ class Router:
         return {
             "cluster_cache": IndexedClusterCache(app_name, self.block_size),
             "borrower": PrefixBorrower(
-                kv_secret(settings.kv_secret),
+                self.kv_secret,
                 self.block_size,
                 min_loan,
                 tls=settings.side_channel_tls,

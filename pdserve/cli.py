@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,6 +87,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_client(commands: argparse._SubParsersAction) -> None:
+    from deployments.credentials import client_api_key
+
     parser = commands.add_parser("client", help="call the gRPC API")
     parser.add_argument("--target", default="127.0.0.1:9000", help="HOST:PORT")
     parser.add_argument("--application", default="pdserve", help="Serve app name")
@@ -95,7 +96,7 @@ def _add_client(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("PDSERVE_API_KEY", "").split(",")[0].strip(),
+        default=client_api_key(),
         help="sent as 'authorization: Bearer KEY' (default: $PDSERVE_API_KEY's first key)",
     )
     parser.add_argument(

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -27,6 +26,7 @@ from typing import Any
 import grpc
 
 from deployments.client import APP_METADATA_KEY, generate_request
+from deployments.credentials import bearer, client_api_key
 from pdserve.bench.stats import summarize
 from pdserve.bench.workloads import (
     WORKLOADS,
@@ -311,8 +311,7 @@ def _deployed(
 
 
 def _metadata(app: str, config: ServeBenchConfig) -> tuple[tuple[str, str], ...]:
-    auth = [("authorization", f"Bearer {config.api_key}")] if config.api_key else []
-    return tuple(([(APP_METADATA_KEY, app)] if app else []) + auth)
+    return (((APP_METADATA_KEY, app),) if app else ()) + bearer(config.api_key)
 
 
 def _vocab_size(config: ServeBenchConfig) -> int:
@@ -335,7 +334,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="127.0.0.1:9000", help="gRPC HOST:PORT")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("PDSERVE_API_KEY", "").split(",")[0].strip(),
+        default=client_api_key(),
         help="for a deployment with API keys (default: $PDSERVE_API_KEY's first key)",
     )
     parser.add_argument(
