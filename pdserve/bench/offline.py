@@ -159,7 +159,7 @@ def run(config: OfflineBenchConfig) -> dict[str, Any]:
         if hf is not None:
             hf_seconds, hf_tokens = _run_hf(hf, device, workload)
             entry["transformers"] = _throughput(hf_seconds, workload)
-            entry["speedup"] = round(hf_seconds / seconds, 2)
+            entry["speedup"] = round(hf_seconds / seconds, 3)
             same = sum(a == b for a, b in zip(tokens, hf_tokens, strict=True))
             entry["greedy_outputs_identical"] = f"{same}/{config.num_prompts}"
         report[kind] = entry
@@ -169,7 +169,7 @@ def run(config: OfflineBenchConfig) -> dict[str, Any]:
 def _throughput(seconds: float, workload: Workload) -> dict[str, float]:
     total = workload.num_output_tokens + workload.num_prompt_tokens
     return {
-        "seconds": round(seconds, 3),
+        "seconds": round(seconds, 6),
         "output_tokens_per_s": round(workload.num_output_tokens / seconds, 1),
         "total_tokens_per_s": round(total / seconds, 1),
     }

@@ -108,10 +108,10 @@ def run(config: StructuredBenchConfig) -> dict[str, Any]:
         "valid_json": f"{valid}/{config.num_prompts}",
         "finished_by_grammar": sum(o.finish_reason == "stop" for o in outputs),
         "constrained": {
-            "seconds": round(with_grammar, 3),
+            "seconds": round(with_grammar, 6),
             "ms_per_token": _ms(with_grammar, tokens),
         },
-        "unconstrained": {"seconds": round(without, 3), "ms_per_token": _ms(without, tokens)},
+        "unconstrained": {"seconds": round(without, 6), "ms_per_token": _ms(without, tokens)},
         "overhead_ms_per_token": _ms(with_grammar - without, tokens),
         "compile_ms": {
             "first_with_vocabulary": round(compile_first * 1e3, 2),
