@@ -29,9 +29,10 @@ def test_packed_linear_matches_torch(rows, bias):
     torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
 
 
-# Output widths around the 16-column block (padding), input widths off the 8-lane vector, and
-# row counts across the register tile (6 rows with AVX-512, else 3) and the 64-row panel.
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 7, 13, 64, 65, 130])
+# Output widths around the 16-column block (padding) and the 3-block wide tile, input widths off
+# the 8-lane vector, and row counts across the narrow tile (6 rows with AVX-512, else 3), the
+# switch to 8-row wide tiles at 8 rows and their tails, and the 64-row panel.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 7, 8, 9, 13, 16, 64, 65, 130])
 @pytest.mark.parametrize(("in_features", "out_features"), [(48, 80), (37, 15), (64, 33)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_blocked_linear_matches_torch(rows, in_features, out_features, bias):
@@ -48,11 +49,12 @@ def test_blocked_linear_matches_torch(rows, in_features, out_features, bias):
         torch.testing.assert_close(blocked(x.view(1, rows, -1)), linear(x).view(1, rows, -1))
 
 
-@pytest.mark.parametrize("rows", [7, 32, 100])
+@pytest.mark.parametrize("rows", [7, 8, 32, 100])
 def test_blocked_linear_rows_do_not_change_results(rows):
-    """Many rows go through k in chunks and 6-row tiles, one row through one whole column:
-    each output is still summed in the same order, so each row equals itself computed alone,
-    bit for bit (a batch never changes a request's logits)."""
+    """Seven rows go through k in chunks and narrow tiles, 8 or more through wide 16-lane tiles,
+    one row through one whole column in 8-lane vectors: each output is still one chain of
+    multiply-adds in the same order, so each row equals itself computed alone, bit for bit (a
+    batch never changes a request's logits)."""
     torch.manual_seed(rows)
     linear = nn.Linear(576, 200, bias=True)  # k over several chunks, a partial last block
     blocked = BlockedLinear(linear, cpu_kernels.load())

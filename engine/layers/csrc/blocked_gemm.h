@@ -5,11 +5,11 @@
 // (a few dozen rows), bound by reading W once. In blocks, one pass over W is one contiguous
 // stream per thread and every loaded W vector is 16 finished dot-product lanes: no horizontal
 // sums, no re-packing per call (MKL) and no opaque layout (oneDNN, which reads W at about two
-// thirds of this speed at one row). A register tile of R x-rows by 32 W columns (2 blocks)
-// keeps 4R accumulators: each W vector feeds R multiply-adds and each broadcast x element 4.
-// Measured on the CI machine's 2 cores: at 1 row 25-28 GB/s against oneDNN's 16-20; at 32
-// rows on par with oneDNN with 3-row tiles over whole columns; beyond ~64 rows (prefills)
-// oneDNN's GEMM is up to 1.5x faster.
+// thirds of this speed at one row). Register tiles of x rows by W blocks (see Narrow and Wide
+// below) reuse each loaded W vector for every row of the tile.
+// Measured on the CI machine's 2 cores: at 1 row 25-28 GB/s against oneDNN's 16-20; at 32 rows
+// 175-200 GFLOP/s (75-86% of the FMA peak; oneDNN ~150); beyond ~64 rows (prefills) oneDNN's
+// GEMM is up to 1.4x faster.
 
 #pragma once
 
@@ -18,16 +18,22 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 namespace pdserve::blocked {
 
 constexpr int64_t kBlock = 16;
-constexpr int64_t kLanes = 8;
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
-inline Vec load(const float* p) {
-  Vec v;
+// A vector of L floats (8: one AVX2 register; 16: one AVX-512 register).
+template <int64_t L>
+struct VecOf {
+  typedef float type __attribute__((vector_size(L * sizeof(float))));
+};
+
+template <int64_t L>
+inline typename VecOf<L>::type load(const float* p) {
+  typename VecOf<L>::type v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
@@ -43,44 +49,47 @@ struct Operands {
   int64_t y_stride, k, n;
 };
 
-// Rows [m0, m0 + R) against blocks [b0, b0 + B), over k in [k0, k1). The accumulators start
-// at zero when k0 == 0, else from `part` (this tile's partial sums, R x 2B vectors); they end in
-// y (with bias and residual) when k1 == k, else back in `part`. A partial sum stored and
-// reloaded is the same float, so every output is summed in the same order (k ascending)
-// whatever the chunking: results do not depend on the number of rows.
-template <int64_t R, int64_t B>
-inline void tile(const Operands& o, int64_t m0, int64_t b0, int64_t k0, int64_t k1, Vec* part) {
-  Vec acc[R][2 * B] = {};
+// Rows [m0, m0 + R) against blocks [b0, b0 + B), over k in [k0, k1), in vectors of L lanes. The
+// accumulators start at zero when k0 == 0, else from `part` (this tile's partial sums, R x 16B
+// floats); they end in y (with bias and residual) when k1 == k, else back in `part`. Every
+// output is one chain of fused multiply-adds over k ascending: a partial sum stored and
+// reloaded is the same float, and the lane width only decides how many outputs one instruction
+// advances. So no tile shape, chunking or row count changes a result: a row's output never
+// depends on its batch.
+template <int64_t L, int64_t R, int64_t B>
+inline void tile(const Operands& o, int64_t m0, int64_t b0, int64_t k0, int64_t k1, float* part) {
+  using Vec = typename VecOf<L>::type;
+  constexpr int64_t C = B * kBlock / L;  // accumulators per row
+  Vec acc[R][C] = {};
   if (k0 > 0) {
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < 2 * B; ++c) acc[r][c] = part[r * 2 * B + c];
+      for (int64_t c = 0; c < C; ++c) acc[r][c] = load<L>(part + (r * C + c) * L);
   }
   const float* xs[R];
   for (int64_t r = 0; r < R; ++r) xs[r] = o.x + (m0 + r) * o.x_stride;
   const float* w = o.w + b0 * o.k * kBlock;
   for (int64_t i = k0; i < k1; ++i) {
-    Vec wv[2 * B];
-    for (int64_t b = 0; b < B; ++b) {
-      wv[2 * b] = load(w + (b * o.k + i) * kBlock);
-      wv[2 * b + 1] = load(w + (b * o.k + i) * kBlock + kLanes);
-    }
+    Vec wv[C];
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < kBlock / L; ++h)
+        wv[b * (kBlock / L) + h] = load<L>(w + (b * o.k + i) * kBlock + h * L);
     for (int64_t r = 0; r < R; ++r) {
       const Vec xv = Vec{} + xs[r][i];
-      for (int64_t c = 0; c < 2 * B; ++c) acc[r][c] += xv * wv[c];
+      for (int64_t c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
     }
   }
   if (k1 < o.k) {
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < 2 * B; ++c) part[r * 2 * B + c] = acc[r][c];
+      for (int64_t c = 0; c < C; ++c) std::memcpy(part + (r * C + c) * L, &acc[r][c], sizeof(Vec));
     return;
   }
   for (int64_t r = 0; r < R; ++r) {
     const int64_t m = m0 + r;
     float* y = o.y + m * o.y_stride;
     const float* res = o.residual == nullptr ? nullptr : o.residual + m * o.res_stride;
-    for (int64_t c = 0; c < 2 * B; ++c) {
-      const int64_t j0 = b0 * kBlock + c * kLanes;
-      for (int64_t l = 0; l < kLanes && j0 + l < o.n; ++l) {
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t j0 = b0 * kBlock + c * L;
+      for (int64_t l = 0; l < L && j0 + l < o.n; ++l) {
         float v = acc[r][c][l];
         if (o.bias != nullptr) v += o.bias[j0 + l];
         if (res != nullptr) v += res[j0 + l];
@@ -90,40 +99,69 @@ inline void tile(const Operands& o, int64_t m0, int64_t b0, int64_t k0, int64_t 
   }
 }
 
-// Row tiles: up to 6 rows x 32 columns (24 accumulators: AVX-512 gives 32 vector registers),
-// so each W vector loaded feeds 6 rows; fewer on targets with 16 registers.
-#if defined(__AVX512VL__)
-constexpr int64_t kTileRows = 6;
+// Two tile shapes. Few rows (a single stream, small batches) are bound by reading W: 8-lane
+// vectors over 2 blocks give 4 independent accumulator chains per row, enough to keep loads in
+// flight, in tiles of up to 6 rows (3 where only 16 vector registers exist). Many rows are
+// bound by multiply-adds: with AVX-512, 8 rows x 3 blocks of 16 lanes keep 24 accumulators in
+// registers, and each k step issues 24 FMAs for 3 W loads and 8 broadcasts (the 6 x 2-block
+// 8-lane tile issued 24 half-width FMAs for 10 loads). Measured on the CI machine's Zen 4 core:
+// 32-row linears ~78% of the FMA peak with the narrow tiles, ~93-99% with the wide ones.
+struct Narrow {
+  static constexpr int64_t kLanes = 8, kBlocks = 2;
+#if defined(__AVX512F__)
+  static constexpr int64_t kRows = 6;
 #else
-constexpr int64_t kTileRows = 3;
+  static constexpr int64_t kRows = 3;
+#endif
+};
+struct Wide {
+  static constexpr int64_t kLanes = 16, kBlocks = 3, kRows = 8;
+};
+#if defined(__AVX512F__)
+constexpr int64_t kWideFrom = Wide::kRows;  // rows at which the wide tiles take over
+#else
+constexpr int64_t kWideFrom = INT64_MAX;  // 16-lane vectors would be split in two: no gain
 #endif
 
-template <int64_t B, int64_t R = kTileRows>
+template <typename S, int64_t B, int64_t R = S::kRows>
 inline void rows_tail(const Operands& o, int64_t m, int64_t left, int64_t b0, int64_t k0,
-                      int64_t k1, Vec* part) {
+                      int64_t k1, float* part) {
   if constexpr (R > 0) {
-    if (left == R) return tile<R, B>(o, m, b0, k0, k1, part);
-    return rows_tail<B, R - 1>(o, m, left, b0, k0, k1, part);
+    if (left == R) return tile<S::kLanes, R, B>(o, m, b0, k0, k1, part);
+    return rows_tail<S, B, R - 1>(o, m, left, b0, k0, k1, part);
   }
 }
 
-// Rows [m_begin, m_end) (at most one panel) against blocks [b0, b0 + B). With many rows, k goes
-// in chunks: a chunk of W (kChunk x 2B x 16 floats) stays in L1 while every row tile of the
-// panel passes over it, instead of streaming the whole column from L2 for each tile.
-constexpr int64_t kChunk = 128;
 constexpr int64_t kPanel = 64;  // x rows stay in L2 in panels of this many
+// With narrow tiles over many rows, k goes in chunks: a chunk of W (kChunk x 2 blocks) stays in
+// L1 while every row tile of the panel passes over it. The wide tiles reuse each W vector 8
+// times in registers and stream whole columns (chunking them measured slower).
+constexpr int64_t kChunk = 128;
 
-template <int64_t B>
+// Rows [m_begin, m_end) (at most one panel) against blocks [b0, b0 + B).
+template <typename S, int64_t B>
 inline void block_rows(const Operands& o, int64_t m_begin, int64_t m_end, int64_t b0) {
-  Vec part[kPanel * 2 * B];
-  const int64_t chunk = (m_end - m_begin) > kTileRows ? kChunk : o.k;
+  float part[kPanel * B * kBlock];
+  const bool chunked = S::kLanes == Narrow::kLanes && (m_end - m_begin) > S::kRows;
+  const int64_t chunk = chunked ? kChunk : o.k;
   for (int64_t k0 = 0; k0 < o.k; k0 += chunk) {
     const int64_t k1 = std::min(o.k, k0 + chunk);
     int64_t m = m_begin;
-    for (; m + kTileRows <= m_end; m += kTileRows)
-      tile<kTileRows, B>(o, m, b0, k0, k1, part + (m - m_begin) * 2 * B);
+    for (; m + S::kRows <= m_end; m += S::kRows)
+      tile<S::kLanes, S::kRows, B>(o, m, b0, k0, k1, part + (m - m_begin) * B * kBlock);
     if (m < m_end)
-      rows_tail<B>(o, m, m_end - m, b0, k0, k1, part + (m - m_begin) * 2 * B);
+      rows_tail<S, B>(o, m, m_end - m, b0, k0, k1, part + (m - m_begin) * B * kBlock);
+  }
+}
+
+// Blocks [begin, end) for every row, B blocks at a time (fewer at the end of the range).
+template <typename S, int64_t B = S::kBlocks>
+inline void column_range(const Operands& o, int64_t rows, int64_t begin, int64_t end) {
+  if constexpr (B > 0) {
+    int64_t b = begin;
+    for (; b + B <= end; b += B)
+      for (int64_t p = 0; p < rows; p += kPanel) block_rows<S, B>(o, p, std::min(rows, p + kPanel), b);
+    column_range<S, B - 1>(o, rows, b, end);
   }
 }
 
@@ -133,12 +171,10 @@ inline void run(const Operands& o, int64_t rows) {
   // One contiguous range of blocks per thread: W streams from memory once.
   const int64_t grain = std::max<int64_t>(2, (blocks + threads - 1) / threads);
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t p = 0; p < rows; p += kPanel) {
-      const int64_t p_end = std::min(rows, p + kPanel);
-      int64_t b = begin;
-      for (; b + 2 <= end; b += 2) block_rows<2>(o, p, p_end, b);
-      if (b < end) block_rows<1>(o, p, p_end, b);
-    }
+    if (rows >= kWideFrom)
+      column_range<Wide>(o, rows, begin, end);
+    else
+      column_range<Narrow>(o, rows, begin, end);
   });
 }
 

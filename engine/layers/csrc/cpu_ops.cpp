@@ -9,6 +9,7 @@
 #include "dense_gemm.h"
 #include "fused_decode.h"
 #include "paged_attention.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -44,6 +45,20 @@ double stream_sum(const torch::Tensor& buffer) {
   return total;
 }
 
+// silu(gate) * up for x = [gate | up] rows, [M, 2n] -> [M, n]: the fused decode step's
+// activation, exposed so tests can hold its vectorized exp to torch's.
+torch::Tensor silu_and_mul(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  x.size(1) % 2 == 0,
+              "x must be a contiguous float32 [M, 2n] tensor");
+  const int64_t rows = x.size(0), n = x.size(1) / 2;
+  auto out = torch::empty({rows, n}, x.options());
+  const float* g = x.data_ptr<float>();
+  float* a = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) pdserve::vec::silu_mul(g + r * 2 * n, g + r * 2 * n + n, a + r * n, n);
+  return out;
+}
+
 }  // namespace
 
 // Every kernel lets go of the GIL while it computes, as torch's own operators do: with async
@@ -63,5 +78,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear", &pdserve::dense::linear, "y = x W^T, float32, W row-major [N, K]",
         NoGil());
   pdserve::fused::bind(m);
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:], float32", NoGil());
   m.def("stream_sum", &stream_sum, "Sum of a float32 buffer at full read bandwidth");
 }

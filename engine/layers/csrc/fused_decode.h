@@ -21,6 +21,7 @@
 
 #include "blocked_gemm.h"
 #include "paged_attention.h"
+#include "vec_math.h"
 
 namespace pdserve::fused {
 
@@ -164,9 +165,7 @@ class Decoder {
     const int64_t n = inner_;
     for_rows(rows, [&](int64_t r) {
       const float* g = gate_up + r * 2 * n;
-      float* a = act + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[n + i];
+      vec::silu_mul(g, g + n, act + r * n, n);
     });
   }
 

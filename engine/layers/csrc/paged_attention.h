@@ -26,12 +26,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace pdserve::attention {
 
-// 16 floats: one AVX-512 register; the compiler splits it on narrower machines.
-constexpr int64_t kLanes = 16;
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+using vec::IVec;
+using vec::kLanes;
+using vec::Vec;
 
 struct Geometry {
   int64_t group, head_dim, block_size;
@@ -86,26 +87,7 @@ inline Vec sum_lanes_16(const Vec* v) {
 
 inline Vec splat(float x) { return Vec{} + x; }
 
-// e^x, 16 lanes: 2^k * p(r) with k = round(x / ln2), r = x - k ln2 (|r| <= ln2/2), and a
-// degree-6 polynomial (Cephes' expf coefficients; relative error about 2e-7, like libm's).
-// Softmax only feeds it x <= 0; inputs below -87 give ~1e-38 instead of denormals.
-inline Vec exp_approx(Vec x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
-  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to nearest
-  const Vec k = (x * 1.44269504088896341f + kRound) - kRound;
-  const Vec r = x - k * 0.693359375f + k * 2.12194440e-4f;  // ln2 split in two for accuracy
-  Vec p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const IVec bits = (__builtin_convertvector(k, IVec) + 127) << 23;
-  Vec scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+using vec::exp_approx;
 
 // Softmax of s[0, n) in place; s has room for n rounded up to 16, the pad ends as zeros.
 inline void softmax_inplace(float* s, int64_t n) {
