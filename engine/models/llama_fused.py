@@ -16,7 +16,7 @@ from torch.profiler import record_function
 
 from engine.layers.attention import AttentionBackend, AttentionMetadata
 from engine.layers.attention.cpu import CpuBackend
-from engine.layers.linear import BlockedLinear
+from engine.layers.linear import BlockedEmbedding, BlockedLinear
 
 if TYPE_CHECKING:  # engine.models.llama imports this module
     from engine.models.llama import LlamaForCausalLM
@@ -41,7 +41,9 @@ class FusedDecodeStep:
         """The fused step for `model`, or None where it does not apply."""
         if not isinstance(backend, CpuBackend):
             return None
-        if model.model.embed_tokens.weight.dtype != torch.float32:
+        table = model.model.embed_tokens  # an nn.Embedding, or the tied head's blocks
+        rows = table.packed if isinstance(table, BlockedEmbedding) else table.weight
+        if rows.dtype != torch.float32:
             return None
         for layer in model.model.layers:
             if not all(isinstance(linear, BlockedLinear) for linear in _linears(layer)):

@@ -250,12 +250,12 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes a decode step reads from the weights: every parameter and packed linear once
     (a tied output head is the embedding table, counted once; an untied embedding table is
     left out: a step reads only the rows of its tokens)."""
-    from engine.layers.linear import BlockedLinear, PackedLinear, StreamedHead
+    from engine.layers.linear import BlockedLinear, PackedLinear
 
     seen: set[int] = set()
     total = 0
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    heads = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, StreamedHead))}
+    heads = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     for module in model.modules():
         if isinstance(module, (PackedLinear, BlockedLinear)):  # packed: not parameters
             element = module.packed.element_size()

@@ -194,7 +194,7 @@ def test_weight_bytes_counts_a_tied_head_once_and_packed_linears():
     from torch import nn
 
     from engine.layers import cpu_kernels
-    from engine.layers.linear import BlockedLinear, PackedLinear
+    from engine.layers.linear import BlockedEmbedding, BlockedLinear, PackedLinear
     from pdserve.bench.latency import weight_bytes
 
     class Tiny(nn.Module):
@@ -216,6 +216,12 @@ def test_weight_bytes_counts_a_tied_head_once_and_packed_linears():
     # A blocked linear counts its matrix (not its padding to 16 columns) and its bias.
     model.proj = BlockedLinear(nn.Linear(16, 20, bias=True), cpu_kernels.load())
     assert weight_bytes(model) == 4 * (16 * 20 + 20 + 2 * 16)
+    # A tied head in blocks, its embedding gathering from them: the table counted once.
+    tied = nn.Linear(16, 100, bias=False)
+    tied.weight = model.embed.weight
+    model.head = BlockedLinear(tied, cpu_kernels.load())
+    model.embed = BlockedEmbedding(model.head)
+    assert weight_bytes(model) == 4 * (16 * 20 + 20 + 2 * 16 + 100 * 16)
 
 
 def test_bench_structured_reports_both_runs_on_the_same_token_count():

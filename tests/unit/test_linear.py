@@ -8,9 +8,9 @@ from torch import nn
 
 from engine.layers import cpu_kernels
 from engine.layers.linear import (
+    BlockedEmbedding,
     BlockedLinear,
     PackedLinear,
-    StreamedHead,
     pack_linears,
     row_bucket,
     warm_up,
@@ -102,52 +102,48 @@ class Tiny(nn.Module):
             self.head.weight = self.embed.weight
 
 
-def test_auto_blocks_float32_linears_and_streams_a_tied_head():
+def test_auto_blocks_float32_linears_and_a_tied_head_with_its_embedding():
     model = Tiny(tied=True)
-    assert pack_linears(model, "auto", torch.device("cpu")) == 1
-    assert isinstance(model.proj, BlockedLinear)
+    table = model.embed.weight.detach().clone()
+    assert pack_linears(model, "auto", torch.device("cpu")) == 2
+    assert isinstance(model.proj, BlockedLinear) and isinstance(model.head, BlockedLinear)
     assert not any(isinstance(b, nn.Parameter) for b in model.proj.buffers())  # one copy
-    # The head is the embedding table: no packed copy, the same tensor, streamed.
-    assert isinstance(model.head, StreamedHead) and model.head.weight is model.embed.weight
+    # The embedding reads the head's blocks: one tensor, and no row-major table left.
+    assert isinstance(model.embed, BlockedEmbedding)
+    assert model.embed.packed is model.head.packed
+    assert not any(p.shape == table.shape for p in model.parameters())
     untied = Tiny(tied=False)
     assert pack_linears(untied, "auto", torch.device("cpu")) == 2
-    assert isinstance(untied.head, BlockedLinear)
+    assert isinstance(untied.head, BlockedLinear) and isinstance(untied.embed, nn.Embedding)
 
 
-def test_onednn_backend_packs_for_onednn():
+def test_onednn_backend_packs_for_onednn_but_blocks_a_tied_head():
     untied = Tiny(tied=False)
     assert pack_linears(untied, "onednn", torch.device("cpu")) == 2
     assert isinstance(untied.proj, PackedLinear) and isinstance(untied.head, PackedLinear)
     warm_up(untied, max_rows=70)  # builds every bucket up to 70 rows without error
+    tied = Tiny(tied=True)
+    assert pack_linears(tied, "onednn", torch.device("cpu")) == 2
+    assert isinstance(tied.proj, PackedLinear) and isinstance(tied.head, BlockedLinear)
+    assert isinstance(tied.embed, BlockedEmbedding)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40, 128, 129])
-def test_streamed_head_matches_torch_on_both_paths(rows):
-    """Up to 128 rows through the C++ kernel (which must build here), more through F.linear."""
-    torch.manual_seed(rows)
-    table = nn.Embedding(1000, 64)
-    head = nn.Linear(64, 1000, bias=False)
+# Vocabularies off the 16-row block (a padded last block), ids at both ends and repeated.
+@pytest.mark.parametrize("vocab", [1000, 1024, 17])
+def test_blocked_embedding_gives_the_tables_rows_exactly(vocab):
+    torch.manual_seed(vocab)
+    table = nn.Embedding(vocab, 24)
+    head = nn.Linear(24, vocab, bias=False)
     head.weight = table.weight
-    streamed = StreamedHead(head)
-    assert "dense_linear" in repr(streamed)
+    blocked = BlockedLinear(head, cpu_kernels.load())
+    embedding = BlockedEmbedding(blocked)
+    ids = torch.tensor([[0, vocab - 1, 5 % vocab], [16 % vocab, 15 % vocab, 5 % vocab]])
     with torch.inference_mode():
-        x = torch.randn(rows, 64)
-        torch.testing.assert_close(streamed(x), head(x), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(streamed(x.view(rows, 1, 64)), head(x).view(rows, 1, -1))
-
-
-def test_streamed_head_rows_do_not_change_results():
-    """Rows share the kernel's tiles three at a time; each row's logits are still summed as
-    when it is alone, bit for bit (odd k: the tail after the 8-lane body too)."""
-    torch.manual_seed(3)
-    head = nn.Linear(75, 1001, bias=False)
-    streamed = StreamedHead(head)
-    x = torch.randn(32, 75)
-    with torch.inference_mode():
-        together = streamed(x)
-        alone = torch.cat([streamed(x[i : i + 1]) for i in range(32)])
-    assert torch.equal(together, alone)
-    torch.testing.assert_close(together, head(x), rtol=1e-5, atol=1e-5)
+        assert torch.equal(embedding(ids), table(ids))  # a gather: the very floats
+        assert embedding(ids).shape == (2, 3, 24)
+        assert torch.equal(embedding(torch.arange(vocab)), table.weight)
+        x = torch.randn(5, 24)
+        torch.testing.assert_close(blocked(x), head(x), rtol=1e-5, atol=1e-5)
 
 
 def test_torch_backend_and_half_precision_under_auto_stay_unpacked():

@@ -1,12 +1,11 @@
 // The CPU kernel module (one build, cached per machine by engine/layers/cpu_kernels.py):
 // paged decode attention and K/V writes (paged_attention.h), float32 linears over column-blocked
-// (blocked_gemm.h) and row-major (dense_gemm.h) weights, the fused decode step of the Llama
-// family (fused_decode.h), and a read-bandwidth probe.
+// weights (blocked_gemm.h), the fused decode step of the Llama family (fused_decode.h), its
+// vectorized SiLU (vec_math.h), and a read-bandwidth probe.
 
 #include <torch/extension.h>
 
 #include "blocked_gemm.h"
-#include "dense_gemm.h"
 #include "fused_decode.h"
 #include "paged_attention.h"
 #include "vec_math.h"
@@ -74,8 +73,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x W^T (+ bias) (+ residual), float32, W from pack_blocked", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("out_features"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none(),
-        NoGil());
-  m.def("dense_linear", &pdserve::dense::linear, "y = x W^T, float32, W row-major [N, K]",
         NoGil());
   pdserve::fused::bind(m);
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:], float32", NoGil());
