@@ -89,6 +89,13 @@ inline void tile(const Operands& o, int64_t m0, int64_t b0, int64_t k0, int64_t 
     const float* res = o.residual == nullptr ? nullptr : o.residual + m * o.res_stride;
     for (int64_t c = 0; c < C; ++c) {
       const int64_t j0 = b0 * kBlock + c * L;
+      if (j0 + L <= o.n) {  // whole vectors: the same adds, in the same order, as below
+        Vec v = acc[r][c];
+        if (o.bias != nullptr) v += load<L>(o.bias + j0);
+        if (res != nullptr) v += load<L>(res + j0);
+        std::memcpy(y + j0, &v, sizeof v);
+        continue;
+      }
       for (int64_t l = 0; l < L && j0 + l < o.n; ++l) {
         float v = acc[r][c][l];
         if (o.bias != nullptr) v += o.bias[j0 + l];
