@@ -70,6 +70,9 @@ def run_both(q, k, v, layer, metadata, window=None):
         ([3, 100, 7, 9, 250, 1, 16, 31], (12, 2), 128, 16),  # GQA 6, head_dim 128
         ([12, 13], (2, 1), 16, 4),  # MQA
         ([37, 70, 5], (6, 3), 40, 4),  # head_dim not a multiple of 16, 16-token tiles span blocks
+        ([2, 45, 130], (16, 2), 64, 16),  # GQA 8: V weighed 4 query heads at a time, twice
+        ([60, 3, 99, 18], (9, 3), 64, 16),  # SmolLM2's heads: GQA 3, below the 4-head tile
+        ([20, 66], (10, 2), 64, 16),  # GQA 5: one 4-head tile and one head left
     ],
 )
 def test_decode_kernel_matches_reference(seq_lens, heads, head_dim, block_size):

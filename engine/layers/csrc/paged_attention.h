@@ -142,6 +142,55 @@ struct Scratch {
   std::vector<Vec> partial;
 };
 
+// acc[h] += p[h][t] * v_t for the query heads [m0, m0 + H) of kv head kv, over every token:
+// the H x kDim/16 accumulators stay in registers while the tokens stream by (an axpy per token
+// and head loaded and stored them each time). Each element is still one chain over t ascending.
+template <typename T, int64_t kDim, int64_t H, typename Row>
+inline void weigh_heads(const Geometry& g, const Row& row, int64_t n, int64_t n_pad, int64_t kv,
+                        int64_t m0, int64_t slice_bytes, Scratch& s) {
+  constexpr int64_t C = kDim / kLanes;
+  Vec acc[H][C] = {};
+  const float* p = &s.scores[(kv * g.group + m0) * n_pad];
+  for (int64_t i = 0; i < n; ++i) {
+    if (kv == 0 && m0 == 0 && i + kPrefetchTokens < n)
+      prefetch_to_l2(row(i + kPrefetchTokens) + g.kv_stride, slice_bytes);
+    const T* v = row(i) + g.kv_stride + kv * g.head_stride;
+    Vec vv[C];
+    for (int64_t c = 0; c < C; ++c) vv[c] = load(v + c * kLanes, kLanes);  // not c10::load
+    for (int64_t h = 0; h < H; ++h) {
+      const Vec ph = splat(p[h * n_pad + i]);
+      for (int64_t c = 0; c < C; ++c) acc[h][c] += ph * vv[c];
+    }
+  }
+  for (int64_t h = 0; h < H; ++h)
+    std::memcpy(&s.acc[(kv * g.group + m0 + h) * kDim], acc[h], sizeof acc[h]);
+}
+
+// The group's last `left` (< H) query heads in one pass.
+template <typename T, int64_t kDim, int64_t H, typename Row>
+inline void weigh_rest(const Geometry& g, const Row& row, int64_t n, int64_t n_pad, int64_t kv,
+                       int64_t m0, int64_t left, int64_t slice_bytes, Scratch& s) {
+  if constexpr (H > 0) {
+    if (left == H) return weigh_heads<T, kDim, H>(g, row, n, n_pad, kv, m0, slice_bytes, s);
+    return weigh_rest<T, kDim, H - 1>(g, row, n, n_pad, kv, m0, left, slice_bytes, s);
+  }
+}
+
+// The pass over V for every kv head of the work item, its query heads H at a time (as many as
+// keep 16 accumulators: 4 heads of 64, 2 of 128), then the rest of the group in one pass.
+template <typename T, int64_t kDim, typename Row>
+inline void weigh_values(const Geometry& g, const Row& row, int64_t n, int64_t n_pad,
+                         int64_t kv_heads, int64_t slice_bytes, Scratch& s) {
+  static_assert(kDim % kLanes == 0, "compile-time head sizes are whole vectors");
+  constexpr int64_t H = std::max<int64_t>(1, 16 / (kDim / kLanes));
+  for (int64_t kv = 0; kv < kv_heads; ++kv) {
+    int64_t m = 0;
+    for (; m + H <= g.group; m += H) weigh_heads<T, kDim, H>(g, row, n, n_pad, kv, m, slice_bytes, s);
+    if (m < g.group)
+      weigh_rest<T, kDim, H - 1>(g, row, n, n_pad, kv, m, g.group - m, slice_bytes, s);
+  }
+}
+
 // Attention of one request over the context [first, len), for the kv heads [h0, h1) and their
 // query heads.
 template <typename T, int64_t kDim>
@@ -200,15 +249,20 @@ void attend_one(const Geometry& g, const T* q, const T* cache, const int64_t* ta
   }
   for (int64_t h = 0; h < heads; ++h) softmax_inplace(&s.scores[h * n_pad], n);
 
-  // Pass over V: acc[h] = sum_t p[h][t] * v_t.
-  for (int64_t i = 0; i < n; ++i) {
-    const T* v_row = row(i) + g.kv_stride;
-    if (i + kPrefetchTokens < n) prefetch_to_l2(row(i + kPrefetchTokens) + g.kv_stride, slice_bytes);
-    for (int64_t kv = 0; kv < h1 - h0; ++kv)
-      for (int64_t m = 0; m < G; ++m) {
-        const int64_t h = kv * G + m;
-        axpy(s.scores[h * n_pad + i], v_row + kv * g.head_stride, &s.acc[h * D], D);
-      }
+  // Pass over V: acc[h] = sum_t p[h][t] * v_t, each element summed over t ascending.
+  if constexpr (kDim > 0) {
+    weigh_values<T, kDim>(g, row, n, n_pad, h1 - h0, slice_bytes, s);
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const T* v_row = row(i) + g.kv_stride;
+      if (i + kPrefetchTokens < n)
+        prefetch_to_l2(row(i + kPrefetchTokens) + g.kv_stride, slice_bytes);
+      for (int64_t kv = 0; kv < h1 - h0; ++kv)
+        for (int64_t m = 0; m < G; ++m) {
+          const int64_t h = kv * G + m;
+          axpy(s.scores[h * n_pad + i], v_row + kv * g.head_stride, &s.acc[h * D], D);
+        }
+    }
   }
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<T>(s.acc[h * D + d]);
