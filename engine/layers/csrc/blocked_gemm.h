@@ -106,19 +106,21 @@ inline void tile(const Operands& o, int64_t m0, int64_t b0, int64_t k0, int64_t 
   }
 }
 
-// Two tile shapes. Few rows (a single stream, small batches) are bound by reading W: 8-lane
-// vectors over 2 blocks give 4 independent accumulator chains per row, enough to keep loads in
-// flight, in tiles of up to 6 rows (3 where only 16 vector registers exist). Many rows are
+// Two tile shapes. Few rows (a single stream, small batches) are bound by reading W: with
+// AVX-512, 8-lane vectors over 4 blocks give 8 independent accumulator chains per row, enough
+// to keep loads in flight (one row over 30 layers' linears: 25.5-27.5 GB/s with 2 blocks,
+// 27.6-28 with 4, stream_sum 28-35), in tiles of up to 3 rows; 2 blocks where only 16 vector
+// registers exist. Many rows are
 // bound by multiply-adds: with AVX-512, 8 rows x 3 blocks of 16 lanes keep 24 accumulators in
 // registers, and each k step issues 24 FMAs for 3 W loads and 8 broadcasts (the 6 x 2-block
 // 8-lane tile issued 24 half-width FMAs for 10 loads). Measured on the CI machine's Zen 4 core:
 // 32-row linears ~78% of the FMA peak with the narrow tiles, ~93-99% with the wide ones.
 struct Narrow {
-  static constexpr int64_t kLanes = 8, kBlocks = 2;
+  static constexpr int64_t kLanes = 8;
 #if defined(__AVX512F__)
-  static constexpr int64_t kRows = 6;
+  static constexpr int64_t kBlocks = 4, kRows = 3;
 #else
-  static constexpr int64_t kRows = 3;
+  static constexpr int64_t kBlocks = 2, kRows = 3;
 #endif
 };
 struct Wide {
