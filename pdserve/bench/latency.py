@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import random
 import subprocess
 import time
@@ -29,6 +30,7 @@ from engine.models.catalog import SMOLLM2_MODEL
 from engine.step_timer import PHASES, StepTimer
 
 _BANDWIDTH_BUFFER_BYTES = 512 << 20  # far beyond any last-level cache
+_PROBE_STREAMS = (1, 4, 8)  # sequential streams per thread the CPU read probe tries
 
 
 @dataclass(frozen=True)
@@ -274,9 +276,9 @@ def weight_bytes(model: nn.Module) -> int:
 def read_bandwidth(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
     """Bytes per second a reduction over a buffer far larger than the caches reaches, with
     this process's threads: the rate at which a decode step can stream its weights. On a CPU
-    the faster of torch's sum and a plain streaming kernel (csrc/cpu_ops.cpp), each taken at
-    its best of `repeats`: the bound is what the hardware allows, not what one reduction
-    happens to reach."""
+    the fastest of torch's sum and a streaming kernel reading 1, 4 or 8 interleaved streams
+    per thread (csrc/cpu_ops.cpp), each taken at its best of `repeats`: the bound is what the
+    hardware allows, not what one reduction happens to reach."""
     element = torch.empty((), dtype=dtype).element_size()
     buffer = torch.ones(_BANDWIDTH_BUFFER_BYTES // element, dtype=dtype, device=device)
     readers = [lambda: buffer.sum(dtype=torch.float32)]
@@ -285,7 +287,8 @@ def read_bandwidth(device: torch.device, dtype: torch.dtype, repeats: int = 5) -
 
         try:
             kernel = cpu_kernels.load()
-            readers.append(lambda: kernel.stream_sum(buffer))
+            for streams in _PROBE_STREAMS:
+                readers.append(functools.partial(kernel.stream_sum, buffer, streams))
         except cpu_kernels.KernelBuildError:
             pass
     best = float("inf")

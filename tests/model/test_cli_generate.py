@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 
 def pdserve(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
@@ -222,6 +223,20 @@ def test_weight_bytes_counts_a_tied_head_once_and_packed_linears():
     model.head = BlockedLinear(tied, cpu_kernels.load())
     model.embed = BlockedEmbedding(model.head)
     assert weight_bytes(model) == 4 * (16 * 20 + 20 + 2 * 16 + 100 * 16)
+
+
+@pytest.mark.parametrize("streams", [1, 3, 8])
+@pytest.mark.parametrize("size", [7, 8, 1001, 4096 + 13])
+def test_read_probe_sums_every_element_whatever_the_stream_count(size, streams):
+    """The bandwidth probe interleaves streams per thread; whatever their count it must read
+    every element once (remainders of the streams, of the 8-lane vectors), or the bound it
+    times would be for fewer bytes than it claims."""
+    from engine.layers import cpu_kernels
+
+    buffer = torch.arange(size, dtype=torch.float32)
+    assert cpu_kernels.load().stream_sum(buffer, streams) == size * (size - 1) / 2
+    with pytest.raises(RuntimeError, match="streams"):
+        cpu_kernels.load().stream_sum(buffer, 0)
 
 
 def test_bench_structured_reports_both_runs_on_the_same_token_count():
