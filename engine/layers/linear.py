@@ -115,6 +115,9 @@ class BlockedEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)
+        # nn.Embedding refuses ids outside the table; here they would read padding or wrap.
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id outside the embedding table of {self.num_embeddings}")
         block = torch.div(flat, _BLOCK, rounding_mode="floor")
         rows = self.packed[block, :, flat - block * _BLOCK]  # [tokens, embedding_dim]
         return rows.view(*input_ids.shape, self.embedding_dim)
@@ -204,6 +207,7 @@ def pack_linears(model: nn.Module, backend: str, device: torch.device) -> int:
                 if backend == "onednn":
                     raise ValueError(f"linear backend 'onednn' cannot pack {name}: {exc}") from exc
                 logger.warning("cannot pack %s (%s); keeping torch's linears", name, exc)
+                _embed_from_heads(model, heads)  # a head packed already: still one table
                 return packed  # the others would fail the same way
             packed += 1
     _embed_from_heads(model, heads)

@@ -30,8 +30,8 @@ def test_packed_linear_matches_torch(rows, bias):
 
 
 # Output widths around the 16-column block (padding) and the 3-block wide tile, input widths off
-# the 8-lane vector, and row counts across the narrow tile (6 rows with AVX-512, else 3), the
-# switch to 8-row wide tiles at 8 rows and their tails, and the 64-row panel.
+# the 8-lane vector, and row counts across the narrow 3-row tile, the switch to 8-row wide tiles
+# at 8 rows and their tails, and the 64-row panel.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 7, 8, 9, 13, 16, 64, 65, 130])
 @pytest.mark.parametrize(("in_features", "out_features"), [(48, 80), (37, 15), (64, 33)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -144,6 +144,9 @@ def test_blocked_embedding_gives_the_tables_rows_exactly(vocab):
         assert torch.equal(embedding(torch.arange(vocab)), table.weight)
         x = torch.randn(5, 24)
         torch.testing.assert_close(blocked(x), head(x), rtol=1e-5, atol=1e-5)
+        for bad in (vocab, -1):  # padding rows of the last block, or a wrap: refused, as torch does
+            with pytest.raises(IndexError, match="outside the embedding table"):
+                embedding(torch.tensor([0, bad]))
 
 
 def test_torch_backend_and_half_precision_under_auto_stay_unpacked():

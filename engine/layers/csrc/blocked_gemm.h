@@ -142,8 +142,8 @@ inline void rows_tail(const Operands& o, int64_t m, int64_t left, int64_t b0, in
 }
 
 constexpr int64_t kPanel = 64;  // x rows stay in L2 in panels of this many
-// With narrow tiles over many rows, k goes in chunks: a chunk of W (kChunk x 2 blocks) stays in
-// L1 while every row tile of the panel passes over it. The wide tiles reuse each W vector 8
+// With narrow tiles over many rows, k goes in chunks: a chunk of W (kChunk x the tile's blocks)
+// stays in L1 while every row tile of the panel passes over it. The wide tiles reuse each W vector 8
 // times in registers and stream whole columns (chunking them measured slower).
 constexpr int64_t kChunk = 128;
 
