@@ -118,15 +118,13 @@ class BlockedEmbedding(nn.Module):
         # nn.Embedding refuses ids outside the table; here they would read padding or wrap.
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token id outside the embedding table of {self.num_embeddings}")
-        block = torch.div(flat, _BLOCK, rounding_mode="floor")
-        rows = self.packed[block, :, flat - block * _BLOCK]  # [tokens, embedding_dim]
+        width = self.packed.shape[2]  # output columns per block
+        block = torch.div(flat, width, rounding_mode="floor")
+        rows = self.packed[block, :, flat - block * width]  # [tokens, embedding_dim]
         return rows.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, blocked (the tied head's tensor)"
-
-
-_BLOCK = 16  # columns per block of BlockedLinear's packed weight (csrc/blocked_gemm.h)
 
 
 def _cpu_kernels() -> Any:
@@ -183,8 +181,20 @@ def pack_linears(model: nn.Module, backend: str, device: torch.device) -> int:
     make = _packer(backend)
     if make is None:
         return 0
-    tied = _tied_output_heads(model)
     heads: dict[int, BlockedLinear] = {}  # by the id of the weight a head shares
+    packed = _swap_linears(model, backend, make, heads)
+    _embed_from_heads(model, heads)  # also after an early stop: a packed head keeps one table
+    return packed
+
+
+def _swap_linears(
+    model: nn.Module,
+    backend: str,
+    make: Callable[[nn.Linear], nn.Module],
+    heads: dict[int, BlockedLinear],
+) -> int:
+    """pack_linears' swap of every nn.Linear; tied heads it blocks are added to `heads`."""
+    tied = _tied_output_heads(model)
     packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -207,10 +217,8 @@ def pack_linears(model: nn.Module, backend: str, device: torch.device) -> int:
                 if backend == "onednn":
                     raise ValueError(f"linear backend 'onednn' cannot pack {name}: {exc}") from exc
                 logger.warning("cannot pack %s (%s); keeping torch's linears", name, exc)
-                _embed_from_heads(model, heads)  # a head packed already: still one table
                 return packed  # the others would fail the same way
             packed += 1
-    _embed_from_heads(model, heads)
     return packed
 
 

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace pdserve::blocked {
 
@@ -110,17 +111,16 @@ inline void tile(const Operands& o, int64_t m0, int64_t b0, int64_t k0, int64_t 
 // AVX-512, 8-lane vectors over 4 blocks give 8 independent accumulator chains per row, enough
 // to keep loads in flight (one row over 30 layers' linears: 25.5-27.5 GB/s with 2 blocks,
 // 27.6-28 with 4, stream_sum 28-35), in tiles of up to 3 rows; 2 blocks where only 16 vector
-// registers exist. Many rows are
-// bound by multiply-adds: with AVX-512, 8 rows x 3 blocks of 16 lanes keep 24 accumulators in
+// registers exist. Many rows are bound by multiply-adds: with AVX-512, 8 rows x 3 blocks of 16 lanes keep 24 accumulators in
 // registers, and each k step issues 24 FMAs for 3 W loads and 8 broadcasts (the 6 x 2-block
 // 8-lane tile issued 24 half-width FMAs for 10 loads). Measured on the CI machine's Zen 4 core:
 // 32-row linears ~78% of the FMA peak with the narrow tiles, ~93-99% with the wide ones.
 struct Narrow {
-  static constexpr int64_t kLanes = 8;
+  static constexpr int64_t kLanes = 8, kRows = 3;
 #if defined(__AVX512F__)
-  static constexpr int64_t kBlocks = 4, kRows = 3;
+  static constexpr int64_t kBlocks = 4;
 #else
-  static constexpr int64_t kBlocks = 2, kRows = 3;
+  static constexpr int64_t kBlocks = 2;
 #endif
 };
 struct Wide {
@@ -143,15 +143,15 @@ inline void rows_tail(const Operands& o, int64_t m, int64_t left, int64_t b0, in
 
 constexpr int64_t kPanel = 64;  // x rows stay in L2 in panels of this many
 // With narrow tiles over many rows, k goes in chunks: a chunk of W (kChunk x the tile's blocks)
-// stays in L1 while every row tile of the panel passes over it. The wide tiles reuse each W vector 8
-// times in registers and stream whole columns (chunking them measured slower).
+// stays in L1 while every row tile of the panel passes over it. The wide tiles reuse each W
+// vector 8 times in registers and stream whole columns (chunking them measured slower).
 constexpr int64_t kChunk = 128;
 
 // Rows [m_begin, m_end) (at most one panel) against blocks [b0, b0 + B).
 template <typename S, int64_t B>
 inline void block_rows(const Operands& o, int64_t m_begin, int64_t m_end, int64_t b0) {
   float part[kPanel * B * kBlock];
-  const bool chunked = S::kLanes == Narrow::kLanes && (m_end - m_begin) > S::kRows;
+  const bool chunked = std::is_same_v<S, Narrow> && (m_end - m_begin) > S::kRows;
   const int64_t chunk = chunked ? kChunk : o.k;
   for (int64_t k0 = 0; k0 < o.k; k0 += chunk) {
     const int64_t k1 = std::min(o.k, k0 + chunk);

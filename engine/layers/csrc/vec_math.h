@@ -38,6 +38,8 @@ inline Vec exp_approx(Vec x) {
   return p * scale;
 }
 
+inline Vec silu_times(Vec g, Vec u) { return g / (1.0f + exp_approx(-g)) * u; }
+
 // a[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i] for i in [0, n).
 inline void silu_mul(const float* g, const float* u, float* a, int64_t n) {
   int64_t i = 0;
@@ -45,15 +47,16 @@ inline void silu_mul(const float* g, const float* u, float* a, int64_t n) {
     Vec gv, uv;
     std::memcpy(&gv, g + i, sizeof gv);
     std::memcpy(&uv, u + i, sizeof uv);
-    const Vec out = gv / (1.0f + exp_approx(-gv)) * uv;
+    const Vec out = silu_times(gv, uv);
     std::memcpy(a + i, &out, sizeof out);
   }
-  if (i < n) {  // the tail through a zero-padded vector: the same arithmetic as the body
+  if (i < n) {  // the tail through zero-padded vectors: the same arithmetic as the body
+    const size_t bytes = static_cast<size_t>(n - i) * sizeof(float);
     Vec gv = {}, uv = {};
-    std::memcpy(&gv, g + i, static_cast<size_t>(n - i) * sizeof(float));
-    std::memcpy(&uv, u + i, static_cast<size_t>(n - i) * sizeof(float));
-    const Vec out = gv / (1.0f + exp_approx(-gv)) * uv;
-    std::memcpy(a + i, &out, static_cast<size_t>(n - i) * sizeof(float));
+    std::memcpy(&gv, g + i, bytes);
+    std::memcpy(&uv, u + i, bytes);
+    const Vec out = silu_times(gv, uv);
+    std::memcpy(a + i, &out, bytes);
   }
 }
 
