@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.worker.kv_cache import KV_CACHE_LAYOUT
+from engine.kv_connector import KV_CACHE_LAYOUT
 
 
 @dataclass(frozen=True)

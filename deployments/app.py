@@ -13,11 +13,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployments.cluster.sla_autoscaling import autoscaling_config
 from deployments.credentials import ApiKeys, configured_keys, kv_secret_to_bind
-from deployments.migration import MigrationPolicy
-from deployments.orchestrator import FlowConfig
 from deployments.protocol import RequestLimits
-from deployments.sla_autoscaling import autoscaling_config
+from deployments.router.migration import MigrationPolicy
+from deployments.router.orchestrator import FlowConfig
 from engine.config import (
     SideChannelTLS,
     check_known_keys,
@@ -50,7 +50,7 @@ class AppConfig:
     # Resources per engine replica: one GPU each on a GPU cluster.
     num_cpus_per_engine: float = 1.0
     # On CPU nodes each engine replica computes with num_cpus_per_engine threads pinned to
-    # cores no other engine replica holds (deployments/core_pinning.py); false: unpinned.
+    # cores no other engine replica holds (deployments/replica/core_pinning.py); false: unpinned.
     pin_engine_cores: bool = True
     num_gpus_per_engine: float = 0.0
     num_cpus_router: float = 0.5
@@ -84,13 +84,13 @@ class AppConfig:
     # from the engine holding the most of them when that spares it at least this many
     # tokens; 0 turns them off.
     min_prefix_loan_tokens: int = FlowConfig.min_prefix_loan_tokens
-    # Route both legs by the engines' prefix caches (deployments/kv_index.py); off: Serve's
+    # Route both legs by the engines' prefix caches (deployments/cluster/kv_index.py); off: Serve's
     # default (power of two choices).
     kv_aware_routing: bool = True
     request_timeout_s: float = 300.0
     prefill_timeout_s: float = 60.0
     # A request whose decode (or colocated) engine fails mid-stream moves to another engine
-    # at most this many times (deployments/migration.py); 0: it fails with the engine.
+    # at most this many times (deployments/router/migration.py); 0: it fails with the engine.
     max_migrations: int = MigrationPolicy.max_migrations
     # OTLP/gRPC collector for traces; empty: OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing.
     otlp_endpoint: str = ""
@@ -194,12 +194,12 @@ class AppConfig:
 
 def build_app(args: dict[str, Any] | None = None) -> Any:
     """The Serve Application (Router ingress bound to its engine deployments)."""
-    from deployments.engine_server import (
+    from deployments.replica.engine_server import (
         ColocatedDeployment,
         DecodeDeployment,
         PrefillDeployment,
     )
-    from deployments.router import RouterDeployment, RouterSettings
+    from deployments.router.router import RouterDeployment, RouterSettings
 
     config = AppConfig.from_args(args)
     # Resolved once here and bound into every replica's arguments (or, from the environment,
@@ -271,14 +271,14 @@ def _request_router(config: AppConfig, role: str, kv_aware: bool = True) -> dict
     """Serve's `request_router_config` for one role's deployment."""
     if not (kv_aware and config.kv_aware_routing):
         return {
-            "request_router_class": "deployments.request_routers.ReplicaSetRouter",
+            "request_router_class": "deployments.cluster.request_routers.ReplicaSetRouter",
             "request_router_kwargs": {"role": role},
         }
     from engine.arg_utils import EngineArgs
 
     block_size = int(config.engine_args.get("block_size", EngineArgs.block_size))
     return {
-        "request_router_class": "deployments.request_routers.KVAwareRouter",
+        "request_router_class": "deployments.cluster.request_routers.KVAwareRouter",
         "request_router_kwargs": {"role": role, "block_size": block_size},
     }
 

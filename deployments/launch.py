@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deployments.app import AppConfig, build_app
-from deployments.grpc_ingress import SERVICER_FUNCTION
+from deployments.router.grpc_ingress import SERVICER_FUNCTION
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class ServeOptions:
     dashboard_port: int | None = None
     metrics_export_port: int | None = None
     # TLS (PEM files): HTTPS on http_port (Serve's own), and gRPC over TLS on grpc_tls_port
-    # beside the plain grpc_port (deployments/grpc_ingress.py).
+    # beside the plain grpc_port (deployments/router/grpc_ingress.py).
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     grpc_tls_port: int = 9443
@@ -106,7 +106,7 @@ def start(
 def _proxy_environment(options: ServeOptions) -> Iterator[None]:
     """The gRPC proxy's TLS settings as environment variables while Ray starts: its processes
     inherit them from the raylet, and this process gets its own environment back after."""
-    from deployments import grpc_ingress
+    from deployments.router import grpc_ingress
 
     wanted = {}
     if options.tls:

@@ -22,17 +22,10 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from engine.arg_utils import EngineArgs
 from engine.core.admission import QueueFull
 from engine.core.kv_events import EngineLoad, KVEventBatch, KVSnapshot
 from engine.engine_core import EngineCore
-from engine.llm import (
-    PromptInput,
-    encode_prompt,
-    load_tokenizer,
-    make_request,
-    reasoning_tokens,
-)
+from engine.inputs import InputProcessor, PromptInput, encode_prompt
 from engine.models.catalog import TINY_MODEL
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, RequestOutput, merge_outputs
@@ -115,12 +108,9 @@ def _snapshot(result: RequestOutput) -> RequestOutput:
 
 class AsyncEngine:
     def __init__(self, model: str = TINY_MODEL, **engine_args: Any) -> None:
-        config, arch = EngineArgs.from_kwargs(model, **engine_args).create_engine_config()
-        self.tokenizer = load_tokenizer(config.model)
-        self.core = EngineCore(
-            config, arch, reasoning_tokens(self.tokenizer), tokenizer=self.tokenizer
-        )
-        self.max_model_len = config.scheduler.max_model_len
+        self.inputs = InputProcessor.from_args(model, **engine_args)
+        self.tokenizer = self.inputs.tokenizer
+        self.core = EngineCore.from_inputs(self.inputs)
         self._sinks: dict[str, _Sink] = {}
         self._commands: queue.Queue[_Add | _End | _OnLoop | None] = queue.Queue()
         # Numbered prefix-cache event batches, taken after each step (kv_events_config).
@@ -154,7 +144,7 @@ class AsyncEngine:
         `generate_tokens`.
         """
         params = sampling_params or SamplingParams()
-        text, token_ids = encode_prompt(self.tokenizer, prompt, self.max_model_len)
+        text, token_ids = self.inputs.encode(prompt)
         request_id = request_id or self._new_request_id()
         processor = OutputProcessor(self.tokenizer)
         processor.add_request(request_id, text, token_ids, params)
@@ -195,7 +185,7 @@ class AsyncEngine:
         params = sampling_params or SamplingParams()
         if params.stop:
             raise ValueError("stop strings need text: use generate(), not generate_tokens()")
-        _, token_ids = encode_prompt(None, prompt_token_ids, self.max_model_len)
+        _, token_ids = encode_prompt(None, prompt_token_ids, self.inputs.max_model_len)
         call = self._start(request_id or self._new_request_id(), token_ids, params, request_kwargs)
         async with aclosing(self._outputs(call, coalesce)) as outputs:
             async for output in outputs:
@@ -352,12 +342,8 @@ class AsyncEngine:
         try:
             if add.request_id in self._sinks:
                 raise ValueError(f"duplicate request id {add.request_id!r}")
-            request = make_request(
-                add.request_id,
-                add.token_ids,
-                add.params,
-                self.core.arch.eos_token_ids,
-                **add.request_kwargs,
+            request = self.inputs.make_request(
+                add.request_id, add.token_ids, add.params, **add.request_kwargs
             )
             self.core.add_request(request)
         except (ValueError, QueueFull) as exc:  # the caller's to handle: bad input, full

@@ -18,13 +18,14 @@ from engine.core.kv_cache_manager import PrefixCacheStats
 from engine.core.kv_events import EngineLoad, KVEventStream
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.scheduler import Scheduler
+from engine.inputs import InputProcessor, ReasoningTokens
 from engine.kv_connector import KVConnectorBase, create_kv_connector
 from engine.models import ModelArchConfig
 from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
 from engine.step_timer import StepTimer
 from engine.tokenizer import Tokenizer
-from engine.worker.model_runner import ModelRunner, ReasoningTokens
+from engine.worker.model_runner import ModelRunner
 
 _IDLE_POLL_S = 0.002
 # An engine whose KV pool is this full lends no prefix blocks (they would be kept from eviction).
@@ -74,6 +75,14 @@ class EngineCore:
         if config.cache.enable_kv_cache_events:
             pool = self.scheduler.kv_cache_manager.block_pool
             self.kv_events = KVEventStream(pool.take_events, pool.cached_block_hashes)
+
+    @classmethod
+    def from_inputs(
+        cls, inputs: InputProcessor, connector: KVConnectorBase | None = None
+    ) -> EngineCore:
+        """The engine for a model whose inputs `inputs` processes (its configuration, its
+        tokenizer's reasoning tokens)."""
+        return cls(inputs.config, inputs.arch, inputs.reasoning_tokens, connector, inputs.tokenizer)
 
     # ------------------------------------------------------------------ requests
 

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from engine.models import ModelArchConfig
 
 T = TypeVar("T")
+# The KV cache's block-contiguous layout (engine/worker/kv_cache.py), named in the transfer
+# compatibility hash: engines with different layouts must not exchange blocks.
+KV_CACHE_LAYOUT = "blocks-layers-kv-tokens-heads-dim/v1"
 # Pins the cached blocks of a prompt's leading block hashes for a lease (engine thread only).
 PinPrefix = Callable[[list[bytes], str], list[int]]
 

@@ -2,62 +2,31 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.arg_utils import EngineArgs
-from engine.config import ModelConfig
 from engine.engine_core import EngineCore
-from engine.models.catalog import TINY_MODEL, is_gguf_path
+from engine.inputs import ChatMessages, InputProcessor, PromptInput
+from engine.models.catalog import TINY_MODEL
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.request import RequestStatus, SamplingParams
 from engine.tokenizer import Tokenizer
-from engine.worker.model_runner import ReasoningTokens
 
-PromptInput = str | Sequence[int] | dict[str, Any]
-# One conversation: [{"role": "user", "content": "..."}, ...].
-ChatMessages = Sequence[Mapping[str, Any]]
 KVParams = dict[str, Any]
-
-
-def load_tokenizer(model: ModelConfig) -> Tokenizer | None:
-    """The model's tokenizer (or the --tokenizer override). None for a model directory without
-    tokenizer.json or a GGUF without tokenizer metadata: it still serves token-id prompts. A
-    GGUF tokenizer or an override that cannot be built is an error."""
-    if model.tokenizer is None and is_gguf_path(model.model):
-        from engine.models.gguf_file import metadata, open_gguf
-
-        if metadata(open_gguf(model.model), "tokenizer.ggml.model") is None:
-            return None  # weights only; its errors are the tokenizer builder's to report
-        return Tokenizer.from_pretrained(model.model)
-    try:
-        return Tokenizer.from_pretrained(model.tokenizer_path)
-    except ValueError:
-        if model.tokenizer is not None:
-            raise
-        return None
-
-
-def reasoning_tokens(tokenizer: Tokenizer | None) -> ReasoningTokens:
-    if tokenizer is None:
-        return ReasoningTokens()
-    return ReasoningTokens(tokenizer.token_id("<think>"), tokenizer.token_id("</think>"))
 
 
 class LLM:
     def __init__(self, model: str = TINY_MODEL, **engine_args: Any) -> None:
-        args = EngineArgs.from_kwargs(model, **engine_args)
-        config, arch = args.create_engine_config()
-        self.tokenizer = load_tokenizer(config.model)
-        self.engine = EngineCore(
-            config, arch, reasoning_tokens(self.tokenizer), tokenizer=self.tokenizer
-        )
-        self.max_model_len = config.scheduler.max_model_len
+        self.inputs = InputProcessor.from_args(model, **engine_args)
+        self.engine = EngineCore.from_inputs(self.inputs)
         self._counter = itertools.count()
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.inputs.tokenizer
 
     def generate(
         self,
@@ -128,71 +97,17 @@ class LLM:
         params: SamplingParams,
         kv_transfer_params: KVParams | None,
     ) -> str:
-        text, token_ids = encode_prompt(self.tokenizer, prompt, self.max_model_len)
+        text, token_ids = self.inputs.encode(prompt)
         request_id = str(next(self._counter))
-        request = make_request(
+        request = self.inputs.make_request(
             request_id,
             token_ids,
             params,
-            self.engine.arch.eos_token_ids,
             kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
         )
         processor.add_request(request_id, text, request.prompt_token_ids, params)
         self.engine.add_request(request)
         return request_id
-
-
-def render_chat(tokenizer: Tokenizer | None, messages: ChatMessages) -> tuple[str, list[int]]:
-    """(text, token ids) of a conversation rendered with the model's chat template, ready for
-    the assistant's turn. The template writes its own bos, so encoding adds none."""
-    if tokenizer is None:
-        raise ValueError("chat prompts need a tokenizer with a chat template")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return text, tokenizer.encode(text, add_special_tokens=False)
-
-
-def encode_prompt(
-    tokenizer: Tokenizer | None, prompt: PromptInput, max_model_len: int
-) -> tuple[str | None, list[int]]:
-    """(text, token ids) of a prompt given as text, token ids, or a dict of either (or of
-    chat messages: {"messages": [...]})."""
-    text: str | None = None
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            prompt = list(prompt["prompt_token_ids"])
-        elif "prompt" in prompt:
-            prompt = prompt["prompt"]
-        elif "messages" in prompt:
-            text, prompt = render_chat(tokenizer, prompt["messages"])
-        else:
-            raise ValueError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages'")
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("text prompts need a tokenizer; pass token ids instead")
-        text, token_ids = prompt, tokenizer.encode(prompt)
-    else:
-        token_ids = [int(t) for t in prompt]
-    if len(token_ids) > max_model_len:
-        raise ValueError(
-            f"prompt has {len(token_ids)} tokens, more than max_model_len={max_model_len}"
-        )
-    return text, token_ids
-
-
-def make_request(
-    request_id: str,
-    prompt_token_ids: list[int],
-    params: SamplingParams,
-    eos_token_ids: Sequence[int],
-    **request_kwargs: Any,
-) -> Request:
-    """A Request for this model: the first EOS id is the request's EOS; further ones (Llama 3
-    has two) stop generation as stop tokens, unless EOS is ignored."""
-    extra = [t for t in eos_token_ids[1:] if t not in params.stop_token_ids]
-    if extra and not params.ignore_eos:
-        params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
-    eos = eos_token_ids[0] if eos_token_ids else None
-    return Request(request_id, prompt_token_ids, params, eos_token_id=eos, **request_kwargs)
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

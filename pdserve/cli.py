@@ -222,8 +222,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _run_client(args: argparse.Namespace) -> int:
     import grpc
 
-    from deployments.client import Completion, GenerationClient, generate_request
     from engine.request import SamplingParams
+    from pdserve.client import Completion, GenerationClient, generate_request
 
     SamplingParams(**_sampling_kwargs(args))  # the same checks (and messages) as generate
     requests = [

@@ -129,11 +129,9 @@ def _json_object(text: str) -> dict:
 def _check_model(model: str, engine_args: dict) -> None:
     """Resolve (fetch) the model and read its config and tokenizer here, once: a model the
     engines cannot serve is then one line from this process, not a replica crash in Ray."""
-    from engine.arg_utils import EngineArgs
-    from engine.llm import load_tokenizer
+    from engine.inputs import InputProcessor
 
-    config, _ = EngineArgs.from_kwargs(model, **engine_args).create_engine_config()
-    load_tokenizer(config.model)
+    InputProcessor.from_args(model, **engine_args)
 
 
 # `pdserve serve` flags that are AppConfig fields of the same name: default, help.

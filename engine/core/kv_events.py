@@ -68,7 +68,7 @@ class EngineLoad:
 
 class KVEventStream:
     """An engine's prefix-cache events, numbered for publishing (a router-side index applies
-    them: deployments/kv_index.py). Called from the engine's own thread."""
+    them: deployments/cluster/kv_index.py). Called from the engine's own thread."""
 
     def __init__(
         self,

@@ -14,8 +14,6 @@ import torch
 from engine.worker.host_memory import zeros_on_huge_pages
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-# Named in the transfer compatibility hash: engines with different layouts must not exchange.
-KV_CACHE_LAYOUT = "blocks-layers-kv-tokens-heads-dim/v1"
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -14,6 +14,7 @@ from engine.core.sched_output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from engine.inputs import ReasoningTokens
 from engine.kv_connector import KVConnectorBase
 from engine.layers.attention import get_attention_backend
 from engine.layers.linear import pack_linears
@@ -49,12 +50,6 @@ from engine.worker.step_inputs import StepPlan, plan_step, prepare_step_inputs
 
 _NO_PROCESSORS = LogitsProcessors()
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ReasoningTokens:
-    start: int | None = None
-    end: int | None = None
 
 
 class ModelRunner:
@@ -438,4 +433,4 @@ def _logprobs_rows(
     return rows
 
 
-__all__ = ["ModelRunner", "ReasoningTokens"]
+__all__ = ["ModelRunner"]

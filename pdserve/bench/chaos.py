@@ -116,7 +116,7 @@ def _offline(config: ChaosConfig, prompts: list[str]) -> list[list[int]]:
 def _chaos(
     config: ChaosConfig, target: str, app: str, prompts: list[str], expected: list[list[int]]
 ) -> dict[str, Any]:
-    from deployments.client import GenerationClient
+    from pdserve.client import GenerationClient
 
     client = GenerationClient(target, app)
     tally = _Tally()
@@ -208,7 +208,7 @@ def _worker(load: _Load, rng: random.Random, stop_at: float, issued: _Issued) ->
 def _one(load: _Load, rng: random.Random, plain: bool = False) -> None:
     import grpc
 
-    from deployments.client import generate_request
+    from pdserve.client import generate_request
 
     client, config, tally = load.client, load.config, load.tally
     prompts, expected = load.prompts, load.expected
@@ -259,7 +259,7 @@ def _failed(exc: Any, tally: _Tally, cancelled: bool) -> None:
 def _malformed(client: Any, rng: random.Random, tally: _Tally) -> None:
     import grpc
 
-    from deployments.client import generate_request
+    from pdserve.client import generate_request
 
     bad = rng.choice(
         [

@@ -25,7 +25,6 @@ from typing import Any
 
 import grpc
 
-from deployments.client import APP_METADATA_KEY, generate_request
 from deployments.credentials import bearer, client_api_key
 from pdserve.bench.stats import summarize
 from pdserve.bench.workloads import (
@@ -36,6 +35,7 @@ from pdserve.bench.workloads import (
     max_tokens_needed,
     warmup_prompts,
 )
+from pdserve.client import APP_METADATA_KEY, generate_request
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
 

@@ -48,7 +48,8 @@ def code_edit_messages() -> list[dict[str, str]]:
 
 
 def run(config: SpecBenchConfig) -> dict[str, Any]:
-    from engine.llm import LLM, render_chat
+    from engine.inputs import render_chat
+    from engine.llm import LLM
 
     common = {"device": config.device, "enable_prefix_caching": False, "max_model_len": 2048}
     k = config.num_speculative_tokens

@@ -1,5 +1,5 @@
 """Cores of its own per engine replica: claims between real processes, and threads pinned as
-the kernel sees them (deployments/core_pinning.py)."""
+the kernel sees them (deployments/replica/core_pinning.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from deployments.core_pinning import claim_cores, pin_process_threads, place_engine
+from deployments.replica.core_pinning import claim_cores, pin_process_threads, place_engine
 
 pytestmark = pytest.mark.integration
 
 HOLDER = """
 import sys, time
 from pathlib import Path
-from deployments.core_pinning import claim_cores
+from deployments.replica.core_pinning import claim_cores
 claim = claim_cores(int(sys.argv[2]), [0, 1, 2, 3], Path(sys.argv[1]))
 print(",".join(map(str, claim.cores)) if claim else "none", flush=True)
 time.sleep(600)

@@ -23,12 +23,12 @@ import pytest
 import ray
 
 from deployments.app import AppConfig
-from deployments.client import Completion, GenerationClient, generate_request
-from deployments.kv_index import index_actor_name
+from deployments.cluster.kv_index import index_actor_name
 from deployments.launch import APP_NAME, ServeOptions, start, stop
 from engine.core.kv_cache_utils import prompt_block_hashes
 from engine.llm import LLM
 from engine.request import SamplingParams
+from pdserve.client import Completion, GenerationClient, generate_request
 from tests.integration.serve_utils import free_port, replica_actors, wait_until
 
 pytestmark = pytest.mark.integration

@@ -18,10 +18,10 @@ import grpc
 import pytest
 
 from deployments.app import AppConfig
-from deployments.client import GenerationClient, generate_request
 from deployments.launch import APP_NAME, ServeOptions, start, stop
 from engine.llm import LLM
 from engine.request import SamplingParams
+from pdserve.client import GenerationClient, generate_request
 from protos.pdserve.v1 import generate_pb2 as pb
 from tests.integration.serve_utils import free_port, replica_actors, sigkill_replica, wait_until
 

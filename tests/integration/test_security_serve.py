@@ -1,5 +1,5 @@
 """API keys and TLS on a real Serve app: HTTPS (Serve's own `ssl_*` options), gRPC over TLS on
-the proxy's extra port (deployments/grpc_ingress.py) beside the plain one, API keys on both
+the proxy's extra port (deployments/router/grpc_ingress.py) beside the plain one, API keys on both
 APIs, and the engines' side channel on mutual TLS while KV crosses over NIXL. Keys must not
 appear in any log Ray wrote or in any exported span."""
 
@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from deployments.app import AppConfig
-from deployments.client import GenerationClient, generate_request
 from deployments.launch import APP_NAME, ServeOptions, start, stop
+from pdserve.client import GenerationClient, generate_request
 from pdserve.trace_sink import SpanSink, start_sink
 from tests.integration.serve_utils import free_port, wait_until
 from tests.tls_certs import CertificateAuthority

@@ -24,10 +24,10 @@ import grpc
 import pytest
 
 from deployments.app import AppConfig
-from deployments.client import Completion, GenerationClient, generate_request
 from deployments.launch import APP_NAME, COLOCATED_APP_NAME, ServeOptions, start, stop
 from engine.llm import LLM
 from engine.request import SamplingParams
+from pdserve.client import Completion, GenerationClient, generate_request
 from tests.integration.serve_utils import free_port, replica_actors, sigkill_replica, wait_until
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,6 @@
 """SLA autoscaling on real local Ray Serve: under load past its targets the decode deployment
 grows from one replica to two, and back to one once the load is gone. Serve's controller runs
-deployments/sla_autoscaling.py's policy on what the engine replicas record."""
+deployments/cluster/sla_autoscaling.py's policy on what the engine replicas record."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from deployments.app import AppConfig
-from deployments.client import GenerationClient, generate_request
 from deployments.launch import APP_NAME, ServeOptions, start, stop
+from pdserve.client import GenerationClient, generate_request
 from tests.integration.serve_utils import free_port, wait_until
 
 pytestmark = pytest.mark.integration

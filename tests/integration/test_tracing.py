@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from deployments.app import AppConfig
-from deployments.client import GenerationClient, generate_request
 from deployments.launch import APP_NAME, ServeOptions, start, stop
+from pdserve.client import GenerationClient, generate_request
 from pdserve.trace_sink import STATUS_ERROR, SpanSink, start_sink
 from tests.integration.serve_utils import free_port, wait_until
 

@@ -6,9 +6,9 @@ import asyncio
 import time
 from typing import Any
 
-from deployments.engine_server import EngineServer
-from deployments.orchestrator import Orchestrator
 from deployments.protocol import GenerateInput, ResponseChunk
+from deployments.replica.engine_server import EngineServer
+from deployments.router.orchestrator import Orchestrator
 from engine.request import SamplingParams
 
 

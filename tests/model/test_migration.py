@@ -18,14 +18,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from deployments.engine_server import EngineServer
+from deployments.cluster.replica_set import ReplicaSets, RoleWatch
 from deployments.errors import EngineFailure, Overloaded, public_message
-from deployments.kv_leases import LeaseReleaser
-from deployments.migration import MigrationPolicy
-from deployments.orchestrator import FlowConfig, ModelFacts, Orchestrator, StreamFn
 from deployments.protocol import EngineRequest, GenerateInput
-from deployments.replica_set import ReplicaSets, RoleWatch
-from deployments.telemetry import RouterTelemetry
+from deployments.replica.engine_server import EngineServer
+from deployments.router.kv_leases import LeaseReleaser
+from deployments.router.migration import MigrationPolicy
+from deployments.router.orchestrator import FlowConfig, ModelFacts, Orchestrator, StreamFn
+from deployments.router.telemetry import RouterTelemetry
 from engine.llm import LLM
 from engine.outputs import EngineCoreOutput
 from engine.request import SamplingParams

@@ -18,17 +18,17 @@ from typing import Any
 
 import pytest
 
-from deployments.engine_server import EngineServer
+from deployments.cluster.kv_scoring import CacheSurvey, survey
+from deployments.cluster.replica_set import ReplicaSets, RoleWatch
 from deployments.errors import DeadlineExceeded
-from deployments.kv_leases import LeaseReleaser, PrefixBorrower
-from deployments.kv_scoring import CacheSurvey, survey
-from deployments.orchestrator import (
+from deployments.protocol import EngineRequest
+from deployments.replica.engine_server import EngineServer
+from deployments.router.kv_leases import LeaseReleaser, PrefixBorrower
+from deployments.router.orchestrator import (
     FlowConfig,
     ModelFacts,
     Orchestrator,
 )
-from deployments.protocol import EngineRequest
-from deployments.replica_set import ReplicaSets, RoleWatch
 from engine.llm import LLM
 from engine.outputs import EngineCoreOutput
 from engine.request import SamplingParams, StructuredOutputsParams
@@ -378,7 +378,7 @@ class IndexOf:
         self.engines = engines
 
     async def survey(self, prompt: list[int], cache_salt: str | None) -> CacheSurvey | None:
-        from deployments.kv_index import KVIndexServer
+        from deployments.cluster.kv_index import KVIndexServer
         from engine.core.kv_cache_utils import prompt_block_hashes
         from engine.core.kv_events import KVSnapshot
 

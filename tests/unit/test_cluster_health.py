@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from deployments.cluster_health import (
+from deployments.cluster.health import (
     DEGRADED,
     NOT_SERVING,
     RUNNING,
@@ -13,7 +13,7 @@ from deployments.cluster_health import (
     UNREACHABLE,
     survey,
 )
-from deployments.replica_set import ReplicaSets
+from deployments.cluster.replica_set import ReplicaSets
 
 
 def stats(role: str, replica: str) -> dict[str, Any]:

@@ -22,10 +22,10 @@ from deployments.credentials import (
     kv_secret,
     without_credentials,
 )
-from deployments.openai_api import build_openai_app
 from deployments.protocol import RequestLimits
-from deployments.router import RouterSettings
-from deployments.telemetry import RouterTelemetry
+from deployments.router.openai_api import build_openai_app
+from deployments.router.router import RouterSettings
+from deployments.router.telemetry import RouterTelemetry
 
 
 def test_keys_come_from_the_argument_and_the_environment() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 from ray.serve.exceptions import gRPCStatusError
 
-from deployments.grpc_ingress import (
+from deployments.router.grpc_ingress import (
     ClientErrorLogFilter,
     UndecodableRequest,
     add_GenerationServicer_to_server,
@@ -79,7 +79,7 @@ def test_the_proxy_never_tells_a_client_rays_own_text() -> None:
 
     import grpc
 
-    from deployments.grpc_ingress import ROUTER_DIED, PublicContext
+    from deployments.router.grpc_ingress import ROUTER_DIED, PublicContext
 
     class Recording:
         def __init__(self) -> None:
@@ -127,7 +127,7 @@ def test_the_servicer_function_wraps_serves_behaviour_factory() -> None:
 
     import grpc
 
-    from deployments.grpc_ingress import ROUTER_DIED, add_GenerationServicer_to_server
+    from deployments.router.grpc_ingress import ROUTER_DIED, add_GenerationServicer_to_server
 
     class Server:
         def __init__(self) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deployments.kv_index import PrefixIndex
+from deployments.cluster.kv_index import PrefixIndex
 from engine.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -83,8 +83,8 @@ def test_replicas_that_stopped_running_are_forgotten():
 
 
 def test_the_index_actor_answers_per_role_with_each_replica_s_load():
-    from deployments.kv_index import KVIndexServer
-    from deployments.kv_scoring import Holding
+    from deployments.cluster.kv_index import KVIndexServer
+    from deployments.cluster.kv_scoring import Holding
 
     server = KVIndexServer()
     busy = EngineLoad(num_running=3, num_waiting=1, queued_prompt_tokens=200, kv_cache_usage=0.5)
@@ -109,7 +109,7 @@ def load(running: int = 0, queued: int = 0, usage: float = 0.1) -> EngineLoad:
 
 
 def test_cost_ranking_weighs_cached_blocks_against_queued_work():
-    from deployments.kv_scoring import Holding, rank_by_cost
+    from deployments.cluster.kv_scoring import Holding, rank_by_cost
 
     idle = {"a": Holding(4, load()), "b": Holding(0, load()), "c": Holding(1, load())}
     # 100-token prompt, 16-token blocks: a computes 36, c 84, b 100.
@@ -127,7 +127,7 @@ def test_cost_ranking_weighs_cached_blocks_against_queued_work():
 
 
 def test_cost_ranking_leaves_the_choice_to_load_where_the_cache_tells_nothing():
-    from deployments.kv_scoring import Holding, rank_by_cost
+    from deployments.cluster.kv_scoring import Holding, rank_by_cost
 
     assert rank_by_cost(["a", "b"], {}, 100, 16, {}) is None
     nothing = {"a": Holding(0, load()), "b": Holding(0, load(queued=500))}
@@ -142,7 +142,7 @@ def test_cost_ranking_leaves_the_choice_to_load_where_the_cache_tells_nothing():
 
 
 def test_the_cheapest_holder_and_how_much_of_the_prompt_it_holds():
-    from deployments.kv_scoring import Holding, cheapest
+    from deployments.cluster.kv_scoring import Holding, cheapest
 
     assert cheapest({}, 100, 16) is None
     assert cheapest({"a": Holding(0, load())}, 100, 16) is None
@@ -153,7 +153,7 @@ def test_the_cheapest_holder_and_how_much_of_the_prompt_it_holds():
 
 
 def test_a_survey_names_the_decode_holder_and_a_lender_worth_borrowing_from():
-    from deployments.kv_scoring import Holding, Lender, survey
+    from deployments.cluster.kv_scoring import Holding, Lender, survey
 
     holdings = {
         "p1": Holding(2, load(), "prefill", "h:1"),

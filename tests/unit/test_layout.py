@@ -1,13 +1,13 @@
-"""The layers of docs/ARCHITECTURE.md, checked on the source: who may import whom, no import
-cycles, no long file without a reason at its top."""
+"""The layers of docs/ARCHITECTURE.md, checked on the source: who may import whom (layers, and
+deployments/ by process), no import cycles, no file or function past the length limits."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # Each layer may import itself and the layers listed (docs/ARCHITECTURE.md, "Layers").
@@ -19,7 +19,17 @@ ALLOWED = {
     "pdserve": {"pdserve", "deployments", "connector", "engine", "protos"},
 }
 MAX_LINES = 450
-LONG_FILE_MARK = "Why this file is long:"
+MAX_FUNCTION_LINES = 60
+# deployments/ by process (docs/ARCHITECTURE.md, "Layers"): a package never imports those named.
+PROCESS_BOUNDARIES = {
+    "deployments.router": ("deployments.replica",),
+    "deployments.replica": ("deployments.router",),
+    "deployments.cluster": ("deployments.router", "deployments.replica"),
+}
+# What runs an engine: the router and the cluster services never load it (they tokenize, route
+# and count; an engine replica runs the model).
+ENGINE_RUNTIME = ("engine.engine_core", "engine.worker", "engine.async_engine", "engine.llm")
+NO_ENGINE_RUNTIME = ("deployments.router", "deployments.cluster")
 
 
 def _sources() -> Iterator[tuple[str, Path]]:
@@ -95,16 +105,79 @@ def test_the_cycle_finder_finds_cycles() -> None:
     assert _find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
-@pytest.mark.parametrize("folder", ["engine", "connector", "deployments", "pdserve", "tests"])
-def test_long_files_say_why_at_their_top(folder: str) -> None:
-    unexplained = []
-    for path in sorted((ROOT / folder).rglob("*.py")):
-        text = path.read_text()
-        if text.count("\n") > MAX_LINES and LONG_FILE_MARK not in (
-            ast.get_docstring(ast.parse(text)) or ""
-        ):
-            unexplained.append(str(path.relative_to(ROOT)))
-    assert unexplained == []
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_deployments_processes_keep_to_their_own_side() -> None:
+    """router/ and replica/ never import each other, cluster/ imports neither, and neither the
+    router nor the cluster services import what runs an engine — anywhere in a module, lazy
+    imports included."""
+    wrong = []
+    for _, path in _sources():
+        module = _module_name(path)
+        forbidden = [
+            banned
+            for package, banned_packages in PROCESS_BOUNDARIES.items()
+            if _under(module, package)
+            for banned in banned_packages
+        ]
+        if any(_under(module, package) for package in NO_ENGINE_RUNTIME):
+            forbidden += ENGINE_RUNTIME
+        for name in sorted(_imports(ast.parse(path.read_text()), top_level_only=False)):
+            if any(_under(name, banned) for banned in forbidden):
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert wrong == []
+
+
+def test_router_and_cluster_load_no_engine_runtime() -> None:
+    """The same, as Python sees it: importing every router and cluster module (with what they
+    import in turn) loads no engine core, model runner, async engine, offline API or replica."""
+    packages = [*NO_ENGINE_RUNTIME]
+    code = f"""
+import importlib, pkgutil, sys
+for name in {packages!r}:
+    package = importlib.import_module(name)
+    for info in pkgutil.walk_packages(package.__path__, name + "."):
+        importlib.import_module(info.name)
+loaded = [m for m in sys.modules if m.startswith({(*ENGINE_RUNTIME, "deployments.replica")!r})]
+print(sorted(loaded))
+print(len([m for m in sys.modules if m.startswith("deployments.router.")]))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    loaded, num_router_modules = result.stdout.splitlines()
+    assert loaded == "[]"
+    assert int(num_router_modules) >= 10  # the walk did import the router's modules
+
+
+def _all_python_files() -> Iterator[Path]:
+    for folder in ("engine", "connector", "deployments", "pdserve", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if not path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                yield path
+
+
+def test_no_file_over_the_line_limit() -> None:
+    """A reader can hold a file in their head (STYLE.md): split by responsibility beyond it."""
+    long_files = [
+        f"{path.relative_to(ROOT)}: {lines}"
+        for path in _all_python_files()
+        if (lines := path.read_text().count("\n")) > MAX_LINES
+    ]
+    assert long_files == []
+
+
+def test_no_function_over_the_line_limit() -> None:
+    long_functions = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+        for path in _all_python_files()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (node.end_lineno or node.lineno) - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert long_functions == []
 
 
 def _packages() -> set[str]:

@@ -181,7 +181,7 @@ def test_blocked_backend_refuses_where_the_kernels_cannot_build(monkeypatch, cap
 
 
 def test_prefill_engines_pack_for_onednn_on_cpus_unless_told_otherwise():
-    from deployments.engine_server import DecodeServer, PrefillServer
+    from deployments.replica.engine_server import DecodeServer, PrefillServer
 
     assert PrefillServer.role_engine_args({"max_model_len": 64}) == {
         "max_model_len": 64,

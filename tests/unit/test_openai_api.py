@@ -10,8 +10,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from deployments.openai_requests import ChatCompletionRequest, CompletionRequest
-from deployments.openai_tools import template_kwargs, template_renders_tools
+from deployments.router.openai_requests import ChatCompletionRequest, CompletionRequest
+from deployments.router.openai_tools import template_kwargs, template_renders_tools
 from engine.tokenizer import Tokenizer, TokenizerConfig
 
 HI = [{"role": "user", "content": "hi"}]

@@ -14,7 +14,6 @@ import yaml
 from google.protobuf import descriptor_pb2
 
 from deployments.app import AppConfig, build_app
-from deployments.grpc_ingress import SERVICER_FUNCTION
 from deployments.protocol import (
     ChatPrompt,
     GenerateInput,
@@ -24,6 +23,7 @@ from deployments.protocol import (
     chunk_to_proto,
     input_from_proto,
 )
+from deployments.router.grpc_ingress import SERVICER_FUNCTION
 from engine.request import SamplingParams
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc

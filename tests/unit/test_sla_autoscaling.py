@@ -6,7 +6,7 @@ import pytest
 from ray.serve.config import AutoscalingContext
 
 from deployments.app import AppConfig
-from deployments.sla_autoscaling import (
+from deployments.cluster.sla_autoscaling import (
     PDAutoscalingPolicy,
     RecentLatencies,
     RoleLoad,
@@ -104,7 +104,7 @@ def test_the_app_puts_the_policy_in_each_roles_autoscaling_config():
 
 def test_recent_latencies_forget_requests_older_than_the_window(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("deployments.sla_autoscaling.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("deployments.cluster.sla_autoscaling.time.monotonic", lambda: clock[0])
     window = RecentLatencies(window_s=30)
     window.observe(1.0, 0.1)
     window.observe(3.0, None)
@@ -115,7 +115,7 @@ def test_recent_latencies_forget_requests_older_than_the_window(monkeypatch):
 
 def test_recent_latencies_stay_bounded_when_nobody_reads_them(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr("deployments.sla_autoscaling.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("deployments.cluster.sla_autoscaling.time.monotonic", lambda: clock[0])
     window = RecentLatencies(window_s=30)
     for i in range(1000):
         clock[0] = float(i)

@@ -13,14 +13,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from deployments.telemetry import (
-    OTLP_ENDPOINT_ENV,
-    RouterTelemetry,
-    Tracing,
-    extract_context,
-    inject_context,
-    record_engine_spans,
-)
+from deployments.replica.telemetry import record_engine_spans
+from deployments.router.telemetry import RouterTelemetry
+from deployments.telemetry import OTLP_ENDPOINT_ENV, Tracing, extract_context, inject_context
 from engine.request import RequestTiming, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,7 +121,7 @@ def test_dashboard_queries_only_metrics_the_code_exports() -> None:
 def test_engine_metrics_sample_a_prefix_cache_with_lookups_and_no_hits() -> None:
     """Ray's counters refuse `inc(0)`: a sample with lookups but no hits (the common case on a
     cold cache) must not fail, or the hit-rate gauge goes stale and the log fills up."""
-    from deployments.telemetry import EngineMetrics
+    from deployments.replica.telemetry import EngineMetrics
     from engine.core.kv_cache_manager import PrefixCacheStats
     from engine.engine_core import EngineStats
 

@@ -8,7 +8,7 @@ queue-length probe that found the actor dead). The Router reads it
 - to go decode-only at once when no prefill replica runs, instead of waiting in Serve's queue
   for a replacement (seconds to minutes) and reporting a disaggregated route it never took;
 - to move a request whose decode replica died to a prefill replica when no decode replica is
-  left (deployments/migration.py);
+  left (deployments/router/migration.py);
 - to ask every replica for its state (`Health`).
 
 Serve runs handles' routers on their own event loop thread: `ReplicaSets` is thread-safe and

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -20,17 +19,14 @@ from typing import Any
 import torch
 from ray import serve
 
-from deployments.core_pinning import CoreClaim, place_engine
+from deployments.cluster.sla_autoscaling import RecentLatencies
 from deployments.credentials import kv_secret
-from deployments.kv_publisher import KVEventPublisher
 from deployments.protocol import EngineRequest, ReplicaProbe
-from deployments.sla_autoscaling import RecentLatencies
-from deployments.telemetry import (
-    EngineMetrics,
-    Tracing,
-    record_engine_spans,
-    request_attributes,
-)
+from deployments.replica.core_pinning import CoreClaim, place_engine
+from deployments.replica.kv_publisher import KVEventPublisher
+from deployments.replica.telemetry import EngineMetrics, record_engine_spans
+from deployments.serve_context import replica_name, serve_replica_id
+from deployments.telemetry import Tracing, request_attributes
 from engine.async_engine import AsyncEngine
 from engine.outputs import EngineCoreOutput
 from engine.request import RequestTiming
@@ -122,8 +118,8 @@ class EngineServer:
         )
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's custom autoscaling metrics hook: what deployments/sla_autoscaling.py scales
-        on (TTFT and TPOT over the last 30 s, where requests finished in it)."""
+        """Serve's custom autoscaling metrics hook: what deployments/cluster/sla_autoscaling.py
+        scales on (TTFT and TPOT over the last 30 s, where requests finished in it)."""
         stats = self.engine.core.stats()
         return {
             "queued_prompt_tokens": float(self._waiting_prompt_tokens),
@@ -184,7 +180,7 @@ class EngineServer:
 
     def stats(self, probe: ReplicaProbe | None = None) -> dict[str, Any]:
         """KV blocks and queues (pdserve.v1.EngineStats), a snapshot that may lag a step.
-        `probe` only steers the call to this replica (deployments/cluster_health.py)."""
+        `probe` only steers the call to this replica (deployments/cluster/health.py)."""
         stats = dataclasses.asdict(self.engine.core.stats())
         del stats["num_preemptions"]  # a counter, sampled into metrics, not a health figure
         return {"role": self.role, "replica_id": self.replica_id, **stats}
@@ -240,8 +236,8 @@ def _on_cpu(engine_args: dict[str, Any]) -> bool:
 
 def _place(engine_args: dict[str, Any]) -> CoreClaim | None:
     """Inside a Serve replica on a CPU: threads = its CPUs, pinned to cores of its own
-    (deployments/core_pinning.py; the claim, to keep while the replica lives). GPU engines are
-    placed by their GPU, as Ray assigns it."""
+    (deployments/replica/core_pinning.py; the claim, to keep while the replica lives). GPU
+    engines are placed by their GPU, as Ray assigns it."""
     if serve_replica_id() is None or not _on_cpu(engine_args):
         return None
     import ray
@@ -262,21 +258,6 @@ def _start_kv_publisher(engine: AsyncEngine, role: str) -> KVEventPublisher | No
     side_channel = f"{kv.side_channel_host}:{port}" if kv is not None and port else ""
     app = serve.get_replica_context().app_name
     return KVEventPublisher(engine, replica_id, app, role, side_channel)
-
-
-def serve_replica_id() -> str | None:
-    """This Serve replica's id; None outside a replica (tests, local use)."""
-    try:
-        from ray import serve
-
-        return str(serve.get_replica_context().replica_id.unique_id)
-    except Exception:
-        return None
-
-
-def replica_name() -> str:
-    """The replica id, or the process id where there is no replica (names spans and stats)."""
-    return serve_replica_id() or f"pid-{os.getpid()}"
 
 
 class PrefillServer(EngineServer):

@@ -21,7 +21,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from deployments import replica_set
+from deployments.cluster import replica_set
 
 
 class _PublishesReplicaSet:
@@ -86,7 +86,7 @@ class ReplicaSetRouter(
 
 
 class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, RequestRouter):
-    """Replica choice by cache against load (deployments/kv_scoring.py): the replicas that
+    """Replica choice by cache against load (deployments/cluster/kv_scoring.py): the replicas that
     would serve the prompt cheapest — its leading KV blocks cached there, little queued —
     first, the rest after them (Serve moves on when the first are full); where the cache says
     nothing, Serve's default. Used for both legs, each scored against its own role's
@@ -129,7 +129,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
     ) -> list[list[RunningReplica]] | None:
         from ray.exceptions import RayActorError
 
-        from deployments.kv_scoring import rank_by_cost
+        from deployments.cluster.kv_scoring import rank_by_cost
 
         request = _engine_request(pending_request)
         if pending_request is None or request is None or len(candidates) < 2:
@@ -166,7 +166,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
 
     async def _index_actor(self) -> Any:
         """The index actor's handle; the lookup (a blocking GCS call) runs off the loop."""
-        from deployments.kv_index import get_index_actor
+        from deployments.cluster.kv_index import get_index_actor
 
         if self._index is None:
             self._index = await asyncio.to_thread(get_index_actor, self.app_name)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from deployments.errors import EngineFailure
 from deployments.protocol import ResponseChunk, Usage
-from deployments.text_work import TextWork
+from deployments.router.text_work import TextWork
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, RequestOutput, TokenLogprobs
 from engine.request import SamplingParams

@@ -107,7 +107,7 @@ def _total(values: list[float], target: float) -> float | None:
 
 class PDAutoscalingPolicy:
     """A deployment's `autoscaling_config.policy`: {"policy_function":
-    "deployments.sla_autoscaling:PDAutoscalingPolicy", "policy_kwargs": {"role": "decode",
+    "deployments.cluster.sla_autoscaling:PDAutoscalingPolicy", "policy_kwargs": {"role": "decode",
     ...SLOTargets fields}}. Serve builds one per deployment and calls it with an
     AutoscalingContext each tick."""
 

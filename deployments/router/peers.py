@@ -14,8 +14,8 @@ import asyncio
 import logging
 from typing import Any
 
+from deployments.cluster.replica_set import REPLICA_SETS, ReplicaSets
 from deployments.protocol import ReplicaProbe
-from deployments.replica_set import REPLICA_SETS, ReplicaSets
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class RouterPeers:
     async def abort(self, request_id: str) -> bool:
         """Whether another router replica held `request_id` (and aborted it). One replica
         after another: concurrent calls of one request to one deployment confuse Serve's
-        routing (deployments/cluster_health.py says how)."""
+        routing (deployments/cluster/health.py says how)."""
         handle = await self._own_handle()
         # The handle's request router starts with its first call, then publishes the set:
         # make that call count (to any replica; this one answers False).

@@ -40,7 +40,7 @@ from google.protobuf.message import DecodeError
 
 from protos.pdserve.v1 import generate_pb2_grpc
 
-SERVICER_FUNCTION = "deployments.grpc_ingress.add_GenerationServicer_to_server"
+SERVICER_FUNCTION = "deployments.router.grpc_ingress.add_GenerationServicer_to_server"
 
 # Codes that mean "the request was wrong", not "the server failed": logged at INFO.
 CLIENT_ERROR_CODES = frozenset(

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.kv_scoring import CacheSurvey, Holding, survey
+from deployments.cluster.kv_scoring import CacheSurvey, Holding, survey
 from engine.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -31,14 +31,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.cluster_health import NOT_SERVING, SERVING, HealthReport
+from deployments.cluster.health import NOT_SERVING, SERVING, HealthReport
 from deployments.credentials import ApiKeys, without_credentials
 from deployments.errors import DeadlineExceeded, EngineFailure, Overloaded, public_message
-from deployments.openai_format import ChatFormat, CompletionFormat, ResponseFormat, sse_events
-from deployments.openai_requests import ChatCompletionRequest, CompletionRequest
-from deployments.openai_tools import template_kwargs
-from deployments.orchestrator import Orchestrator
 from deployments.protocol import GenerateInput, chat_chars
+from deployments.router.openai_format import (
+    ChatFormat,
+    CompletionFormat,
+    ResponseFormat,
+    sse_events,
+)
+from deployments.router.openai_requests import ChatCompletionRequest, CompletionRequest
+from deployments.router.openai_tools import template_kwargs
+from deployments.router.orchestrator import Orchestrator
 
 logger = logging.getLogger(__name__)
 

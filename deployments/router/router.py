@@ -20,9 +20,9 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
-from deployments.cluster_health import HealthReport, survey
+from deployments.cluster.health import HealthReport, survey
+from deployments.cluster.replica_set import REPLICA_SETS, RoleWatch
 from deployments.credentials import ApiKeys, kv_secret, without_credentials
-from deployments.engine_server import replica_name
 from deployments.errors import (
     DeadlineExceeded,
     EngineFailure,
@@ -31,15 +31,6 @@ from deployments.errors import (
     engine_failure,
     public_message,
 )
-from deployments.grpc_ingress import UndecodableRequest, quiet_client_errors
-from deployments.kv_leases import LeaseReleaser, PrefixBorrower
-from deployments.openai_api import build_openai_app
-from deployments.orchestrator import (
-    FlowConfig,
-    ModelFacts,
-    Orchestrator,
-    StreamFn,
-)
 from deployments.protocol import (
     EngineRequest,
     ReplicaProbe,
@@ -47,13 +38,22 @@ from deployments.protocol import (
     chunk_to_proto,
     input_from_proto,
 )
-from deployments.replica_set import REPLICA_SETS, RoleWatch
-from deployments.router_peers import RouterPeers
-from deployments.telemetry import RouterMetrics, RouterTelemetry, Tracing
-from engine.arg_utils import EngineArgs
+from deployments.router.grpc_ingress import UndecodableRequest, quiet_client_errors
+from deployments.router.kv_leases import LeaseReleaser, PrefixBorrower
+from deployments.router.openai_api import build_openai_app
+from deployments.router.orchestrator import (
+    FlowConfig,
+    ModelFacts,
+    Orchestrator,
+    StreamFn,
+)
+from deployments.router.peers import RouterPeers
+from deployments.router.telemetry import RouterMetrics, RouterTelemetry
+from deployments.serve_context import replica_name
+from deployments.telemetry import Tracing
 from engine.config import SideChannelTLS
 from engine.core.admission import QueueFull
-from engine.llm import load_tokenizer
+from engine.inputs import InputProcessor
 from engine.models.catalog import served_model_name
 from engine.outputs import EngineCoreOutput
 from protos.pdserve.v1 import generate_pb2 as pb
@@ -89,18 +89,16 @@ class Router:
         decode: DeploymentHandle,
         prefill: DeploymentHandle | None = None,
     ) -> None:
-        config, arch = EngineArgs.from_kwargs(
-            settings.model, **settings.engine_args
-        ).create_engine_config()
+        inputs = InputProcessor.from_args(settings.model, **settings.engine_args)
         quiet_client_errors()  # refusals: one INFO line each in this replica's log
         self.settings = settings
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = inputs.tokenizer
         self.facts = ModelFacts(
             name=settings.served_model_name or served_model_name(settings.model),
-            max_model_len=config.scheduler.max_model_len,
-            vocab_size=arch.vocab_size,
+            max_model_len=inputs.max_model_len,
+            vocab_size=inputs.arch.vocab_size,
         )
-        self.block_size = config.cache.block_size
+        self.block_size = inputs.config.cache.block_size
         self.kv_secret = kv_secret(settings.kv_secret)  # resolved on this node, once
         self._decode = decode
         self._prefill = prefill
@@ -128,7 +126,7 @@ class Router:
         wanted = flow.max_local_prefill_tokens > 0 or flow.min_prefix_loan_tokens > 0
         if not (disaggregated and settings.kv_aware_routing and wanted):
             return {}
-        from deployments.kv_index import IndexedClusterCache
+        from deployments.cluster.kv_index import IndexedClusterCache
 
         app_name = serve.get_replica_context().app_name
         min_loan = flow.min_prefix_loan_tokens
@@ -238,7 +236,7 @@ class Router:
         return pb.HealthResponse(status=report.status, engines=engines)
 
     async def health(self) -> HealthReport:
-        """Every replica of each engine role (deployments/cluster_health.py)."""
+        """Every replica of each engine role (deployments/cluster/health.py)."""
         handles = {"decode" if self._prefill is not None else "colocated": self._decode}
         if self._prefill is not None:
             handles = {"prefill": self._prefill, **handles}

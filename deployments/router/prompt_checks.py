@@ -4,7 +4,7 @@ what it would refuse."""
 from __future__ import annotations
 
 from deployments.protocol import ChatPrompt
-from engine.llm import render_chat
+from engine.inputs import render_chat
 from engine.tokenizer import Tokenizer
 
 

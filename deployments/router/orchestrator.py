@@ -20,16 +20,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployments.cluster.kv_scoring import Borrower, CacheSurvey, ClusterCache, decode_holder
+from deployments.cluster.replica_set import ReplicaWatch
 from deployments.errors import DeadlineExceeded, Overloaded
-from deployments.kv_scoring import Borrower, CacheSurvey, ClusterCache, decode_holder
-from deployments.migration import (
-    Migration,
-    MigrationPolicy,
-    MigrationTargets,
-    ResumableLeg,
-    StreamFn,
-)
-from deployments.prompt_checks import check_length, tokenize_prompt
 from deployments.protocol import (
     ROUTE_CACHED,
     ROUTE_COLOCATED,
@@ -41,10 +34,17 @@ from deployments.protocol import (
     RequestLimits,
     ResponseChunk,
 )
-from deployments.replica_set import ReplicaWatch
-from deployments.response_stream import PreparedRequest, ResponseStream
-from deployments.telemetry import RouterTelemetry
-from deployments.text_work import TextWork, prompt_chars
+from deployments.router.migration import (
+    Migration,
+    MigrationPolicy,
+    MigrationTargets,
+    ResumableLeg,
+    StreamFn,
+)
+from deployments.router.prompt_checks import check_length, tokenize_prompt
+from deployments.router.response_stream import PreparedRequest, ResponseStream
+from deployments.router.telemetry import RouterTelemetry
+from deployments.router.text_work import TextWork, prompt_chars
 from engine.outputs import EngineCoreOutput, merge_outputs
 from engine.request import FinishReason, SamplingParams
 from engine.tokenizer import Tokenizer

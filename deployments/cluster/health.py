@@ -1,6 +1,6 @@
 """Health of the whole app: every replica of every engine role, not one Serve happens to pick.
 
-The roles' request routers publish their replica sets (deployments/replica_set.py); a probe
+The roles' request routers publish their replica sets (deployments/cluster/replica_set.py); a probe
 names one replica (`ReplicaProbe.replica_hint`) and the router sends it there alone. A replica
 that does not answer in time is reported `unreachable` (dead, restarting, or its loop wedged),
 with no figures. No Ray import here: the probe is a callable, so tests run it in-process.
@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.replica_set import ReplicaSets
+from deployments.cluster.replica_set import ReplicaSets
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import grpc
 
 from connector.metadata import RemoteKV, tokens_hash
 from connector.side_channel_client import SideChannelClient, SideChannelError
-from deployments.kv_scoring import CacheSurvey
+from deployments.cluster.kv_scoring import CacheSurvey
 from engine.config import SideChannelTLS
 
 logger = logging.getLogger(__name__)

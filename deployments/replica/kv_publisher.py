@@ -1,4 +1,5 @@
-"""Carrying an engine replica's prefix-cache events to the app's KV index (deployments/kv_index).
+"""Carrying an engine replica's prefix-cache events to the app's KV index
+(deployments/cluster/kv_index.py).
 
 A daemon thread of the replica, every `period_s`: the batches the engine loop took since the
 last round, with the engine's load when it changed, go to the index actor in one call; an idle
@@ -73,7 +74,7 @@ class KVEventPublisher:
     def _publish(self) -> None:
         import ray
 
-        from deployments.kv_index import get_index_actor
+        from deployments.cluster.kv_index import get_index_actor
 
         if self._engine.dead is not None:
             self._stop.set()

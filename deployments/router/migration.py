@@ -20,9 +20,9 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from deployments.cluster.replica_set import ReplicaWatch
 from deployments.errors import EngineFailure, Overloaded
 from deployments.protocol import EngineRequest
-from deployments.replica_set import ReplicaWatch
 from engine.outputs import EngineCoreOutput
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""An engine replica: one engine per Serve replica, spoken to in token ids."""

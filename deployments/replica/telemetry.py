@@ -1,0 +1,174 @@
+"""An engine replica's telemetry: its part of each request's trace, built after the fact from
+the engine's RequestTiming (wall-clock moments taken in the engine loop thread, so the spans
+carry explicit start and end times), and its metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Tracer
+
+from deployments.telemetry import LATENCY_BUCKETS_S, extract_context, set_error, tags
+from engine.request import RequestTiming
+from engine.spec_decode.ngram import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from engine.core.kv_cache_manager import PrefixCacheStats
+    from engine.engine_core import EngineStats
+
+_NS = 1_000_000_000
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * _NS)
+
+
+def record_engine_spans(
+    tracer: Tracer,
+    role: str,
+    carrier: Mapping[str, str] | None,
+    timing: RequestTiming,
+    attributes: dict[str, Any],
+    error: str | None = None,
+    kv: dict[str, Any] | None = None,
+) -> None:
+    """The engine's part of a request's trace, from its timing: `prefill` or `decode` (the
+    colocated engine's is `engine`), and under a decode span the `kv_transfer` it waited for."""
+    parent = extract_context(carrier)
+    if parent is None or timing.finished is None:
+        return
+    name = {"prefill": "prefill", "decode": "decode"}.get(role, "engine")
+    span = tracer.start_span(
+        name, context=parent, kind=SpanKind.INTERNAL, start_time=_ns(timing.arrival)
+    )
+    span.set_attributes({**attributes, **_phase_attributes(timing)})
+    if error is not None:
+        set_error(span, error)
+    if timing.kv_load_start is not None and timing.kv_load_end is not None:
+        _record_kv_transfer(tracer, span, timing, kv or {})
+    span.end(end_time=_ns(timing.finished))
+
+
+def _phase_attributes(timing: RequestTiming) -> dict[str, Any]:
+    attributes: dict[str, Any] = {}
+    ready = timing.kv_load_end or timing.arrival  # a decode waits for its KV, then queues
+    if timing.first_scheduled is not None:
+        attributes["pdserve.queue_time_s"] = max(0.0, timing.first_scheduled - ready)
+        if timing.finished is not None:
+            attributes["pdserve.compute_time_s"] = timing.finished - timing.first_scheduled
+    if timing.first_token is not None:
+        attributes["pdserve.time_to_first_token_s"] = timing.first_token - timing.arrival
+    return attributes
+
+
+def _record_kv_transfer(
+    tracer: Tracer, parent: Span, timing: RequestTiming, kv: dict[str, Any]
+) -> None:
+    assert timing.kv_load_start is not None and timing.kv_load_end is not None
+    span = tracer.start_span(
+        "kv_transfer",
+        context=trace.set_span_in_context(parent),
+        kind=SpanKind.CLIENT,
+        start_time=_ns(timing.kv_load_start),
+    )
+    outcome = timing.kv_load_outcome or "ok"
+    span.set_attributes(
+        {
+            "pdserve.kv.transport": kv.get("transport", ""),
+            "pdserve.kv.blocks": timing.kv_load_blocks,
+            "pdserve.kv.bytes": timing.kv_load_blocks * int(kv.get("block_bytes", 0)),
+            "pdserve.kv.duration_s": timing.kv_load_end - timing.kv_load_start,
+            "pdserve.kv.outcome": outcome,
+        }
+    )
+    if outcome != "ok":
+        set_error(span, f"KV transfer {outcome}")
+    span.end(end_time=_ns(timing.kv_load_end))
+
+
+class EngineMetrics:
+    """An engine replica's metrics: queues, KV cache, prefix cache, preemptions, transfers."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self.running = metrics.Gauge("pdserve_running_requests", "Requests running")
+        self.waiting = metrics.Gauge("pdserve_waiting_requests", "Requests waiting")
+        self.kv_usage = metrics.Gauge("pdserve_kv_cache_usage", "Fraction of KV blocks in use")
+        self.prefix_hit_rate = metrics.Gauge(
+            "pdserve_prefix_cache_hit_rate", "Prefix-cache hit rate (tokens) since last sample"
+        )
+        self.prefix_queries = metrics.Counter(
+            "pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_hits = metrics.Counter(
+            "pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache"
+        )
+        self.preemptions = metrics.Counter("pdserve_preemptions", "Requests preempted")
+        self.kv_bytes = metrics.Counter(
+            "pdserve_kv_transfer_bytes", "KV bytes read from prefill engines", ("transport",)
+        )
+        self.kv_seconds = metrics.Histogram(
+            "pdserve_kv_transfer_seconds",
+            "KV transfer duration",
+            LATENCY_BUCKETS_S,
+            ("transport",),
+        )
+        self.kv_failures = metrics.Counter(
+            "pdserve_kv_transfer_failures",
+            "KV transfers that failed",
+            tags("transport", "outcome"),
+        )
+        # Speculative decoding (vLLM's spec_decode counters): acceptance rate = accepted / draft
+        # tokens, mean accepted length = 1 + accepted / drafts.
+        self.spec_counters = {
+            field: metrics.Counter(f"pdserve_spec_decode_{field}", help_text)
+            for field, help_text in (
+                ("num_drafts", "Verification steps of requests with drafts"),
+                ("num_draft_tokens", "Draft tokens verified"),
+                ("num_accepted_tokens", "Draft tokens accepted"),
+            )
+        }
+        self.spec_acceptance = metrics.Gauge(
+            "pdserve_spec_decode_acceptance_rate", "Accepted / draft tokens since the engine began"
+        )
+        self._preemptions_seen = 0
+        self._spec_seen = SpecDecodeStats()
+
+    def sample(
+        self, stats: EngineStats, prefix: PrefixCacheStats, spec: SpecDecodeStats | None = None
+    ) -> None:
+        """Periodic: gauges from a stats snapshot, counters from the deltas since last time."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        if prefix.queries:
+            self.prefix_queries.inc(prefix.queries)
+            if prefix.hits:  # Ray's counters refuse an increment of 0
+                self.prefix_hits.inc(prefix.hits)
+            self.prefix_hit_rate.set(prefix.hit_rate)
+        preemptions = stats.num_preemptions
+        if preemptions > self._preemptions_seen:
+            self.preemptions.inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
+        if spec is not None and spec.num_drafts > self._spec_seen.num_drafts:
+            current = dataclasses.replace(spec)  # one reading of counters another thread moves
+            for field, counter in self.spec_counters.items():
+                delta = getattr(current, field) - getattr(self._spec_seen, field)
+                if delta > 0:  # Ray's counters refuse an increment of 0
+                    counter.inc(delta)
+            self.spec_acceptance.set(current.acceptance_rate)
+            self._spec_seen = current
+
+    def observe_transfer(self, timing: RequestTiming, transport: str, block_bytes: int) -> None:
+        if timing.kv_load_start is None or timing.kv_load_end is None:
+            return
+        tags = {"transport": transport}
+        self.kv_seconds.observe(timing.kv_load_end - timing.kv_load_start, tags)
+        if timing.kv_load_blocks and block_bytes:
+            self.kv_bytes.inc(timing.kv_load_blocks * block_bytes, tags)
+        if timing.kv_load_outcome not in (None, "ok"):
+            self.kv_failures.inc(1, {**tags, "outcome": str(timing.kv_load_outcome)})
