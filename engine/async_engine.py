@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from engine.core.admission import QueueFull
-from engine.core.kv_events import EngineLoad, KVEventBatch, KVSnapshot
+from engine.core.kv_events import KVEventBatch, KVSnapshot
 from engine.engine_core import EngineCore
 from engine.inputs import InputProcessor, PromptInput, encode_prompt
 from engine.models.catalog import TINY_MODEL
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, RequestOutput, merge_outputs
 from engine.request import RequestStatus, SamplingParams, finish_reason_of
+from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -115,9 +116,8 @@ class AsyncEngine:
         self._commands: queue.Queue[_Add | _End | _OnLoop | None] = queue.Queue()
         # Numbered prefix-cache event batches, taken after each step (kv_events_config).
         self._kv_batches: queue.SimpleQueue[KVEventBatch] = queue.SimpleQueue()
-        # The engine's load as of its last step or command (with kv_events_config): what a
-        # KV-aware router weighs against cache hits. Replaced whole, read from any thread.
-        self._load: EngineLoad | None = None
+        # As of the last step, shipped with its outputs; replaced whole, read from any thread.
+        self._stats = self.core.stats
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -266,9 +266,9 @@ class AsyncEngine:
         return command.result
 
     @property
-    def load(self) -> EngineLoad | None:
-        """The load as of the last step (None without kv_events_config)."""
-        return self._load
+    def stats(self) -> EngineStats:
+        """The engine's statistics as of its last step (engine/stats.py); any thread."""
+        return self._stats
 
     @property
     def dead(self) -> BaseException | None:
@@ -295,8 +295,6 @@ class AsyncEngine:
                     return
                 if self.core.has_requests():
                     self._step()
-                if self.core.kv_events is not None:
-                    self._load = self.core.load()
         except BaseException as exc:
             logger.exception("engine loop failed")
             self._dead = exc
@@ -378,9 +376,10 @@ class AsyncEngine:
         self._kv_batches.put(batch)
 
     def _step(self) -> None:
-        outputs = self.core.step()
+        step = self.core.step()
+        self._stats = step.stats
         self._take_kv_events()
-        for output in outputs:
+        for output in step.outputs:
             sink = self._sinks.get(output.request_id)
             if sink is None:
                 continue

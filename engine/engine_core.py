@@ -1,8 +1,8 @@
 """EngineCore: the step loop (schedule -> execute -> update) over one model and one KV pool.
 
 It is also the engine's facade: `LLM`, `AsyncEngine` and the Serve replica ask it what they
-need (KV cache size, transport, stats, failure injection for tests) instead of reaching into
-the scheduler, the runner or the connector.
+need (KV cache size, transport, failure injection for tests) instead of reaching into the
+scheduler, the runner or the connector; its statistics come with each step's outputs.
 """
 
 from __future__ import annotations
@@ -10,19 +10,19 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from engine.config import EngineConfig
 from engine.core.admission import QueueFull, check_admission, displaceable
-from engine.core.kv_cache_manager import PrefixCacheStats
-from engine.core.kv_events import EngineLoad, KVEventStream
+from engine.core.kv_events import KVEventStream
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.inputs import InputProcessor, ReasoningTokens
 from engine.kv_connector import KVConnectorBase, create_kv_connector
 from engine.models import ModelArchConfig
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, EngineCoreOutputs
 from engine.request import Request, RequestStatus
+from engine.stats import EngineStats
 from engine.step_timer import StepTimer
 from engine.tokenizer import Tokenizer
 from engine.worker.model_runner import ModelRunner
@@ -30,19 +30,6 @@ from engine.worker.model_runner import ModelRunner
 _IDLE_POLL_S = 0.002
 # An engine whose KV pool is this full lends no prefix blocks (they would be kept from eviction).
 _LEND_MAX_USAGE = 0.9
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the KV pool and the queues (read from another thread it may lag a step)."""
-
-    num_blocks: int  # usable KV blocks (the null block is not counted)
-    num_free_blocks: int  # free or only cached (evictable)
-    num_running: int
-    num_waiting: int
-    num_held_requests: int  # finished, blocks held for a remote reader
-    kv_cache_usage: float
-    num_preemptions: int
 
 
 class EngineCore:
@@ -75,6 +62,8 @@ class EngineCore:
         if config.cache.enable_kv_cache_events:
             pool = self.scheduler.kv_cache_manager.block_pool
             self.kv_events = KVEventStream(pool.take_events, pool.cached_block_hashes)
+        # As of the last step (engine/stats.py): shipped with its outputs, read by anyone.
+        self.stats: EngineStats = self.scheduler.make_stats()
 
     @classmethod
     def from_inputs(
@@ -130,12 +119,15 @@ class EngineCore:
                     self.connector.cancel_request(request_id)
         self.scheduler.finish_requests(ids, status)
 
-    def step(self) -> list[EngineCoreOutput]:
-        """One step's outputs. With async scheduling the step after it is scheduled and sent
-        to the runner first, so it computes while this one's outputs are settled and handed
-        out (`AsyncRunner`)."""
-        if self._async is not None:
-            return self._async.step()
+    def step(self) -> EngineCoreOutputs:
+        """One step's outputs, and the engine's statistics after it. With async scheduling the
+        step after it is scheduled and sent to the runner first, so it computes while this
+        one's outputs are settled and handed out (`AsyncRunner`)."""
+        outputs = self._async.step() if self._async is not None else self._step()
+        self.stats = self.scheduler.make_stats()
+        return EngineCoreOutputs(outputs, self.stats)
+
+    def _step(self) -> list[EngineCoreOutput]:
         timer = self.runner.step_timer
         if timer is not None:
             timer.start()
@@ -218,21 +210,6 @@ class EngineCore:
         kv_cache = self.runner.kv_cache
         return kv_cache[0].nbytes if kv_cache is not None else 0
 
-    def stats(self) -> EngineStats:
-        scheduler = self.scheduler
-        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        unfinished = scheduler.get_num_unfinished_requests()
-        num_running = len(scheduler.running)
-        return EngineStats(
-            num_blocks=self.num_kv_blocks,
-            num_free_blocks=free,
-            num_running=num_running,
-            num_waiting=unfinished - num_running,
-            num_held_requests=max(0, len(scheduler.requests) - unfinished),
-            kv_cache_usage=1.0 - free / max(1, self.num_kv_blocks),
-            num_preemptions=scheduler.num_preemptions,
-        )
-
     def pin_prefix(self, block_hashes: list[bytes], lease_request_id: str) -> list[int]:
         """Lend the cached blocks of the hashes' leading run (the connector leases them under
         `lease_request_id`; its end frees them). Engine thread only. Nothing while a step is
@@ -246,31 +223,10 @@ class EngineCore:
         blocks = manager.lend_prefix(block_hashes, lease_request_id)
         return [block.block_id for block in blocks]
 
-    def load(self) -> EngineLoad:
-        """Call on the engine's own thread (it walks the queues the scheduler mutates)."""
-        scheduler = self.scheduler
-        queued = 0
-        waiting = (scheduler.waiting, scheduler.skipped_waiting)
-        for queue in (scheduler.running, *waiting):
-            for request in queue:
-                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                    continue  # its prompt is being read, not computed
-                queued += max(0, request.num_prompt_tokens - request.num_computed_tokens)
-        return EngineLoad(
-            num_running=len(scheduler.running),
-            num_waiting=sum(len(queue) for queue in waiting),
-            queued_prompt_tokens=queued,
-            kv_cache_usage=round(scheduler.kv_cache_manager.usage, 3),
-        )
-
     def kv_transfer_stats(self) -> dict[str, int]:
         """The connector's counters (loads and blocks requested, blocks read, reads failed,
         releases); empty without KV transfer."""
         return dict(self.connector.stats) if self.connector is not None else {}
-
-    def take_prefix_cache_stats(self) -> PrefixCacheStats:
-        """Prefix-cache lookups since the last call."""
-        return self.scheduler.kv_cache_manager.take_prefix_cache_stats()
 
     def inject_kv_load_failure(self, after: int) -> None:
         """Tests: the next KV load of this engine fails part-way (ValueError if it cannot)."""

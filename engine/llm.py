@@ -54,7 +54,7 @@ class LLM:
         finals: dict[str, RequestOutput] = {}
         # Until our requests end; blocks held for remote readers are released by later steps.
         while len(finals) < len(order):
-            results, stopped = processor.process(self.engine.step())
+            results, stopped = processor.process(self.engine.step().outputs)
             if stopped:
                 self.engine.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
             finals.update((r.request_id, r) for r in results if r.finished)

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.request import FinishReason, RequestTiming
+
+if TYPE_CHECKING:
+    from engine.stats import EngineStats
 
 # Per sampled token: (token ids: the sampled one then the top-n, their logprobs, the rank of
 # the sampled token).
@@ -39,6 +42,15 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    """What one step of an engine gives back: each request's output, and the engine's
+    statistics as the step left it (engine/stats.py)."""
+
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
 
 
 def merge_outputs(earlier: EngineCoreOutput, later: EngineCoreOutput) -> EngineCoreOutput:

@@ -10,7 +10,6 @@ engine can produce and consume KV, and the role only names the replica in stats 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections.abc import AsyncGenerator
@@ -73,7 +72,6 @@ class EngineServer:
         self.replica_id = replica_name()
         self.tracing = Tracing(self.role, self.replica_id, otlp_endpoint)
         self.metrics = _engine_metrics()
-        self._waiting_prompt_tokens = 0  # of requests without a first output yet
         self._latencies = RecentLatencies()
         self._sampler = _start_sampler(self) if self.metrics is not None else None
         self._kv_publisher = _start_kv_publisher(self.engine, self.role)
@@ -90,20 +88,11 @@ class EngineServer:
         """Stream a request's token ids. Bad input raises ValueError before anything runs; a
         caller that stops listening (cancelled by Serve) aborts the request."""
         num_output = 0
-        # Its prompt waits here until its first output: the SLA policy's queued prompt tokens.
-        waiting = len(request.prompt_token_ids)
-        self._waiting_prompt_tokens += waiting
-        try:
-            async for output in self._generate(request):
-                if waiting:
-                    self._waiting_prompt_tokens -= waiting
-                    waiting = 0
-                num_output += len(output.new_token_ids)
-                if output.timing is not None:
-                    self._observe(request, output, output.timing, num_output)
-                yield output
-        finally:
-            self._waiting_prompt_tokens -= waiting
+        async for output in self._generate(request):
+            num_output += len(output.new_token_ids)
+            if output.timing is not None:
+                self._observe(request, output, output.timing, num_output)
+            yield output
 
     def _generate(self, request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         return self.engine.generate_tokens(
@@ -120,9 +109,9 @@ class EngineServer:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook: what deployments/cluster/sla_autoscaling.py
         scales on (TTFT and TPOT over the last 30 s, where requests finished in it)."""
-        stats = self.engine.core.stats()
+        stats = self.engine.stats
         return {
-            "queued_prompt_tokens": float(self._waiting_prompt_tokens),
+            "queued_prompt_tokens": float(stats.queued_prompt_tokens),
             "kv_cache_usage": stats.kv_cache_usage,
             "running_requests": float(stats.num_running),
             **self._latencies.means(),
@@ -170,20 +159,13 @@ class EngineServer:
         self.engine.core.inject_kv_load_failure(after)
 
     def sample_metrics(self) -> None:
-        if self.metrics is None:
-            return
-        core = self.engine.core
-        stats = core.stats()
-        speculator = core.scheduler.speculator
-        spec = speculator.stats if speculator is not None else None
-        self.metrics.sample(stats, core.take_prefix_cache_stats(), spec)
+        if self.metrics is not None:
+            self.metrics.sample(self.engine.stats)
 
     def stats(self, probe: ReplicaProbe | None = None) -> dict[str, Any]:
         """KV blocks and queues (pdserve.v1.EngineStats), a snapshot that may lag a step.
         `probe` only steers the call to this replica (deployments/cluster/health.py)."""
-        stats = dataclasses.asdict(self.engine.core.stats())
-        del stats["num_preemptions"]  # a counter, sampled into metrics, not a health figure
-        return {"role": self.role, "replica_id": self.replica_id, **stats}
+        return {"role": self.role, "replica_id": self.replica_id, **self.engine.stats.health()}
 
     def check_health(self) -> None:
         """Serve's health probe: a dead engine loop restarts the replica."""

@@ -84,7 +84,7 @@ class KVEventPublisher:
         if self._needs_snapshot:
             self._engine.take_kv_event_batches()  # covered by the snapshot
             snapshot = self._engine.kv_snapshot().result(timeout=_CALL_TIMEOUT_S)
-            load = self._engine.load
+            load = self._engine.stats.load
             announce = self._index.load_snapshot.remote(
                 self._replica_id, snapshot, self._role, load, self._side_channel
             )
@@ -93,7 +93,7 @@ class KVEventPublisher:
             self._sent(load)
             return
         batches = [_lean(batch) for batch in self._engine.take_kv_event_batches()]
-        load = self._engine.load
+        load = self._engine.stats.load
         due = time.monotonic() - self._sent_at >= self._heartbeat_s
         if batches or load != self._sent_load or due:
             applied = self._index.apply.remote(self._replica_id, batches, load)

@@ -4,7 +4,6 @@ carry explicit start and end times), and its metrics."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -16,8 +15,7 @@ from engine.request import RequestTiming
 from engine.spec_decode.ngram import SpecDecodeStats
 
 if TYPE_CHECKING:
-    from engine.core.kv_cache_manager import PrefixCacheStats
-    from engine.engine_core import EngineStats
+    from engine.stats import EngineStats
 
 _NS = 1_000_000_000
 
@@ -135,33 +133,33 @@ class EngineMetrics:
         self.spec_acceptance = metrics.Gauge(
             "pdserve_spec_decode_acceptance_rate", "Accepted / draft tokens since the engine began"
         )
-        self._preemptions_seen = 0
-        self._spec_seen = SpecDecodeStats()
+        self._seen: EngineStats | None = None  # the last sample's reading
 
-    def sample(
-        self, stats: EngineStats, prefix: PrefixCacheStats, spec: SpecDecodeStats | None = None
-    ) -> None:
-        """Periodic: gauges from a stats snapshot, counters from the deltas since last time."""
+    def sample(self, stats: EngineStats) -> None:
+        """Periodic: gauges from the engine's latest stats, counters from the deltas since the
+        last sample (Ray's counters refuse an increment of 0: only positive ones are added)."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
-        if prefix.queries:
-            self.prefix_queries.inc(prefix.queries)
-            if prefix.hits:  # Ray's counters refuse an increment of 0
-                self.prefix_hits.inc(prefix.hits)
-            self.prefix_hit_rate.set(prefix.hit_rate)
-        preemptions = stats.num_preemptions
-        if preemptions > self._preemptions_seen:
-            self.preemptions.inc(preemptions - self._preemptions_seen)
-            self._preemptions_seen = preemptions
-        if spec is not None and spec.num_drafts > self._spec_seen.num_drafts:
-            current = dataclasses.replace(spec)  # one reading of counters another thread moves
+        seen = self._seen
+        queries = stats.prefix_cache_queries - (seen.prefix_cache_queries if seen else 0)
+        if queries > 0:
+            hits = stats.prefix_cache_hits - (seen.prefix_cache_hits if seen else 0)
+            self.prefix_queries.inc(queries)
+            if hits > 0:
+                self.prefix_hits.inc(hits)
+            self.prefix_hit_rate.set(hits / queries)
+        preemptions = stats.num_preemptions - (seen.num_preemptions if seen else 0)
+        if preemptions > 0:
+            self.preemptions.inc(preemptions)
+        spec, spec_seen = stats.spec_decode, seen.spec_decode if seen else SpecDecodeStats()
+        if spec.num_drafts > spec_seen.num_drafts:
             for field, counter in self.spec_counters.items():
-                delta = getattr(current, field) - getattr(self._spec_seen, field)
-                if delta > 0:  # Ray's counters refuse an increment of 0
+                delta = getattr(spec, field) - getattr(spec_seen, field)
+                if delta > 0:
                     counter.inc(delta)
-            self.spec_acceptance.set(current.acceptance_rate)
-            self._spec_seen = current
+            self.spec_acceptance.set(spec.acceptance_rate)
+        self._seen = stats
 
     def observe_transfer(self, timing: RequestTiming, transport: str, block_bytes: int) -> None:
         if timing.kv_load_start is None or timing.kv_load_end is None:

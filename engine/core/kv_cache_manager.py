@@ -24,7 +24,7 @@ from engine.request import Request
 
 @dataclass
 class PrefixCacheStats:
-    """Counts since the last `take_prefix_cache_stats()`; tokens, not blocks."""
+    """Counts since the engine began; tokens, not blocks."""
 
     requests: int = 0
     queries: int = 0
@@ -209,10 +209,6 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
-
-    def take_prefix_cache_stats(self) -> PrefixCacheStats:
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
-        return stats
 
     def check_integrity(self) -> None:
         """The pool's invariants, plus: every block a request (or a loan) holds is counted in

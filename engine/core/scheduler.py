@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.core.kv_cache_manager import KVCacheManager
@@ -25,7 +26,9 @@ from engine.core.stop import check_stop, reaches_length_limit
 from engine.kv_connector import KVConnectorBase
 from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason, Request, RequestStatus, finish_reason_of
+from engine.spec_decode.ngram import SpecDecodeStats
 from engine.spec_decode.scheduling import Speculator
+from engine.stats import EngineStats
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
@@ -125,6 +128,35 @@ class Scheduler:
         return self.has_unfinished_requests() or bool(
             self.finished_req_ids or self._pending_outputs
         )
+
+    def make_stats(self) -> EngineStats:
+        """The engine's statistics as of now (after each step; engine thread only)."""
+        pool = self.kv_cache_manager.block_pool
+        unfinished = self.get_num_unfinished_requests()
+        prefix = self.kv_cache_manager.prefix_cache_stats
+        speculator = self.speculator
+        return EngineStats(
+            num_blocks=pool.num_blocks - 1,
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_running=len(self.running),
+            num_waiting=unfinished - len(self.running),
+            num_held_requests=len(self.requests) - unfinished,
+            queued_prompt_tokens=self._queued_prompt_tokens(),
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            spec_decode=replace(speculator.stats) if speculator else SpecDecodeStats(),
+        )
+
+    def _queued_prompt_tokens(self) -> int:
+        """Prompt tokens of unfinished requests still to compute (a prompt whose KV is being
+        read from another engine is not computed here)."""
+        queued = 0
+        for queue in (self.running, self.waiting, self.skipped_waiting):
+            for request in queue:
+                if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    queued += max(0, request.num_prompt_tokens - request.num_computed_tokens)
+        return queued
 
     # ---------------------------------------------------------------- schedule
 

@@ -77,13 +77,14 @@ def run(w: SchedWorkload) -> dict[str, object]:
         mro = runner.execute(so)
         t2 = clock()
         scheduler.update_from_output(so, mro)
+        stats = scheduler.make_stats()  # every engine step ships one with its outputs
         t3 = clock()
         step_us = ((t1 - t0) + (t3 - t2)) * 1e6
         all_us.append(step_us)
         num_reqs = len(so.num_scheduled_tokens)
         if num_reqs >= 0.97 * w.max_num_seqs and so.total_num_scheduled_tokens == num_reqs:
             steady_us.append(step_us)
-    stats = scheduler.kv_cache_manager.prefix_cache_stats
+    stats = scheduler.make_stats()
     return {
         "benchmark": "sched",
         "workload": asdict(w),
@@ -91,9 +92,9 @@ def run(w: SchedWorkload) -> dict[str, object]:
         "step_us": summarize(all_us),
         "steady_decode_steps": len(steady_us),
         "steady_decode_step_us": summarize(steady_us),
-        "preemptions": scheduler.num_preemptions,
-        "prefix_hit_rate": round(stats.hit_rate, 4),
-        "free_blocks_at_end": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+        "preemptions": stats.num_preemptions,
+        "prefix_hit_rate": round(stats.prefix_cache_hits / max(1, stats.prefix_cache_queries), 4),
+        "free_blocks_at_end": stats.num_free_blocks,
     }
 
 

@@ -88,9 +88,7 @@ def run(config: SpecBenchConfig) -> dict[str, Any]:
         "plain": {"decode_tokens_per_s": round(speeds["plain"], 1)},
     }
     for name in methods:
-        speculator = engines[name].engine.scheduler.speculator
-        assert speculator is not None  # built from speculative_config
-        stats = speculator.stats
+        stats = engines[name].engine.stats.spec_decode
         report[name] = {
             "decode_tokens_per_s": round(speeds[name], 1),
             "speedup": round(speeds[name] / speeds["plain"], 3),

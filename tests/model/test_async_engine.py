@@ -230,9 +230,9 @@ def test_stop_string_is_matched_by_the_caller_and_ends_the_engine_request():
         assert last.text == expected.text and last.token_ids == expected.token_ids
         assert len(last.token_ids) < 40
         deadline = time.monotonic() + 10
-        while engine.core.stats().num_free_blocks != 63 and time.monotonic() < deadline:
+        while engine.stats.num_free_blocks != 63 and time.monotonic() < deadline:
             time.sleep(0.02)
-        stats = engine.core.stats()
+        stats = engine.stats
         assert stats.num_free_blocks == 63 and stats.num_running == stats.num_waiting == 0
     finally:
         engine.shutdown()

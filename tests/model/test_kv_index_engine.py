@@ -118,7 +118,7 @@ def test_the_async_engine_hands_out_batches_in_order_and_snapshots_between_steps
 
 
 def test_an_engine_s_load_counts_its_queues_and_the_prompt_work_left(hf_refs):
-    """What a KV-aware router weighs against cache hits (EngineCore.load)."""
+    """What a KV-aware router weighs against cache hits (EngineStats.load, after each step)."""
     from engine.request import Request
 
     llm = LLM(
@@ -130,18 +130,17 @@ def test_an_engine_s_load_counts_its_queues_and_the_prompt_work_left(hf_refs):
         kv_events_config={"enable_kv_cache_events": True},
     )
     core = llm.engine
-    assert core.load().num_running == core.load().num_waiting == 0
+    assert core.stats.load.num_running == core.stats.load.num_waiting == 0
     for i in range(3):  # distinct prompts: no prefix hits between them
         core.add_request(Request(f"r{i}", [i * 50 + t for t in range(1, 21)], PARAMS))
-    before = core.load()
+    before = core.scheduler.make_stats().load  # what a step would find before it ran
     assert (before.num_running, before.num_waiting) == (0, 3)
     assert before.queued_prompt_tokens == 60 and before.kv_cache_usage == 0.0
-    core.step()  # r0's 20 tokens and 4 of r1's
-    during = core.load()
+    during = core.step().stats.load  # r0's 20 tokens and 4 of r1's
     assert (during.num_running, during.num_waiting) == (2, 1)
     assert during.queued_prompt_tokens == 60 - 24
     assert during.kv_cache_usage > 0.0
     while core.has_requests():
         core.step()
-    after = core.load()
+    after = core.stats.load
     assert (after.num_running, after.num_waiting, after.queued_prompt_tokens) == (0, 0, 0)

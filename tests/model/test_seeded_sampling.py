@@ -63,7 +63,7 @@ def _resumed(llm: LLM, prompt: list[int], params: SamplingParams, outputs: list[
     tokens: list[int] = []
     finish = None
     while llm.engine.has_requests():
-        for out in llm.engine.step():
+        for out in llm.engine.step().outputs:
             tokens += out.new_token_ids
             finish = out.finish_reason or finish
     return tokens, finish

@@ -167,10 +167,11 @@ def test_prefix_cache_stats_count_tokens():
     manager = make_manager()
     schedule_prefill(manager, make_req(manager, "a", list(range(9))))
     schedule_prefill(manager, make_req(manager, "b", list(range(9))))
-    stats = manager.take_prefix_cache_stats()
+    stats = manager.prefix_cache_stats
     assert (stats.requests, stats.queries, stats.hits) == (2, 18, 8)
     assert stats.hit_rate == pytest.approx(8 / 18)
-    assert manager.take_prefix_cache_stats().requests == 0
+    schedule_prefill(manager, make_req(manager, "c", list(range(9))))  # counters run on
+    assert (stats.requests, stats.queries, stats.hits) == (3, 27, 16)
 
 
 def test_usage_counts_held_blocks():

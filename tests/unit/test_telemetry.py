@@ -110,9 +110,9 @@ def test_no_trace_context_means_no_engine_spans(tracer, exporter) -> None:
 def test_dashboard_queries_only_metrics_the_code_exports() -> None:
     dashboard = json.loads((ROOT / "k8s" / "dashboards" / "pdserve.json").read_text())
     used = set(re.findall(r"ray_(pdserve_[a-z0-9_]+)", json.dumps(dashboard)))
-    exported = set(
-        re.findall(r'"(pdserve_[a-z0-9_]+)"', (ROOT / "deployments" / "telemetry.py").read_text())
-    )
+    sides = ("router", "replica")
+    code = "".join((ROOT / "deployments" / side / "telemetry.py").read_text() for side in sides)
+    exported = set(re.findall(r'"(pdserve_[a-z0-9_]+)"', code))
     assert used
     base = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in used}
     assert base <= exported, base - exported
@@ -122,27 +122,28 @@ def test_engine_metrics_sample_a_prefix_cache_with_lookups_and_no_hits() -> None
     """Ray's counters refuse `inc(0)`: a sample with lookups but no hits (the common case on a
     cold cache) must not fail, or the hit-rate gauge goes stale and the log fills up."""
     from deployments.replica.telemetry import EngineMetrics
-    from engine.core.kv_cache_manager import PrefixCacheStats
-    from engine.engine_core import EngineStats
+    from engine.spec_decode.ngram import SpecDecodeStats
+    from engine.stats import EngineStats
+
+    def reading(queries: int, hits: int, spec: SpecDecodeStats | None = None) -> EngineStats:
+        """The engine's counters run from its start; the metrics add the deltas."""
+        return EngineStats(
+            num_blocks=10,
+            num_free_blocks=8,
+            num_running=1,
+            num_waiting=0,
+            num_held_requests=0,
+            queued_prompt_tokens=0,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            spec_decode=spec or SpecDecodeStats(),
+        )
 
     metrics = EngineMetrics()
-    stats = EngineStats(
-        num_blocks=10,
-        num_free_blocks=8,
-        num_running=1,
-        num_waiting=0,
-        num_held_requests=0,
-        kv_cache_usage=0.2,
-        num_preemptions=0,
-    )
-    metrics.sample(stats, PrefixCacheStats(requests=1, queries=32, hits=0))
-    metrics.sample(stats, PrefixCacheStats(requests=1, queries=32, hits=16))
-    metrics.sample(stats, PrefixCacheStats())
+    metrics.sample(reading(32, 0))  # lookups, no hits
+    metrics.sample(reading(64, 16))
+    metrics.sample(reading(64, 16))  # no lookups since
     # Speculative decoding: drafts all rejected (no accepted-token increment), then accepted.
-    from engine.spec_decode.ngram import SpecDecodeStats
-
-    metrics.sample(stats, PrefixCacheStats(), SpecDecodeStats(2, 6, 0))
-    live = SpecDecodeStats(3, 9, 4)
-    metrics.sample(stats, PrefixCacheStats(), live)
-    live.num_drafts += 1  # the engine moves on: the metrics kept their own reading
-    assert metrics._spec_seen == SpecDecodeStats(3, 9, 4)
+    metrics.sample(reading(64, 16, SpecDecodeStats(2, 6, 0)))
+    metrics.sample(reading(64, 16, SpecDecodeStats(3, 9, 4)))
+    assert metrics._seen is not None and metrics._seen.spec_decode == SpecDecodeStats(3, 9, 4)

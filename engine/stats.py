@@ -1,0 +1,59 @@
+"""EngineStats: the one shape in which an engine's statistics leave it.
+
+The scheduler builds one after every step (`Scheduler.make_stats`, on the engine's own thread)
+and `EngineCore.step` ships it with the step's outputs. Everything that wants to know how an
+engine is doing reads that object — metrics, the load published to the KV index, Serve's
+autoscaling stats, health, the benchmarks — never the scheduler, from any thread: it is frozen,
+and replaced whole.
+
+Counters run from the engine's start (a reader that wants rates keeps the last reading);
+gauges are as of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.core.kv_events import EngineLoad
+from engine.spec_decode.ngram import SpecDecodeStats
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_blocks: int  # usable KV blocks (the null block is not counted)
+    num_free_blocks: int  # free or only cached (evictable)
+    num_running: int
+    num_waiting: int  # waiting to be scheduled, reading remote KV included
+    num_held_requests: int  # finished, blocks held for a remote reader
+    queued_prompt_tokens: int  # prompt tokens of unfinished requests not computed nor being read
+    num_preemptions: int = 0  # counter
+    prefix_cache_queries: int = 0  # counter: prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # counter: prompt tokens found there
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # counters
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / max(1, self.num_blocks)
+
+    @property
+    def load(self) -> EngineLoad:
+        """The work ahead of the engine, as a KV-aware router weighs it against cache hits
+        (usage to 3 places: the index hears of a change that matters, not of every block)."""
+        return EngineLoad(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            queued_prompt_tokens=self.queued_prompt_tokens,
+            kv_cache_usage=round(self.kv_cache_usage, 3),
+        )
+
+    def health(self) -> dict[str, Any]:
+        """The fields of pdserve.v1.EngineStats (protos/pdserve/v1/generate.proto)."""
+        return {
+            "num_blocks": self.num_blocks,
+            "num_free_blocks": self.num_free_blocks,
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_held_requests": self.num_held_requests,
+            "kv_cache_usage": self.kv_cache_usage,
+        }
