@@ -33,73 +33,99 @@ _FALSE = {"0", "false", "no", "off"}
 
 @dataclass
 class AppConfig:
-    model: str = SMOLLM2_MODEL  # a named model (engine.models.catalog), a directory or a .gguf
+    """The app's settings: `serve run` arguments, a serve config's `args`, `pdserve serve`'s
+    flags (pdserve/serve_command.py makes one from each field, with the docstring as help)."""
+
+    model: str = SMOLLM2_MODEL
+    """a named model (smollm2, tiny), a model directory or a .gguf file"""
     served_model_name: str = ""
+    """the model name clients use (empty: the model's short name or file stem)"""
     colocated: bool = False
-    transport: str = "nixl"  # one of engine.config.KV_TRANSPORTS
+    """one engine deployment does prefill and decode (for comparison)"""
+    transport: str = "nixl"
+    """how KV moves from prefill to decode engines: nixl or grpc"""
     prefill_replicas: int = 1
+    """prefill engine replicas (a fixed count; autoscaling replaces it)"""
     decode_replicas: int = 1
-    # Serve autoscaling_config dicts; when set they replace the fixed replica counts.
+    """decode engine replicas (a fixed count; autoscaling replaces it)"""
     prefill_autoscaling: dict[str, Any] | None = None
+    """Serve's autoscaling_config for the prefill replicas (JSON), instead of a fixed count"""
     decode_autoscaling: dict[str, Any] | None = None
-    # P/D-aware autoscaling of both engine roles against SLO targets (sla_autoscaling.py):
-    # {"ttft_s": 2, "tpot_s": 0.2, "kv_cache_usage": 0.85, ..., "min_replicas": 1,
-    # "max_replicas": 4, "upscale_delay_s": 10, "downscale_delay_s": 60}; replaces the two above.
+    """Serve's autoscaling_config for the decode replicas (JSON), instead of a fixed count"""
     sla_autoscaling: dict[str, Any] | None = None
+    """P/D-aware autoscaling of both roles against SLO targets (deployments/cluster/
+    sla_autoscaling.py), JSON: {"ttft_s": 2, "tpot_s": 0.2, "kv_cache_usage": 0.85, ...,
+    "min_replicas": 1, "max_replicas": 4}; replaces the two above"""
     router_replicas: int = 1
-    # Resources per engine replica: one GPU each on a GPU cluster.
+    """router (ingress) replicas"""
     num_cpus_per_engine: float = 1.0
-    # On CPU nodes each engine replica computes with num_cpus_per_engine threads pinned to
-    # cores no other engine replica holds (deployments/replica/core_pinning.py); false: unpinned.
+    """Ray CPUs per engine replica (on CPU nodes, the threads it computes with)"""
     pin_engine_cores: bool = True
+    """on CPU nodes, pin each engine replica's threads to cores no other engine replica holds
+    (deployments/replica/core_pinning.py)"""
     num_gpus_per_engine: float = 0.0
+    """GPUs per engine replica (one each on a GPU cluster)"""
     num_cpus_router: float = 0.5
-    max_ongoing_requests: int = 256  # per engine replica; the engine queues behind it
-    # Bounded admission (RESOURCE_EXHAUSTED / HTTP 429 with Retry-After over a bound, at once):
-    # requests waiting at each router replica for an engine replica, and at each proxy for a
-    # router replica (Serve's max_queued_requests; -1: no bound) ...
+    """Ray CPUs per router replica"""
+    max_ongoing_requests: int = 256
+    """requests an engine replica takes at once (the engine queues behind it)"""
     max_queued_requests: int = 1024
+    """requests waiting at each router replica for each engine deployment, beyond which they
+    are refused at once (RESOURCE_EXHAUSTED / HTTP 429 with Retry-After); -1: no bound"""
     router_max_queued_requests: int = 4096
-    # ... and prompt tokens an engine holds still to compute (engine/core/admission.py; 0: no
-    # bound; engine_args may set max_queued_prompt_tokens itself).
+    """requests waiting at each proxy for a router replica, beyond which Serve refuses them
+    (429); -1: no bound"""
     max_queued_prompt_tokens: int = 262144
+    """prompt tokens an engine holds still to compute, beyond which it refuses new requests
+    (engine/core/admission.py); 0: no bound; engine_args may set its own"""
     retry_after_s: float = 1.0
-    # Engine arguments (vLLM's names) for every engine replica.
+    """what a refused client is told to wait before retrying"""
     engine_args: dict[str, Any] = field(default_factory=dict)
-    # Shared by the engines' side channels; empty: $PDSERVE_KV_SECRET (a Kubernetes Secret),
-    # else drawn once per build (then engines of two builds refuse each other's KV).
+    """engine arguments (vLLM's names) for every engine replica, JSON, e.g.
+    {"max_model_len": 512}"""
     kv_secret: str = ""
-    # API keys (vLLM's --api-key): one or a list, plus $PDSERVE_API_KEY; none: open APIs.
+    """shared by the engines' side channels; empty: $PDSERVE_KV_SECRET (a Kubernetes Secret),
+    else drawn once per build (then engines of two builds refuse each other's KV)"""
     api_key: str | list[str] = field(default_factory=list)
+    """clients must send 'Authorization: Bearer KEY' (HTTP) or metadata 'authorization: Bearer
+    KEY' (gRPC); one or a list, plus $PDSERVE_API_KEY (comma-separated); none: open APIs"""
     lease_seconds: float = 30.0
+    """how long a prefill engine holds a finished prompt's KV for its decode engine to read"""
     kv_load_failure_policy: str = "recompute"
-    # Mutual TLS on the engines' side channel: {certfile, keyfile, ca_certs, server_name}
-    # (engine.config.SideChannelTLS; PEM paths on every node, e.g. a mounted Secret).
+    """a KV read that fails: recompute the prompt locally, or fail the request"""
     side_channel_tls: dict[str, str] | None = None
+    """mutual TLS on the engines' side channel, JSON: {certfile, keyfile, ca_certs,
+    server_name} (PEM paths on every node, e.g. a mounted Secret)"""
     min_remote_prefill_tokens: int = 0
-    # Cache-aware disaggregation (with kv_aware_routing): a prompt of which a decode replica
-    # holds all but at most this many tokens skips the prefill leg; 0 turns it off.
+    """shorter prompts skip the prefill replica"""
     max_local_prefill_tokens: int = FlowConfig.max_local_prefill_tokens
-    # Prefix loans (with kv_aware_routing): the prefill leg reads a prompt's leading blocks
-    # from the engine holding the most of them when that spares it at least this many
-    # tokens; 0 turns them off.
+    """a prompt of which a decode replica holds all but at most this many tokens skips the
+    prefill replica (cache-aware disaggregation; needs kv_aware_routing; 0: off)"""
     min_prefix_loan_tokens: int = FlowConfig.min_prefix_loan_tokens
-    # Route both legs by the engines' prefix caches (deployments/cluster/kv_index.py); off: Serve's
-    # default (power of two choices).
+    """the prefill replica borrows a prompt's cached blocks from the engine holding the most
+    of them when that spares at least this many tokens (needs kv_aware_routing; 0: off)"""
     kv_aware_routing: bool = True
+    """route both legs by the engines' prefix caches (deployments/cluster/kv_index.py); off:
+    Serve's default (power of two choices)"""
     request_timeout_s: float = 300.0
+    """a request's deadline (a request may ask for less)"""
     prefill_timeout_s: float = 60.0
-    # A request whose decode (or colocated) engine fails mid-stream moves to another engine
-    # at most this many times (deployments/router/migration.py); 0: it fails with the engine.
+    """a prefill leg that gives no answer in this time falls back to decode-only"""
     max_migrations: int = MigrationPolicy.max_migrations
-    # OTLP/gRPC collector for traces; empty: OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing.
+    """a request whose decode (or colocated) engine fails mid-stream moves to another engine
+    at most this many times (deployments/router/migration.py); 0: it fails with the engine"""
     otlp_endpoint: str = ""
-    # Request size limits (deployments.protocol.RequestLimits): refused, with the limit's name.
+    """OTLP/gRPC collector for traces (empty: $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing)"""
     max_body_bytes: int = RequestLimits.max_body_bytes
+    """HTTP request bodies larger than this are refused (413)"""
     max_prompt_chars: int = RequestLimits.max_prompt_chars
+    """characters of a text prompt, or of a conversation's contents together"""
     max_stop_strings: int = RequestLimits.max_stop_strings
+    """stop strings in one request"""
     max_stop_chars: int = RequestLimits.max_stop_chars
+    """characters of each stop string"""
     max_request_id_chars: int = RequestLimits.max_request_id_chars
+    """characters of a client-chosen request id"""
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:

@@ -24,23 +24,31 @@ COLOCATED_APP_NAME = "colocated"
 
 @dataclass
 class ServeOptions:
+    """Where and how `pdserve serve` runs the app on local Ray (its flags come from here)."""
+
     host: str = "127.0.0.1"
+    """the address Serve's HTTP and gRPC proxies listen on"""
     http_port: int = 8000
+    """the OpenAI-compatible HTTP API (HTTPS with --ssl-certfile)"""
     grpc_port: int = 9000
-    num_cpus: int | None = None  # Ray's logical CPUs; default: enough for every replica
-    # More apps beside the main one, for side-by-side benches: name -> AppConfig overrides
-    # (e.g. {"colocated": {"colocated": True}}); each is served at route /<name> and by its
-    # name in gRPC metadata.
+    """the gRPC API (pdserve.v1.Generation), plain"""
+    num_cpus: int | None = None
+    """Ray's logical CPUs (none: enough for every replica)"""
     extra_apps: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # Ray's dashboard (Serve's own CLI, `serve status`, talks to it) and its Prometheus
-    # endpoint. None: the dashboard off (tests), and Ray picks the metrics port.
+    """more apps beside the main one, for side-by-side benches: name -> AppConfig overrides
+    (e.g. {"colocated": {"colocated": True}}), each at route /<name> and by its name in gRPC
+    metadata"""
     dashboard_port: int | None = None
+    """Ray's dashboard, which Serve's CLI (serve status) talks to (none: no dashboard)"""
     metrics_export_port: int | None = None
-    # TLS (PEM files): HTTPS on http_port (Serve's own), and gRPC over TLS on grpc_tls_port
-    # beside the plain grpc_port (deployments/router/grpc_ingress.py).
+    """Prometheus metrics of every process, at /metrics (none: Ray picks the port)"""
     ssl_keyfile: str | None = None
+    """TLS key (PEM): HTTPS on the HTTP port, gRPC over TLS on the gRPC TLS port"""
     ssl_certfile: str | None = None
+    """TLS certificate chain (PEM)"""
     grpc_tls_port: int = 9443
+    """gRPC over TLS, beside the plain port (with --ssl-certfile;
+    deployments/router/grpc_ingress.py)"""
 
     @property
     def tls(self) -> bool:

@@ -98,6 +98,9 @@ class GenerateInput:
     priority: int = 0
     cache_salt: str | None = None
     timeout_s: float | None = None  # None: the router's default deadline
+    # A chat that set no max_tokens may answer with as many tokens as the context leaves after
+    # the prompt (OpenAI's chat completions); the router sets them once it has tokenized.
+    fill_context: bool = False
 
 
 @dataclass
@@ -217,6 +220,7 @@ def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
         priority=request.priority,
         cache_salt=request.cache_salt or None,
         timeout_s=request.timeout_s or None,
+        fill_context=which == "chat" and not request.sampling_params.HasField("max_tokens"),
     )
 
 

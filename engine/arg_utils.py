@@ -25,38 +25,62 @@ from engine.models.catalog import TINY_MODEL, resolve_model
 
 @dataclass
 class EngineArgs:
+    """An engine's arguments, under vLLM's names (`LLM(model, **engine_args)`, a serve
+    config's `engine_args`, `pdserve generate`'s flags)."""
+
     model: str = TINY_MODEL
+    """a named model (smollm2, tiny), a model directory or a .gguf file"""
     tokenizer: str | None = None
+    """a directory with tokenizer.json (none: the model's own)"""
     dtype: str = "auto"
+    """weights and activations: float32, bfloat16, float16 (auto: float32 on CPUs)"""
     seed: int = 0
+    """the engine's seed, for requests that sample without one"""
     device: str = "auto"
+    """cpu or cuda (auto: cuda when there is one)"""
     block_size: int = 16
+    """tokens per KV block"""
     max_model_len: int | None = None
+    """the context length (none: the model's)"""
     max_num_seqs: int = 128
+    """requests in one step at most"""
     max_num_batched_tokens: int | None = None
+    """tokens in one step at most (the token budget; none: from the context length)"""
     enable_prefix_caching: bool = True
+    """reuse the KV blocks of a prompt's cached prefix"""
     enable_chunked_prefill: bool = True
+    """a long prompt may be computed over several steps, beside decodes"""
     long_prefill_token_threshold: int = 0
+    """a prompt's chunk in one step at most (0: no limit beyond the budget)"""
     num_gpu_blocks_override: int | None = None
+    """KV blocks to allocate, whatever the memory budget says"""
     kv_cache_memory_bytes: int | None = None
+    """bytes for the KV cache (none: 1 GiB on CPUs, gpu_memory_utilization on GPUs)"""
     gpu_memory_utilization: float = 0.9
+    """the fraction of GPU memory the engine may use, KV cache included"""
     scheduling_policy: str = "fcfs"
-    # Off by default: on a CPU whose cores all run the forward pass it costs more than it
-    # hides (docs/ARCHITECTURE.md §12); the runner thread's overlap is for accelerators.
+    """fcfs, or priority (a smaller `priority` first)"""
     async_scheduling: bool = False
-    # Bounded admission for served engines (engine/core/admission.py); 0: no bound.
+    """schedule step N+1 while step N computes. Off by default: on a CPU whose cores all run
+    the forward pass it costs more than it hides (docs/ARCHITECTURE.md §12)"""
     max_queued_prompt_tokens: int = 0
+    """prompt tokens waiting to be computed, beyond which new requests are refused
+    (engine/core/admission.py); 0: no bound"""
     attention_backend: str = "auto"
+    """torch, cpu (the C++ paged kernel) or cuda (auto: the device's)"""
     linear_backend: str = "auto"
-    # On CUDA decode steps replay captured graphs (engine/worker/cuda_graphs.py); True: eager.
+    """torch, blocked (the C++ kernel) or onednn (auto: the device's)"""
     enforce_eager: bool = False
+    """on CUDA, run every step eagerly instead of replaying captured decode graphs"""
     logits_processors: tuple[str, ...] = ()
+    """custom logits processors, as module:Class"""
     kv_transfer_config: dict[str, Any] | None = None
-    # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}
+    """KV transfer between engines (JSON): {"connector": "nixl", ...}"""
     speculative_config: dict[str, Any] | None = None
-    # {"enable_kv_cache_events": true}: number the prefix cache's events for a cluster index
-    # (EngineCore.kv_events; vLLM's name and key).
+    """speculative decoding (JSON): {"method": "ngram", "num_speculative_tokens": k, ...}"""
     kv_events_config: dict[str, Any] | None = None
+    """{"enable_kv_cache_events": true}: number the prefix cache's events for a cluster index
+    (vLLM's name and key)"""
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:

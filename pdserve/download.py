@@ -12,11 +12,11 @@ first (no shard of the old model is left to be read with the new one).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.models.catalog import NAMED_MODELS, resolve_model
@@ -29,16 +29,20 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", required=True, help=f"a Hugging Face repo id (org/name) or {NAMED_MODELS}"
-    )
-    parser.add_argument("--dir", required=True, type=Path, help="where the model goes")
-    parser.add_argument("--revision", default=None, help="Hub branch, tag or commit")
+@dataclass
+class DownloadOptions:
+    """`pdserve download`'s flags (pdserve/flags.py)."""
+
+    model: str
+    """a Hugging Face repo id (org/name), or a named model (smollm2, tiny)"""
+    dir: Path
+    """where the model goes"""
+    revision: str | None = None
+    """a Hub branch, tag or commit (none: the default branch)"""
 
 
-def run(args: argparse.Namespace) -> int:
-    print(download(args.model, args.dir, args.revision), flush=True)
+def run(options: DownloadOptions) -> int:
+    print(download(options.model, options.dir, options.revision), flush=True)
     return 0
 
 

@@ -44,6 +44,7 @@ from deployments.router.openai_format import (
 from deployments.router.openai_requests import ChatCompletionRequest, CompletionRequest
 from deployments.router.openai_tools import template_kwargs
 from deployments.router.orchestrator import Orchestrator
+from deployments.router.prompt_checks import context_max_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ def _chat_input(body: ChatCompletionRequest, flow: Orchestrator) -> GenerateInpu
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
     if max_tokens is None:  # as OpenAI: up to the context length (16 is the completions default)
-        max_tokens = max(1, flow.model.max_model_len - len(token_ids))
+        max_tokens = context_max_tokens(flow.model.max_model_len, len(token_ids))
     params = body.sampling_params(max_tokens, logprobs)
     return GenerateInput(token_ids, params, "", body.priority, body.cache_salt, body.timeout_s)
 

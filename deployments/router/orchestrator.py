@@ -41,7 +41,7 @@ from deployments.router.migration import (
     ResumableLeg,
     StreamFn,
 )
-from deployments.router.prompt_checks import check_length, tokenize_prompt
+from deployments.router.prompt_checks import check_length, context_max_tokens, tokenize_prompt
 from deployments.router.response_stream import PreparedRequest, ResponseStream
 from deployments.router.telemetry import RouterTelemetry
 from deployments.router.text_work import TextWork, prompt_chars
@@ -121,8 +121,11 @@ class Orchestrator:
         request's time runs from `received` (default: now)."""
         self.config.limits.check(request)  # before any work that grows with the request
         text, token_ids = tokenize_prompt(self.tokenizer, self.model.vocab_size, request.prompt)
-        check_length(len(token_ids), request.params.max_tokens, self.model.max_model_len)
         params = request.params  # stop strings without a tokenizer: ResponseStream refuses
+        if request.fill_context:
+            max_tokens = context_max_tokens(self.model.max_model_len, len(token_ids))
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        check_length(len(token_ids), params.max_tokens, self.model.max_model_len)
         if self.prefill is not None and params.seed is None and not params.is_greedy:
             # Both legs must draw the first token alike: counter-based sampling needs a seed.
             params = dataclasses.replace(params, seed=secrets.randbits(63))

@@ -31,6 +31,13 @@ def tokenize_prompt(
     return None, list(prompt)
 
 
+def context_max_tokens(max_model_len: int, num_prompt_tokens: int) -> int:
+    """An answer's length when the request set none (OpenAI's chat completions): as many
+    tokens as the context leaves after the prompt (at least one: a prompt that fills the
+    context is then refused by `check_length`, with its numbers)."""
+    return max(1, max_model_len - num_prompt_tokens)
+
+
 def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
     """Refuse, never cut: a request whose output could not fit in the context (vLLM's
     behaviour) is an error saying how many tokens remain."""

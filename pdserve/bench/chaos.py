@@ -18,7 +18,6 @@ the processes that lived through the run; a killed replica's replacement is a ne
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import random
 import sys
@@ -36,21 +35,35 @@ _INTERNALS = ("actor", "Traceback", "\x1b[", "ray.", "RayTaskError")
 @dataclass
 class ChaosConfig:
     model: str = "tiny"
+    """the model the local app serves"""
     duration_s: float = 600.0
+    """how long the load runs"""
     max_requests: int = 100_000
+    """requests sent at most (the load stops at whichever comes first)"""
     concurrency: int = 6
+    """requests in flight at once"""
     max_tokens: int = 48
+    """output tokens a request asks for"""
     kill_every_s: float = 60.0
+    """seconds between two kills (SIGKILL) of a replica, prefill, decode and router in turn"""
     cancel_fraction: float = 0.1
+    """requests the client cancels part-way"""
     malformed_fraction: float = 0.05
-    request_timeout_s: float = 60.0  # the server's deadline; the client waits longer
+    """requests sent malformed (each must be refused as INVALID_ARGUMENT)"""
+    request_timeout_s: float = 60.0
+    """the server's deadline for a request (the client waits longer)"""
     num_cpus: int = 8
+    """Ray's logical CPUs"""
     decode_replicas: int = 2
+    """decode replicas of the app"""
     router_replicas: int = 2
+    """router replicas of the app"""
     engine_args: dict[str, Any] = field(
         default_factory=lambda: {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20}
     )
+    """the engines' arguments (JSON)"""
     seed: int = 0
+    """the load's random choices"""
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0 or self.max_requests < 1 or self.concurrency < 1:
@@ -348,30 +361,4 @@ def _wait_idle(client: Any, timeout_s: float) -> tuple[float | None, dict[str, i
     return None, leftovers
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = ChaosConfig()
-    parser.add_argument("--model", default=defaults.model)
-    parser.add_argument("--duration-s", type=float, default=defaults.duration_s)
-    parser.add_argument("--max-requests", type=int, default=defaults.max_requests)
-    parser.add_argument("--concurrency", type=int, default=defaults.concurrency)
-    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
-    parser.add_argument("--kill-every-s", type=float, default=defaults.kill_every_s)
-    parser.add_argument("--cancel-fraction", type=float, default=defaults.cancel_fraction)
-    parser.add_argument("--malformed-fraction", type=float, default=defaults.malformed_fraction)
-    parser.add_argument("--num-cpus", type=int, default=defaults.num_cpus)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-
-
-def config_from_args(args: argparse.Namespace) -> ChaosConfig:
-    return ChaosConfig(
-        model=args.model,
-        duration_s=args.duration_s,
-        max_requests=args.max_requests,
-        concurrency=args.concurrency,
-        max_tokens=args.max_tokens,
-        kill_every_s=args.kill_every_s,
-        cancel_fraction=args.cancel_fraction,
-        malformed_fraction=args.malformed_fraction,
-        num_cpus=args.num_cpus,
-        seed=args.seed,
-    )
+CONFIG = ChaosConfig

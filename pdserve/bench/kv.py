@@ -45,6 +45,7 @@ from connector.transport import BlockRead, KVTransport
 from engine.config import KV_TRANSPORTS, check_transport
 from engine.worker.host_memory import zeros_on_huge_pages
 from pdserve.bench.tcp_ceiling import tcp_loopback_gbps
+from pdserve.flags import Flag
 
 DEFAULT_BLOCK_BYTES = 1 << 20  # an 8B model's 16-token block is 2 MiB; 1 MiB sits near it
 DEFAULT_TOTAL_BYTES = 256 << 20
@@ -55,14 +56,23 @@ LAYOUTS = ("contiguous", "scattered")
 @dataclass(frozen=True)
 class KVBenchConfig:
     transports: tuple[str, ...] = TRANSPORTS
-    num_blocks: int = DEFAULT_TOTAL_BYTES // DEFAULT_BLOCK_BYTES
+    """the transports to measure, one after the other (nixl, grpc, or both)"""
+    num_blocks: int = 0
+    """blocks to move (0: 256 MiB worth)"""
     block_bytes: int = DEFAULT_BLOCK_BYTES
+    """bytes of one block (an 8B model's 16-token block is 2 MiB)"""
     repeats: int = 3
+    """timed reads per transport"""
     layout: str = "contiguous"
+    """contiguous (one run of block ids) or scattered (a seeded permutation)"""
     seed: int = 0
-    timeout_s: float = 120.0  # per step (start-up, one read): the bench fails instead of hanging
+    """the scattered layout's permutation"""
+    timeout_s: float = 120.0
+    """seconds per step (start-up, one read): the bench fails instead of hanging"""
 
     def __post_init__(self) -> None:
+        if self.num_blocks == 0 and self.block_bytes > 0:
+            object.__setattr__(self, "num_blocks", max(1, DEFAULT_TOTAL_BYTES // self.block_bytes))
         if self.num_blocks < 1 or self.repeats < 1:
             raise ValueError(
                 f"num_blocks and repeats must be >= 1, got {self.num_blocks}, {self.repeats}"
@@ -237,34 +247,17 @@ def run(config: KVBenchConfig) -> dict[str, Any]:
     return {**summary, "transports": results}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = KVBenchConfig()
-    parser.add_argument("--transport", choices=[*TRANSPORTS, "both"], default="both")
-    parser.add_argument(
-        "--num-blocks", type=int, default=None, help="default: 256 MiB worth of blocks"
-    )
-    parser.add_argument("--block-bytes", type=int, default=defaults.block_bytes)
-    parser.add_argument("--repeats", type=int, default=defaults.repeats)
-    parser.add_argument("--layout", choices=LAYOUTS, default=defaults.layout)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument(
-        "--timeout", type=float, default=defaults.timeout_s, help="seconds per step"
-    )
+def _transports(text: str) -> tuple[str, ...]:
+    if text == "both":
+        return TRANSPORTS
+    if text not in TRANSPORTS:
+        raise argparse.ArgumentTypeError(f"--transport takes {', '.join(TRANSPORTS)} or both")
+    return (text,)
 
 
-def config_from_args(args: argparse.Namespace) -> KVBenchConfig:
-    if args.block_bytes < 8:
-        raise ValueError(f"block_bytes must be a positive multiple of 8, got {args.block_bytes}")
-    num_blocks = args.num_blocks
-    if num_blocks is None:
-        num_blocks = max(1, DEFAULT_TOTAL_BYTES // args.block_bytes)
-    transports = TRANSPORTS if args.transport == "both" else (args.transport,)
-    return KVBenchConfig(
-        transports=transports,
-        num_blocks=num_blocks,
-        block_bytes=args.block_bytes,
-        repeats=args.repeats,
-        layout=args.layout,
-        seed=args.seed,
-        timeout_s=args.timeout,
-    )
+CONFIG = KVBenchConfig
+FLAGS = {
+    "transports": Flag(name="--transport", parse=_transports, metavar="{nixl,grpc,both}"),
+    "layout": Flag(choices=LAYOUTS),
+    "timeout_s": Flag(name="--timeout"),
+}

@@ -13,7 +13,6 @@ phase); `outside_steps` is the time between steps (the offline loop's output pro
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import random
@@ -28,6 +27,7 @@ from torch import nn
 
 from engine.models.catalog import SMOLLM2_MODEL
 from engine.step_timer import PHASES, StepTimer
+from pdserve.flags import Flag, int_list
 
 _BANDWIDTH_BUFFER_BYTES = 512 << 20  # far beyond any last-level cache
 _PROBE_STREAMS = (1, 4, 8)  # sequential streams per thread the CPU read probe tries
@@ -36,16 +36,24 @@ _PROBE_STREAMS = (1, 4, 8)  # sequential streams per thread the CPU read probe t
 @dataclass(frozen=True)
 class LatencyBenchConfig:
     model: str = SMOLLM2_MODEL
+    """the model (the shipped GGUF by default)"""
     input_len: int = 32
+    """prompt tokens"""
     output_len: int = 128
+    """decode steps timed"""
     batch_sizes: tuple[int, ...] = (1, 32)
+    """decode batch sizes, comma-separated (1 is single-stream)"""
     repeats: int = 3
+    """runs of each, alternating"""
     seed: int = 0
+    """the prompts' random tokens"""
     device: str = "auto"
-    profile_dir: str = ""  # a torch profiler trace of single-stream decode goes here
-    # The peer: a Python with llama-cpp-python (a throwaway venv, never a dependency); it runs
-    # single-stream decode on the same GGUF file, alternating with the engine.
+    """cpu or cuda (auto: cuda when there is one)"""
+    profile_dir: str = ""
+    """write a torch profiler trace of single-stream decode here"""
     llamacpp_python: str = ""
+    """a Python with llama-cpp-python (a throwaway venv, never a dependency): it decodes the
+    same GGUF file single-stream, alternating with the engine"""
 
     def __post_init__(self) -> None:
         for name in ("input_len", "repeats"):
@@ -302,41 +310,9 @@ def read_bandwidth(device: torch.device, dtype: torch.dtype, repeats: int = 5) -
     return buffer.numel() * element / best
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = LatencyBenchConfig()
-    parser.add_argument("--model", default=defaults.model)
-    parser.add_argument("--input-len", type=int, default=defaults.input_len)
-    parser.add_argument("--output-len", type=int, default=defaults.output_len)
-    parser.add_argument(
-        "--batch-sizes",
-        default=",".join(str(n) for n in defaults.batch_sizes),
-        help="comma-separated decode batch sizes (1 is single-stream)",
-    )
-    parser.add_argument("--repeats", type=int, default=defaults.repeats)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--device", default=defaults.device)
-    parser.add_argument("--profile", default="", metavar="DIR", help="torch profiler trace")
-    parser.add_argument(
-        "--llamacpp-python",
-        default="",
-        metavar="PYTHON",
-        help="a Python with llama-cpp-python: single-stream decode on the same GGUF, alternating",
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> LatencyBenchConfig:
-    try:
-        sizes = tuple(int(part) for part in args.batch_sizes.split(","))
-    except ValueError:
-        raise ValueError(f"--batch-sizes takes integers, got {args.batch_sizes!r}") from None
-    return LatencyBenchConfig(
-        model=args.model,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        batch_sizes=sizes,
-        repeats=args.repeats,
-        seed=args.seed,
-        device=args.device,
-        profile_dir=args.profile,
-        llamacpp_python=args.llamacpp_python,
-    )
+CONFIG = LatencyBenchConfig
+FLAGS = {
+    "batch_sizes": Flag(parse=int_list),
+    "profile_dir": Flag(name="--profile", metavar="DIR"),
+    "llamacpp_python": Flag(metavar="PYTHON"),
+}

@@ -11,7 +11,6 @@ Throughput counts only the tokens each request asked for. Each side gets one war
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -21,18 +20,27 @@ from typing import Any
 import torch
 
 from engine.models.catalog import SMOLLM2_MODEL, is_gguf_path
+from pdserve.flags import Flag
 
 
 @dataclass(frozen=True)
 class OfflineBenchConfig:
     model: str = SMOLLM2_MODEL
+    """the model both engines run"""
     num_prompts: int = 32
+    """prompts per workload"""
     input_len: int = 128
+    """prompt tokens (the mixed workload varies around it)"""
     output_len: int = 128
+    """output tokens (the mixed workload varies around it)"""
     seed: int = 0
+    """the prompts' random tokens"""
     device: str = "auto"
+    """cpu or cuda (auto: cuda when there is one)"""
     skip_hf: bool = False
+    """the engine's figures only, without transformers.generate"""
     workloads: tuple[str, ...] = ("fixed", "mixed")
+    """fixed (every prompt alike) and mixed (lengths drawn around the given ones)"""
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "input_len", "output_len"):
@@ -175,32 +183,5 @@ def _throughput(seconds: float, workload: Workload) -> dict[str, float]:
     }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = OfflineBenchConfig()
-    parser.add_argument("--model", default=defaults.model)
-    parser.add_argument("--num-prompts", type=int, default=defaults.num_prompts)
-    parser.add_argument("--input-len", type=int, default=defaults.input_len)
-    parser.add_argument("--output-len", type=int, default=defaults.output_len)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--device", default=defaults.device)
-    parser.add_argument("--skip-hf", action="store_true", help="engine figures only")
-    parser.add_argument(
-        "--workload",
-        action="append",
-        choices=["fixed", "mixed"],
-        default=None,
-        help="repeatable; default: both",
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> OfflineBenchConfig:
-    return OfflineBenchConfig(
-        model=args.model,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        seed=args.seed,
-        device=args.device,
-        skip_hf=args.skip_hf,
-        workloads=tuple(args.workload or ("fixed", "mixed")),
-    )
+CONFIG = OfflineBenchConfig
+FLAGS = {"workloads": Flag(name="--workload", choices=("fixed", "mixed"), repeat=True)}

@@ -6,7 +6,6 @@ CPU cost of scheduling alone, the part that sits between two forward passes.
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -21,18 +20,31 @@ from pdserve.bench.stats import summarize
 @dataclass(frozen=True)
 class SchedWorkload:
     num_requests: int = 512
+    """requests, all queued at the start"""
     min_prompt: int = 128
+    """prompt tokens at least"""
     max_prompt: int = 2048
+    """prompt tokens at most"""
     shared_prefix_fraction: float = 0.3
+    """requests whose prompt starts with the shared prefix"""
     shared_prefix_len: int = 512
+    """tokens of the shared prefix"""
     min_output: int = 64
+    """output tokens at least"""
     max_output: int = 256
+    """output tokens at most"""
     num_blocks: int = 32768
+    """KV blocks in the pool"""
     block_size: int = 16
+    """tokens per KV block"""
     max_num_seqs: int = 256
+    """requests in one step at most (the steady decode batch)"""
     max_num_batched_tokens: int = 8192
+    """tokens in one step at most"""
     vocab_size: int = 32000
+    """the fake model's vocabulary"""
     seed: int = 0
+    """the workload's random draws"""
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -98,22 +110,4 @@ def run(w: SchedWorkload) -> dict[str, object]:
     }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = SchedWorkload()
-    parser.add_argument("--num-requests", type=int, default=defaults.num_requests)
-    parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens
-    )
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-
-
-def workload_from_args(args: argparse.Namespace) -> SchedWorkload:
-    return SchedWorkload(
-        num_requests=args.num_requests,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        seed=args.seed,
-    )
+CONFIG = SchedWorkload

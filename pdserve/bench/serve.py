@@ -13,10 +13,8 @@ measured (`--deploy NAME=JSON`, app arguments over `--model`).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import sys
 import time
 from collections import Counter
@@ -36,6 +34,7 @@ from pdserve.bench.workloads import (
     warmup_prompts,
 )
 from pdserve.client import APP_METADATA_KEY, generate_request
+from pdserve.flags import Flag, named_json_object
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -49,34 +48,65 @@ _QUANTILES = (0.5, 0.9, 0.99, 0.999)
 @dataclass
 class ServeBenchConfig:
     target: str = "127.0.0.1:9000"
-    api_key: str = ""  # sent as `authorization: Bearer KEY` (a deployment with API keys)
-    apps: list[str] = field(default_factory=lambda: ["pdserve"])  # Serve app names
-    # Deploy these configurations one after another instead (name -> app arguments).
+    """the gRPC endpoint, HOST:PORT"""
+    api_key: str | None = None
+    """sent as 'authorization: Bearer KEY' (none: $PDSERVE_API_KEY's first key, if any)"""
+    apps: list[str] = field(default_factory=lambda: ["pdserve"])
+    """Serve app names, compared side by side (e.g. pdserve serve --with-colocated's)"""
     deploy: dict[str, dict[str, Any]] = field(default_factory=dict)
-    model: str = "smollm2"  # what --deploy serves unless its arguments say otherwise
-    num_cpus: int | None = None  # Ray's logical CPUs for --deploy
+    """deploy each configuration (NAME=app arguments as JSON) on local Ray in turn and measure
+    it alone, instead of an endpoint that runs, e.g. 'pd={"num_cpus_per_engine": 1}'"""
+    model: str = "smollm2"
+    """what --deploy serves unless its arguments say otherwise"""
+    num_cpus: int | None = None
+    """Ray's logical CPUs for --deploy (none: enough for every replica)"""
     workload: str = "random"
-    num_prompts: int = 64  # requests (random), conversations (multiturn), steady (mixed)
+    """random, multiturn (conversations behind a shared system prompt) or mixed (steady
+    decodes under bursts of long prompts)"""
+    num_prompts: int = 64
+    """requests (random); conversations (multiturn); steady requests (mixed)"""
     input_len: int = 128
+    """prompt tokens"""
     output_len: int = 64
+    """output tokens"""
     shared_prefix_len: int = 0
-    concurrency: int | None = None  # default 8 without --request-rate
-    request_rate: float | None = None  # requests/s (conversations/s), Poisson arrivals
-    turns: int = 4  # multiturn
-    turn_len: int = 32  # multiturn: new user tokens per later turn
-    think_time_s: float = 1.0  # multiturn: mean pause between turns (exponential)
-    long_input_len: int = 1024  # mixed: burst prompt length
-    burst_output_len: int = 16  # mixed
-    burst_size: int = 4  # mixed
-    burst_interval_s: float = 5.0  # mixed
+    """leading prompt tokens every request shares"""
+    concurrency: int | None = None
+    """requests in flight at once (none: 8 without a request rate)"""
+    request_rate: float | None = None
+    """requests (conversations) per second, Poisson arrivals (none: as fast as concurrency
+    allows)"""
+    turns: int = 4
+    """multiturn: turns per conversation"""
+    turn_len: int = 32
+    """multiturn: new user tokens per later turn"""
+    think_time_s: float = 1.0
+    """multiturn: mean pause between turns (exponential)"""
+    long_input_len: int = 1024
+    """mixed: the bursts' prompt tokens"""
+    burst_output_len: int = 16
+    """mixed: the bursts' output tokens"""
+    burst_size: int = 4
+    """mixed: requests per burst"""
+    burst_interval_s: float = 5.0
+    """mixed: seconds between bursts"""
     warmup: int = 2
+    """requests sent before the measured ones"""
     seed: int = 0
+    """the workload's random choices"""
     slo_ttft_ms: float | None = None
+    """goodput counts requests whose time to first token is within this"""
     slo_tpot_ms: float | None = None
+    """goodput counts requests whose time per output token is within this"""
     plot: str | None = None
+    """write a PNG here: latency distributions, ITL over time"""
     timeout_s: float = 600.0
+    """a request's deadline"""
     progress: bool = True
-    interleave: bool = False  # run the apps at the same time instead of one after another
+    """a progress bar on stderr"""
+    interleave: bool = False
+    """load all apps at once instead of one after the other (a fair latency comparison on a
+    noisy machine)"""
 
     def __post_init__(self) -> None:
         if self.deploy:
@@ -311,7 +341,8 @@ def _deployed(
 
 
 def _metadata(app: str, config: ServeBenchConfig) -> tuple[tuple[str, str], ...]:
-    return (((APP_METADATA_KEY, app),) if app else ()) + bearer(config.api_key)
+    api_key = client_api_key() if config.api_key is None else config.api_key
+    return (((APP_METADATA_KEY, app),) if app else ()) + bearer(api_key)
 
 
 def _vocab_size(config: ServeBenchConfig) -> int:
@@ -330,119 +361,9 @@ def _vocab_size(config: ServeBenchConfig) -> int:
     return int(info.vocab_size)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="127.0.0.1:9000", help="gRPC HOST:PORT")
-    parser.add_argument(
-        "--api-key",
-        default=client_api_key(),
-        help="for a deployment with API keys (default: $PDSERVE_API_KEY's first key)",
-    )
-    parser.add_argument(
-        "--app",
-        action="append",
-        default=[],
-        help="Serve app name (repeatable: compared side by side)",
-    )
-    parser.add_argument(
-        "--deploy",
-        action="append",
-        default=[],
-        type=_deploy_arg,
-        metavar="NAME=JSON",
-        help="deploy this configuration (app arguments) on local Ray, measure it alone, stop "
-        "it; repeatable: the configurations one after another, e.g. "
-        """'pd={"num_cpus_per_engine": 1}' 'colo={"colocated": true, "num_cpus_per_engine": 2}'""",
-    )
-    parser.add_argument("--model", default="smollm2", help="the model --deploy serves")
-    parser.add_argument("--num-cpus", type=int, default=None, help="Ray's CPUs for --deploy")
-    parser.add_argument("--workload", choices=WORKLOADS, default="random")
-    parser.add_argument(
-        "--num-prompts",
-        type=int,
-        default=64,
-        help="requests; conversations (multiturn); steady requests (mixed)",
-    )
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--shared-prefix-len", type=int, default=0)
-    parser.add_argument("--concurrency", type=int, default=None)
-    parser.add_argument("--request-rate", type=float, default=None, help="Poisson, requests/s")
-    parser.add_argument("--turns", type=int, default=4, help="multiturn")
-    parser.add_argument("--turn-len", type=int, default=32, help="multiturn: new tokens a turn")
-    parser.add_argument("--think-time-s", type=float, default=1.0, help="multiturn: mean pause")
-    parser.add_argument("--long-input-len", type=int, default=1024, help="mixed: burst prompts")
-    parser.add_argument("--burst-output-len", type=int, default=16, help="mixed")
-    parser.add_argument("--burst-size", type=int, default=4, help="mixed")
-    parser.add_argument("--burst-interval-s", type=float, default=5.0, help="mixed")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slo", default="", help="e.g. ttft_ms=500,tpot_ms=50")
-    parser.add_argument(
-        "--plot", default=None, help="write a PNG: latency distributions, ITL over time"
-    )
-    parser.add_argument(
-        "--interleave",
-        action="store_true",
-        help="load all --app at once (fair latency comparison on a noisy machine)",
-    )
-    parser.add_argument("--no-progress", action="store_true")
-
-
-def _deploy_arg(text: str) -> tuple[str, dict[str, Any]]:
-    name, sep, args = text.partition("=")
-    try:
-        overrides = json.loads(args) if sep else None
-    except json.JSONDecodeError:
-        overrides = None
-    if not name or not isinstance(overrides, dict):
-        raise argparse.ArgumentTypeError(f"--deploy takes NAME=JSON object, got {text!r}")
-    return name, overrides
-
-
-def parse_slo(text: str) -> dict[str, float]:
-    slo: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or key not in ("ttft_ms", "tpot_ms"):
-            raise ValueError(f"--slo takes ttft_ms=N,tpot_ms=N; got {part!r}")
-        try:
-            slo[key] = float(value)
-        except ValueError:
-            raise ValueError(f"--slo {key} must be a number, got {value!r}") from None
-    return slo
-
-
-def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
-    slo = parse_slo(args.slo)
-    deploy = dict(args.deploy)
-    if len(deploy) != len(args.deploy):
-        raise ValueError("--deploy names must be distinct")
-    return ServeBenchConfig(
-        target=args.target,
-        api_key=args.api_key,
-        apps=args.app or ["pdserve"],
-        deploy=deploy,
-        model=args.model,
-        num_cpus=args.num_cpus,
-        workload=args.workload,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        shared_prefix_len=args.shared_prefix_len,
-        concurrency=args.concurrency,
-        request_rate=args.request_rate,
-        turns=args.turns,
-        turn_len=args.turn_len,
-        think_time_s=args.think_time_s,
-        long_input_len=args.long_input_len,
-        burst_output_len=args.burst_output_len,
-        burst_size=args.burst_size,
-        burst_interval_s=args.burst_interval_s,
-        warmup=args.warmup,
-        seed=args.seed,
-        slo_ttft_ms=slo.get("ttft_ms"),
-        slo_tpot_ms=slo.get("tpot_ms"),
-        plot=args.plot,
-        progress=not args.no_progress,
-        interleave=args.interleave,
-    )
+CONFIG = ServeBenchConfig
+FLAGS = {
+    "apps": Flag(name="--app", repeat=True),
+    "deploy": Flag(parse=named_json_object, repeat=True, metavar="NAME=JSON"),
+    "workload": Flag(choices=WORKLOADS),
+}

@@ -11,7 +11,6 @@ step verifies, never which.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import time
 from dataclasses import asdict, dataclass
@@ -23,14 +22,22 @@ from engine.models.catalog import SMOLLM2_MODEL
 @dataclass(frozen=True)
 class SpecBenchConfig:
     model: str = SMOLLM2_MODEL
+    """the target model"""
     output_len: int = 128
+    """output tokens per run"""
     num_speculative_tokens: int = 4
+    """drafts per step at most"""
     prompt_lookup_max: int = 4
+    """the longest n-gram looked up (method ngram)"""
     prompt_lookup_min: int = 1
-    # Also speculate with this draft model (method draft_model; it must share the tokenizer).
+    """the shortest n-gram looked up (method ngram)"""
     draft_model: str = ""
+    """also speculate with this draft model (method draft_model; it must share the target's
+    tokenizer), on the same prompts"""
     repeats: int = 3
+    """runs of each method, alternating"""
     device: str = "auto"
+    """cpu or cuda (auto: cuda when there is one)"""
 
     def __post_init__(self) -> None:
         if self.output_len < 2:
@@ -122,32 +129,4 @@ def _decode_seconds(llm: Any, prompt: list[int], output_len: int) -> tuple[float
     return max(full - prefill, 1e-9), tokens
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = SpecBenchConfig()
-    parser.add_argument("--model", default=defaults.model)
-    parser.add_argument("--output-len", type=int, default=defaults.output_len)
-    parser.add_argument(
-        "--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens
-    )
-    parser.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max)
-    parser.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min)
-    parser.add_argument(
-        "--draft-model",
-        default=defaults.draft_model,
-        help="also speculate with this draft model (method draft_model), same prompts",
-    )
-    parser.add_argument("--repeats", type=int, default=defaults.repeats)
-    parser.add_argument("--device", default=defaults.device)
-
-
-def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
-    return SpecBenchConfig(
-        model=args.model,
-        output_len=args.output_len,
-        num_speculative_tokens=args.num_speculative_tokens,
-        prompt_lookup_max=args.prompt_lookup_max,
-        prompt_lookup_min=args.prompt_lookup_min,
-        draft_model=args.draft_model,
-        repeats=args.repeats,
-        device=args.device,
-    )
+CONFIG = SpecBenchConfig

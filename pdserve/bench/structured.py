@@ -10,7 +10,6 @@ reported: how long compiling a schema takes the first time (with the vocabulary 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -33,9 +32,13 @@ _TOPICS = ("a chef", "a pilot", "a painter", "a teacher", "a sailor", "a doctor"
 @dataclass(frozen=True)
 class StructuredBenchConfig:
     model: str = "smollm2"
+    """the model"""
     num_prompts: int = 16
+    """prompts, each run with and without the schema"""
     max_tokens: int = 96
+    """output tokens per prompt at most"""
     seed: int = 0
+    """the prompts' choice"""
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_tokens"):
@@ -133,15 +136,4 @@ def _is_json_object(text: str) -> bool:
         return False
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = StructuredBenchConfig()
-    parser.add_argument("--model", default=defaults.model)
-    parser.add_argument("--num-prompts", type=int, default=defaults.num_prompts)
-    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-
-
-def config_from_args(args: argparse.Namespace) -> StructuredBenchConfig:
-    return StructuredBenchConfig(
-        model=args.model, num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed
-    )
+CONFIG = StructuredBenchConfig

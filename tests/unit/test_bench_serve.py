@@ -10,7 +10,6 @@ from pdserve.bench.serve import (
     RequestResult,
     ServeBenchConfig,
     make_prompts,
-    parse_slo,
     ratios,
     summarize_results,
 )
@@ -77,15 +76,6 @@ def test_ratios_compare_against_the_first_app() -> None:
         "tpot_p50": 1.0,
         "e2e_p50": None,
     }
-
-
-def test_slo_parsing() -> None:
-    assert parse_slo("ttft_ms=500, tpot_ms=50") == {"ttft_ms": 500.0, "tpot_ms": 50.0}
-    assert parse_slo("") == {}
-    with pytest.raises(ValueError, match="ttft_ms=N"):
-        parse_slo("latency=3")
-    with pytest.raises(ValueError, match="number"):
-        parse_slo("ttft_ms=fast")
 
 
 @pytest.mark.parametrize(
