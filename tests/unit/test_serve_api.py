@@ -127,6 +127,42 @@ def test_chat_prompts_map_from_proto() -> None:
     assert got.prompt == ChatPrompt([{"role": "user", "content": "hi"}])
 
 
+def test_a_chat_without_max_tokens_fills_the_context() -> None:
+    """As OpenAI's chat completions: the router sets max_tokens to what the context leaves
+    once it has the prompt's length (deployments/router/orchestrator.py)."""
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+    assert input_from_proto(pb.GenerateRequest(chat=chat)).fill_context
+    given = pb.SamplingParams(max_tokens=16)
+    assert not input_from_proto(pb.GenerateRequest(chat=chat, sampling_params=given)).fill_context
+    assert not input_from_proto(pb.GenerateRequest(text="hi")).fill_context
+
+
+def test_the_router_fills_a_chat_s_context_once_it_has_the_prompt() -> None:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from deployments.router.orchestrator import FlowConfig, ModelFacts, Orchestrator
+    from engine.tokenizer import Tokenizer, TokenizerConfig
+
+    words = HFTokenizer(WordLevel({"<unk>": 0, "user": 1, "hi": 2}, unk_token="<unk>"))
+    words.pre_tokenizer = Whitespace()
+    template = "{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}"
+    tokenizer = Tokenizer(words, TokenizerConfig(chat_template=template))
+
+    async def never(request: Any) -> Any:
+        raise AssertionError("prepare() sends nothing")
+        yield
+
+    flow = Orchestrator(tokenizer, ModelFacts("m", 64, 3), FlowConfig(), decode=never)
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi hi")])
+    prepared = flow.prepare(input_from_proto(pb.GenerateRequest(chat=chat)))
+    assert len(prepared.prompt_token_ids) == 3
+    assert prepared.params.max_tokens == 64 - 3
+    text = flow.prepare(input_from_proto(pb.GenerateRequest(text="hi")))
+    assert text.params.max_tokens == 16  # a completion keeps the API's default
+
+
 def test_unset_fields_take_the_engine_defaults() -> None:
     got = input_from_proto(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2])))
     assert got.prompt == [1, 2] and got.params.max_tokens == 16 and got.params.temperature == 1.0
