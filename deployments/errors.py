@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
+
+import grpc
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 INTERNAL_ERROR = "internal error; the server log has the details"
@@ -55,8 +58,39 @@ def engine_failure(role: str, exc: BaseException) -> EngineFailure:
     return EngineFailure(f"the {role} engine failed mid-request: {reason}")
 
 
+@dataclass(frozen=True)
+class Status:
+    """How both front ends end a request with an error: the gRPC code, and the HTTP status
+    with OpenAI's error type."""
+
+    grpc_code: grpc.StatusCode
+    http_status: int
+    http_type: str
+
+    @property
+    def internal(self) -> bool:
+        """Our failure, not the request's: logged with its traceback, told in a generic line."""
+        return self is INTERNAL
+
+
+INTERNAL = Status(grpc.StatusCode.INTERNAL, 500, "server_error")
+# The one table of what each error is on the wire (gRPC in router/router.py, HTTP in
+# router/openai_api.py and openai_format.py). Anything else is INTERNAL.
+STATUSES: tuple[tuple[type[BaseException], Status], ...] = (
+    (ValueError, Status(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")),
+    (DeadlineExceeded, Status(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout")),
+    (EngineFailure, Status(grpc.StatusCode.UNAVAILABLE, 503, "server_error")),
+    (Overloaded, Status(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")),
+    (Unauthenticated, Status(grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error")),
+)
+
+
+def status_of(exc: BaseException) -> Status:
+    return next((status for kind, status in STATUSES if isinstance(exc, kind)), INTERNAL)
+
+
 def public_message(exc: BaseException) -> str:
-    """What a client may read about `exc`."""
-    if isinstance(exc, (ValueError, DeadlineExceeded, EngineFailure, Overloaded, Unauthenticated)):
-        return _ANSI.sub("", str(exc))
-    return INTERNAL_ERROR
+    """What a client may read about `exc`: our own words, or a generic line."""
+    if status_of(exc).internal:
+        return INTERNAL_ERROR
+    return _ANSI.sub("", str(exc))

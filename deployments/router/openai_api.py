@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -33,8 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.cluster.health import NOT_SERVING, SERVING, HealthReport
 from deployments.credentials import ApiKeys, without_credentials
-from deployments.errors import DeadlineExceeded, EngineFailure, Overloaded, public_message
-from deployments.protocol import GenerateInput, chat_chars
+from deployments.errors import Overloaded, Unauthenticated, public_message, status_of
+from deployments.protocol import GenerateInput, ResponseChunk, chat_chars
 from deployments.router.openai_format import (
     ChatFormat,
     CompletionFormat,
@@ -62,138 +62,165 @@ def build_openai_app(
     `health_report` surveys the engines (without one, /health says only that the router
     runs); with `api_keys`, every route but /health needs one (deployments/credentials.py)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    edge = _Edge(orchestrator, api_keys or ApiKeys())
+    # The last added runs first: nothing else runs for a caller without a key.
+    app.middleware("http")(edge.limit_body)
+    app.middleware("http")(edge.authenticate)
+    app.exception_handler(StarletteHTTPException)(edge.http_error)
+    app.exception_handler(RequestValidationError)(edge.invalid)
+    routes = _Routes(orchestrator, model_name, max_model_len, health_report)
+    app.get("/v1/models")(routes.models)
+    app.get("/health", response_model=None)(routes.health)
+    app.post("/v1/completions", response_model=None)(routes.completions)
+    app.post("/v1/chat/completions", response_model=None)(routes.chat)
+    return app
 
-    def token_text(token_id: int) -> str:
-        tokenizer = orchestrator().tokenizer
-        return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else ""
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next: Callable[[Request], Any]) -> Any:
-        # Refused from the header, before the body is read or parsed (413, as OpenAI's shape).
-        limit = orchestrator().config.limits.max_body_bytes
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            message = f"request body is {length} bytes; the limit is {limit} (max_body_bytes)"
-            orchestrator().telemetry.rejected(without_credentials(request.headers), message)
-            return _error(413, message)
-        return await call_next(request)
+class _Edge:
+    """What runs before a route: the API key, the body's size, FastAPI's own refusals in
+    OpenAI's error shape. Each refusal is one `router.request` span."""
 
-    keys = api_keys or ApiKeys()
+    def __init__(self, orchestrator: Callable[[], Orchestrator], keys: ApiKeys) -> None:
+        self._orchestrator = orchestrator
+        self._keys = keys
 
-    @app.middleware("http")
-    async def _authenticate(request: Request, call_next: Callable[[Request], Any]) -> Any:
-        # Outermost (added last): nothing else runs for a caller without a key.
+    def _rejected(self, request: Request, message: str, outcome: str = "invalid") -> None:
+        telemetry = self._orchestrator().telemetry
+        telemetry.rejected(without_credentials(request.headers), message, outcome)
+
+    async def authenticate(self, request: Request, call_next: Callable[[Request], Any]) -> Any:
         # The route's own path: an app under a route prefix sees the prefix in root_path.
         path = request.scope["path"].removeprefix(request.scope.get("root_path", ""))
-        refusal = None if path == "/health" else keys.refusal(request.headers.get("authorization"))
+        authorization = request.headers.get("authorization")
+        refusal = None if path == "/health" else self._keys.refusal(authorization)
         if refusal is None:
             return await call_next(request)
-        orchestrator().telemetry.rejected(
-            without_credentials(request.headers), refusal, "unauthenticated"
-        )
-        response = _error(401, refusal, code="invalid_api_key")
+        self._rejected(request, refusal, "unauthenticated")
+        response = error_response(Unauthenticated(refusal), code="invalid_api_key")
         response.headers["WWW-Authenticate"] = "Bearer"
         return response
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def limit_body(self, request: Request, call_next: Callable[[Request], Any]) -> Any:
+        # Refused from the header, before the body is read or parsed (413, as OpenAI's shape).
+        limit = self._orchestrator().config.limits.max_body_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            message = f"request body is {length} bytes; the limit is {limit} (max_body_bytes)"
+            self._rejected(request, message)
+            return _error(413, message)
+        return await call_next(request)
+
+    async def http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # FastAPI's own refusals (a body that is not UTF-8 or nests too deep to parse, an
         # unknown route, a wrong method) in OpenAI's error shape, not FastAPI's {"detail": ...}.
         if exc.status_code < 500:
-            orchestrator().telemetry.rejected(without_credentials(request.headers), str(exc.detail))
+            self._rejected(request, str(exc.detail))
             return _error(exc.status_code, str(exc.detail))
         return _error(exc.status_code, str(exc.detail), "server_error")
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(self, request: Request, exc: RequestValidationError) -> JSONResponse:
         message = _validation_message(exc)
-        orchestrator().telemetry.rejected(without_credentials(request.headers), message)
+        self._rejected(request, message)
         return _error(400, message)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+
+class _Routes:
+    """/v1/models, /health, /v1/completions, /v1/chat/completions."""
+
+    def __init__(
+        self,
+        orchestrator: Callable[[], Orchestrator],
+        model_name: str,
+        max_model_len: int,
+        health_report: Callable[[], Awaitable[HealthReport]] | None,
+    ) -> None:
+        self._orchestrator = orchestrator
+        self._model_name = model_name
+        self._max_model_len = max_model_len
+        self._health_report = health_report
+
+    async def models(self) -> dict[str, Any]:
         card = {
-            "id": model_name,
+            "id": self._model_name,
             "object": "model",
             "created": 0,
             "owned_by": "pdserve",
-            "max_model_len": max_model_len,
+            "max_model_len": self._max_model_len,
         }
         return {"object": "list", "data": [card]}
 
-    @app.get("/health", response_model=None)
-    async def health() -> Any:
+    async def health(self) -> Any:
         """200 while some engine can answer requests (every replica's state in the body),
         503 when none can: what a readiness probe or a load balancer reads."""
-        if health_report is None:
+        if self._health_report is None:
             return {"status": SERVING}
-        report = await health_report()
+        report = await self._health_report()
         code = 503 if report.status == NOT_SERVING else 200
         body = {"status": report.status, "engines": report.engines}
         return JSONResponse(body, status_code=code)
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await _serve(
-            body, request, _completion_input, CompletionFormat(model_name, token_text)
-        )
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        fmt = CompletionFormat(self._model_name, self._token_text)
+        return await self._serve(body, request, _completion_input, fmt)
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        return await _serve(body, request, _chat_input, ChatFormat(model_name, token_text))
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
+        fmt = ChatFormat(self._model_name, self._token_text)
+        return await self._serve(body, request, _chat_input, fmt)
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = self._orchestrator().tokenizer
+        return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else ""
 
     async def _serve(
-        body: Any, request: Request, to_input: Callable[..., GenerateInput], fmt: ResponseFormat
+        self,
+        body: Any,
+        request: Request,
+        to_input: Callable[..., GenerateInput],
+        fmt: ResponseFormat,
     ) -> Any:
-        flow = orchestrator()
+        flow = self._orchestrator()
         carrier = without_credentials(request.headers)
         try:
-            if body.model is not None and body.model != model_name:
-                raise ValueError(f"model {body.model!r} is not served here; use {model_name!r}")
+            if body.model is not None and body.model != self._model_name:
+                wanted = self._model_name
+                raise ValueError(f"model {body.model!r} is not served here; use {wanted!r}")
             # A chat is rendered and tokenized here: off the event loop when it is long.
             cost = chat_chars([{"content": m.content} for m in getattr(body, "messages", ())])
             gen_input = await flow.text_work.run(cost, to_input, body, flow)
         except ValueError as exc:
             flow.telemetry.rejected(carrier, str(exc))  # refused before the flow saw it
-            return _error(400, public_message(exc))
+            return error_response(exc)
         # vLLM's ids: the endpoint's prefix and the client's X-Request-Id (or a random one).
         base_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         gen_input.request_id = fmt.id_prefix + base_id
-        chunks = flow.generate(gen_input, carrier)
         try:
-            first = await anext(chunks)  # bad input fails here, before any byte is sent
-            if body.stream:
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                events = sse_events(first, chunks, fmt, include_usage)
-                return StreamingResponse(
-                    events, media_type="text/event-stream", headers=_SSE_HEADERS
-                )
-            async with aclosing(chunks):
-                collected = [first] + [chunk async for chunk in chunks]
-            # Assembling and serializing a whole response (thousands of tokens' logprobs, say)
-            # is work in proportion to it: in a worker thread when it is large.
-            entries = sum(
-                len(c.token_ids) + sum(len(ids) for ids, _, _ in c.logprobs or ())
-                for c in collected
-            )
-            return await flow.text_work.run(
-                entries, lambda: JSONResponse(fmt.whole(collected, body.return_token_ids))
-            )
-        except ValueError as exc:
-            return _error(400, public_message(exc))
-        except DeadlineExceeded as exc:
-            return _error(504, str(exc), "timeout")
-        except EngineFailure as exc:  # a replica died or an engine failed mid-request
-            return _error(503, public_message(exc), "server_error")
-        except Overloaded as exc:  # at an admission bound: retry later
-            response = _error(429, public_message(exc), "rate_limit_error")
-            response.headers["Retry-After"] = str(exc.retry_after)
-            return response
+            return await _respond(flow, flow.generate(gen_input, carrier), body, fmt)
         except Exception as exc:
-            logger.exception("request failed")
-            return _error(500, public_message(exc), "server_error")
+            if status_of(exc).internal:
+                logger.exception("request failed")
+            return error_response(exc)
 
-    return app
+
+async def _respond(
+    flow: Orchestrator, chunks: AsyncGenerator[ResponseChunk, None], body: Any, fmt: ResponseFormat
+) -> Any:
+    """The response: server-sent events, or one JSON object. Bad input fails at the first
+    chunk, before any byte is sent."""
+    first = await anext(chunks)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = sse_events(first, chunks, fmt, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+    async with aclosing(chunks):
+        collected = [first] + [chunk async for chunk in chunks]
+    # Assembling and serializing a whole response (thousands of tokens' logprobs, say) is work
+    # in proportion to it: in a worker thread when it is large.
+    entries = sum(
+        len(c.token_ids) + sum(len(ids) for ids, _, _ in c.logprobs or ()) for c in collected
+    )
+    return await flow.text_work.run(
+        entries, lambda: JSONResponse(fmt.whole(collected, body.return_token_ids))
+    )
 
 
 def _completion_input(body: CompletionRequest, flow: Orchestrator) -> GenerateInput:
@@ -228,6 +255,16 @@ def _chat_input(body: ChatCompletionRequest, flow: Orchestrator) -> GenerateInpu
         max_tokens = context_max_tokens(flow.model.max_model_len, len(token_ids))
     params = body.sampling_params(max_tokens, logprobs)
     return GenerateInput(token_ids, params, "", body.priority, body.cache_salt, body.timeout_s)
+
+
+def error_response(exc: BaseException, code: str | None = None) -> JSONResponse:
+    """An error in OpenAI's shape, with the status of `exc` (deployments/errors.py); an
+    Overloaded one says when to retry in Retry-After."""
+    status = status_of(exc)
+    response = _error(status.http_status, public_message(exc), status.http_type, code)
+    if isinstance(exc, Overloaded):
+        response.headers["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 def _error(

@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
-from deployments.errors import DeadlineExceeded, public_message
+from deployments.errors import public_message, status_of
 from deployments.protocol import ResponseChunk
 from engine.outputs import TokenLogprobs
 
@@ -155,7 +155,7 @@ async def sse_events(
                     break
                 chunk = await anext(rest)
         except Exception as exc:  # headers are sent: say it in the stream, then end it
-            kind = "timeout" if isinstance(exc, DeadlineExceeded) else "server_error"
+            kind = status_of(exc).http_type
             logger.warning("stream ended with an error", exc_info=True)
             yield _event({"error": {"message": public_message(exc), "type": kind}})
         else:

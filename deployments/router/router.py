@@ -14,7 +14,6 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-import grpc
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
@@ -24,12 +23,11 @@ from deployments.cluster.health import HealthReport, survey
 from deployments.cluster.replica_set import REPLICA_SETS, RoleWatch
 from deployments.credentials import ApiKeys, kv_secret, without_credentials
 from deployments.errors import (
-    DeadlineExceeded,
-    EngineFailure,
     Overloaded,
     Unauthenticated,
     engine_failure,
     public_message,
+    status_of,
 )
 from deployments.protocol import (
     EngineRequest,
@@ -161,7 +159,7 @@ class Router:
                 raise ValueError(f"request id {gen_input.request_id!r} is already in flight")
         except ValueError as exc:
             self.orchestrator.telemetry.rejected(carrier, str(exc))
-            _refuse(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+            _refuse(grpc_context, exc)
         key = gen_input.request_id = gen_input.request_id or f"cmpl-{uuid.uuid4().hex}"
         record = _InFlight(asyncio.current_task())
         self._in_flight[key] = record
@@ -171,18 +169,11 @@ class Router:
                 async for chunk in chunks:
                     last = chunk
                     yield chunk_to_proto(chunk)
-        except ValueError as exc:
-            _refuse(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
-        except DeadlineExceeded as exc:
-            _refuse(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, exc)
-        except EngineFailure as exc:
-            _refuse(grpc_context, grpc.StatusCode.UNAVAILABLE, exc)
-        except Overloaded as exc:  # the message says when to retry (Serve's proxy drops
-            # trailing metadata of a failed call)
-            _refuse(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, exc)
-        except Exception as exc:
-            logger.exception("request %s failed", gen_input.request_id)
-            _refuse(grpc_context, grpc.StatusCode.INTERNAL, exc)
+        except Exception as exc:  # an Overloaded's message says when to retry (Serve's proxy
+            # drops trailing metadata of a failed call)
+            if status_of(exc).internal:
+                logger.exception("request %s failed", gen_input.request_id)
+            _refuse(grpc_context, exc)
         except asyncio.CancelledError:
             if not record.aborted:
                 raise
@@ -213,7 +204,7 @@ class Router:
         refusal = self.settings.api_keys.refusal(metadata.get("authorization"))
         if refusal is not None:
             self.orchestrator.telemetry.rejected(carrier, refusal, "unauthenticated")
-            _refuse(grpc_context, grpc.StatusCode.UNAUTHENTICATED, Unauthenticated(refusal))
+            _refuse(grpc_context, Unauthenticated(refusal))
         return carrier
 
     async def abort_here(self, probe: ReplicaProbe | None, request_id: str) -> bool:
@@ -308,12 +299,12 @@ def _decoded_or_refuse(request: Any, context: RayServegRPCContext) -> Any:
     try:
         return _decoded(request)
     except ValueError as exc:
-        _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+        _refuse(context, exc)
 
 
-def _refuse(context: RayServegRPCContext, code: grpc.StatusCode, exc: BaseException) -> NoReturn:
-    """End the call with `code` (Serve's proxy keeps a code set before raising)."""
-    context.set_code(code)
+def _refuse(context: RayServegRPCContext, exc: BaseException) -> NoReturn:
+    """End the call with `exc`'s status (Serve's proxy keeps a code set before raising)."""
+    context.set_code(status_of(exc).grpc_code)
     context.set_details(public_message(exc))
     raise exc
 
