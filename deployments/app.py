@@ -220,20 +220,23 @@ class AppConfig:
 
 def build_app(args: dict[str, Any] | None = None) -> Any:
     """The Serve Application (Router ingress bound to its engine deployments)."""
-    from deployments.replica.engine_server import (
-        ColocatedDeployment,
-        DecodeDeployment,
-        PrefillDeployment,
-    )
-    from deployments.router.router import RouterDeployment, RouterSettings
-
     config = AppConfig.from_args(args)
     # Resolved once here and bound into every replica's arguments (or, from the environment,
     # a reference each replica resolves on its node): all engines share it.
     config.kv_secret = kv_secret_to_bind(config.kv_secret, os.environ)
     engine_args: dict[str, Any] = {"max_queued_prompt_tokens": config.max_queued_prompt_tokens}
     engine_args.update(config.engine_args)
-    settings = RouterSettings(
+    settings = _router_settings(config, engine_args)
+    if config.kv_aware_routing:
+        # The engines publish their prefix caches' events; the legs' routers read them.
+        engine_args = {"kv_events_config": {"enable_kv_cache_events": True}, **engine_args}
+    return _router(config).bind(settings, *_engines(config, engine_args))
+
+
+def _router_settings(config: AppConfig, engine_args: dict[str, Any]) -> Any:
+    from deployments.router.router import RouterSettings
+
+    return RouterSettings(
         model=config.model,
         engine_args=engine_args,
         flow=config.flow(),
@@ -246,7 +249,13 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         api_keys=ApiKeys.resolve(config.api_key),
         side_channel_tls=config.tls(),
     )
-    router = RouterDeployment.options(
+
+
+def _router(config: AppConfig) -> Any:
+    """The Router deployment: the app's ingress."""
+    from deployments.router.router import RouterDeployment
+
+    return RouterDeployment.options(
         num_replicas=config.router_replicas,
         max_ongoing_requests=config.max_ongoing_requests * 4,
         max_queued_requests=config.router_max_queued_requests,
@@ -257,17 +266,24 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         # Its replicas find each other through it (Abort of a request another one holds).
         request_router_config=_request_router(config, "router", kv_aware=False),
     )
-    if config.kv_aware_routing:
-        # The engines publish their prefix caches' events; the legs' routers read them.
-        engine_args = {"kv_events_config": {"enable_kv_cache_events": True}, **engine_args}
-    engine_extras = (config.otlp_endpoint, config.pin_engine_cores)
+
+
+def _engines(config: AppConfig, engine_args: dict[str, Any]) -> list[Any]:
+    """The engine deployments the Router is bound to: decode then prefill, or the colocated
+    one."""
+    from deployments.replica.engine_server import (
+        ColocatedDeployment,
+        DecodeDeployment,
+        PrefillDeployment,
+    )
+
+    extras = (config.otlp_endpoint, config.pin_engine_cores)
     if config.colocated:
         engine = ColocatedDeployment.options(
             **_engine_options(config, config.autoscaling("colocated"), config.decode_replicas),
             **_decode_router(config, "colocated"),
         )
-        colocated = engine.bind(config.model, engine_args, None, *engine_extras)
-        return router.bind(settings, colocated)
+        return [engine.bind(config.model, engine_args, None, *extras)]
     kv = config.kv_transfer_config()
     prefill = PrefillDeployment.options(
         **_engine_options(config, config.autoscaling("prefill"), config.prefill_replicas),
@@ -279,11 +295,10 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
         **_engine_options(config, config.autoscaling("decode"), config.decode_replicas),
         **_decode_router(config, "decode"),
     )
-    return router.bind(
-        settings,
-        decode.bind(config.model, engine_args, kv, *engine_extras),
-        prefill.bind(config.model, engine_args, kv, *engine_extras),
-    )
+    return [
+        decode.bind(config.model, engine_args, kv, *extras),
+        prefill.bind(config.model, engine_args, kv, *extras),
+    ]
 
 
 def _decode_router(config: AppConfig, role: str) -> dict[str, Any]:

@@ -300,6 +300,9 @@ class AsyncEngine:
             self._dead = exc
             self._fail_everyone(EngineDeadError(f"engine loop failed: {exc}"))
 
+    def _refresh_stats(self) -> None:
+        self._stats = self.core.refresh_stats()
+
     def _fail_everyone(self, error: EngineDeadError) -> None:
         """Every caller still waiting gets `error`: those streaming, and those whose request
         is still queued as a command (nobody will ever read that queue again)."""
@@ -328,7 +331,8 @@ class AsyncEngine:
             if isinstance(command, _End):
                 self._end(command)
             elif isinstance(command, _OnLoop):
-                _run_into(command)
+                # Its caller, once answered, may read the stats: they include what it did.
+                _run_into(command, self._refresh_stats)
             else:
                 self._add(command)
             try:
@@ -389,15 +393,19 @@ class AsyncEngine:
                 del self._sinks[output.request_id]
 
 
-def _run_into(command: _OnLoop) -> None:
+def _run_into(command: _OnLoop, then: Callable[[], None]) -> None:
     """A failing call fails its caller, not the loop; a call its caller cancelled (it gave
-    up waiting) does not run."""
+    up waiting) does not run. `then` runs before the caller hears the result."""
     if not command.result.set_running_or_notify_cancel():
         return
     try:
-        command.result.set_result(command.fn())
+        result = command.fn()
     except Exception as exc:
+        then()
         command.result.set_exception(exc)
+        return
+    then()
+    command.result.set_result(result)
 
 
 def _fail(command: _OnLoop, error: Exception) -> None:

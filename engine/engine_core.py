@@ -124,8 +124,12 @@ class EngineCore:
         step after it is scheduled and sent to the runner first, so it computes while this
         one's outputs are settled and handed out (`AsyncRunner`)."""
         outputs = self._async.step() if self._async is not None else self._step()
+        return EngineCoreOutputs(outputs, self.refresh_stats())
+
+    def refresh_stats(self) -> EngineStats:
+        """The statistics again, where something happened between steps (engine thread)."""
         self.stats = self.scheduler.make_stats()
-        return EngineCoreOutputs(outputs, self.stats)
+        return self.stats
 
     def _step(self) -> list[EngineCoreOutput]:
         timer = self.runner.step_timer

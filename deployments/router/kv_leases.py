@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -116,3 +116,34 @@ class PrefixBorrower:
             num_tokens=num_tokens,
             tokens_hash=tokens_hash(prompt[:num_tokens]),
         ).to_params()
+
+
+ReleaseFn = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class BackgroundReleases:
+    """Leases given back in the background: a release never holds up (or fails) a response,
+    and the lease expires anyway if it does not get through."""
+
+    def __init__(self, release: ReleaseFn | None) -> None:
+        self._release = release
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def soon(self, kv_transfer_params: dict[str, Any]) -> None:
+        if self._release is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._run(kv_transfer_params))
+        self._tasks.add(task)  # a reference until done, or the task may vanish
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait(self) -> None:
+        """Until every release sent has ended (shutdown, tests)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _run(self, kv_transfer_params: dict[str, Any]) -> None:
+        assert self._release is not None
+        try:
+            await self._release(kv_transfer_params)
+        except Exception as exc:  # best effort: the lease expires anyway
+            logger.info("releasing prefill blocks: %r", exc)

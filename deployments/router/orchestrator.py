@@ -15,7 +15,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +34,8 @@ from deployments.protocol import (
     RequestLimits,
     ResponseChunk,
 )
+from deployments.router.kv_leases import BackgroundReleases, ReleaseFn
+from deployments.router.leg_streams import bounded, collect, drop_repeat
 from deployments.router.migration import (
     Migration,
     MigrationPolicy,
@@ -51,7 +53,6 @@ from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-ReleaseFn = Callable[[dict[str, Any]], Awaitable[None]]
 OnMigration = Callable[[Migration], None]
 
 
@@ -104,14 +105,13 @@ class Orchestrator:
         self.config = config
         self.decode = decode
         self.prefill = prefill
-        self.release = release
+        self._releases = BackgroundReleases(release)  # leases no decode engine will read
         self.telemetry = telemetry or RouterTelemetry()
         self.prefill_replicas = prefill_replicas
         # With none of these running, a failed decode leg moves to a prefill replica.
         self.decode_replicas = decode_replicas
         self.cluster_cache = cluster_cache
         self.borrower = borrower
-        self._background: set[asyncio.Task[None]] = set()
         self.text_work = TextWork()  # heavy text work, off the event loop
 
     # ------------------------------------------------------------------ validation
@@ -242,9 +242,9 @@ class Orchestrator:
             params = dataclasses.replace(prepared.params, forced_output_token_ids=sent)
             leg = self._resumable(self._engine_request(prepared, params, handed_off), on_migration)
             pending = list(sent)
-            async with aclosing(self._bounded(leg.stream(), prepared)) as chunks:
+            async with aclosing(bounded(leg.stream(), prepared)) as chunks:
                 async for engine_chunk in chunks:
-                    engine_chunk = _drop_repeat(engine_chunk, pending)
+                    engine_chunk = drop_repeat(engine_chunk, pending)
                     for chunk in await stream.feed_async(engine_chunk, "decode"):
                         yield chunk
                     if stream.finished:
@@ -254,7 +254,7 @@ class Orchestrator:
             # released the prefill blocks; otherwise nobody will (a migrated leg computes the
             # prompt again): release them here.
             if handed_off is not None and (leg is None or leg.first_attempt_chunks == 0):
-                self._release_soon(handed_off)
+                self._releases.soon(handed_off)
 
     async def _prefill_leg(
         self, prepared: PreparedRequest, loan: dict[str, Any] | None = None
@@ -264,36 +264,14 @@ class Orchestrator:
         the request waited for one. A `loan` (remote-prefill params for blocks another engine
         lent) is read by the prefill engine instead of recomputed."""
         assert self.prefill is not None
-        max_tokens = prepared.params.max_tokens
-        params = dataclasses.replace(
-            prepared.params, max_tokens=1, min_tokens=min(prepared.params.min_tokens, 1)
-        )
-        kv = {**(loan or {}), **({"do_remote_decode": True} if max_tokens > 1 else {})}
-        request = self._engine_request(prepared, params, kv or None)
-        timeout = min(self.config.prefill_timeout_s, prepared.deadline - time.monotonic())
         chunks: list[EngineCoreOutput] = []
-        leg = asyncio.ensure_future(_collect(self.prefill(request), chunks))
-        gone = (
-            asyncio.ensure_future(self.prefill_replicas.gone()) if self.prefill_replicas else None
-        )
+        request = self._prefill_request(prepared, loan)
+        leg = asyncio.ensure_future(collect(self.prefill(request), chunks))
         completed = False
         try:
-            waiting = {leg} if gone is None else {leg, gone}
-            done, _ = await asyncio.wait(
-                waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-            if leg not in done:
-                why = (
-                    "no prefill replica is running"
-                    if gone in done
-                    else f"no answer in {timeout:.1f} s"
-                )
-                logger.warning(
-                    "prefill leg of %s given up (%s); decode-only", prepared.request_id, why
-                )
+            completed = await self._prefill_answered(prepared, leg)
+            if not completed:
                 return None
-            leg.result()
-            completed = True
         except Overloaded:
             raise  # the engines are full: decode-only would only add to it
         except ValueError as exc:
@@ -306,23 +284,58 @@ class Orchestrator:
             logger.warning("prefill leg of %s failed (%r); decode-only", prepared.request_id, exc)
             return None
         finally:
-            for task in (leg, gone):
-                if task is not None:
-                    task.cancel()
+            leg.cancel()
             # Closing the leg's stream cancels the Serve call (and aborts the engine request).
             await asyncio.gather(leg, return_exceptions=True)
-            handed_off = chunks[-1].kv_transfer_params if chunks else None
-            if not completed and handed_off is not None:
-                # The engine finished (blocks held for a reader) but we stopped listening.
-                self._release_soon(handed_off)
-            if loan is not None and not completed:
-                # The prefill engine may never have read the loan: give it back now rather
-                # than hold the lender's blocks until the lease expires.
-                self._release_soon(loan)
+            if not completed:
+                self._release_unread(chunks, loan)
         if not chunks or chunks[-1].error is not None or not chunks[-1].new_token_ids:
             logger.warning("prefill of %s ended without a token; decode-only", prepared.request_id)
             return None
         return functools.reduce(merge_outputs, chunks)
+
+    def _prefill_request(
+        self, prepared: PreparedRequest, loan: dict[str, Any] | None
+    ) -> EngineRequest:
+        """One token, and KV held for the decode engine (unless that one token is all)."""
+        max_tokens = prepared.params.max_tokens
+        params = dataclasses.replace(
+            prepared.params, max_tokens=1, min_tokens=min(prepared.params.min_tokens, 1)
+        )
+        kv = {**(loan or {}), **({"do_remote_decode": True} if max_tokens > 1 else {})}
+        return self._engine_request(prepared, params, kv or None)
+
+    async def _prefill_answered(self, prepared: PreparedRequest, leg: asyncio.Future[Any]) -> bool:
+        """Whether the leg ended (its errors raised) before prefill_timeout_s, the request's
+        deadline, or the last prefill replica's end; False, logged, when it was given up."""
+        timeout = min(self.config.prefill_timeout_s, prepared.deadline - time.monotonic())
+        replicas = self.prefill_replicas
+        gone = asyncio.ensure_future(replicas.gone()) if replicas else None
+        try:
+            waiting = {leg} if gone is None else {leg, gone}
+            done, _ = await asyncio.wait(
+                waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            if gone is not None:
+                gone.cancel()
+        if leg not in done:
+            why = (
+                "no prefill replica is running" if gone in done else f"no answer in {timeout:.1f} s"
+            )
+            logger.warning("prefill leg of %s given up (%s); decode-only", prepared.request_id, why)
+            return False
+        leg.result()
+        return True
+
+    def _release_unread(self, chunks: list[EngineCoreOutput], loan: dict[str, Any] | None) -> None:
+        """A prefill leg we stopped listening to: KV its engine holds for a reader, and a loan
+        it may never have read, go back now rather than when their leases expire."""
+        handed_off = chunks[-1].kv_transfer_params if chunks else None
+        if handed_off is not None:
+            self._releases.soon(handed_off)
+        if loan is not None:
+            self._releases.soon(loan)
 
     async def _decode_leg(
         self,
@@ -337,7 +350,7 @@ class Orchestrator:
         request = self._engine_request(prepared, prepared.params, None)
         request.replica_hint = replica_hint
         leg = self._resumable(request, on_migration, role)
-        async with aclosing(self._bounded(leg.stream(), prepared)) as chunks:
+        async with aclosing(bounded(leg.stream(), prepared)) as chunks:
             async for engine_chunk in chunks:
                 if not leg.migrations:  # a moved request's cache hits are not the prompt's
                     stream.num_cached_tokens = engine_chunk.num_cached_tokens
@@ -370,79 +383,10 @@ class Orchestrator:
             trace_context=prepared.trace_context,
         )
 
-    async def _bounded(
-        self, chunks: AsyncGenerator[EngineCoreOutput, None], prepared: PreparedRequest
-    ) -> AsyncGenerator[EngineCoreOutput, None]:
-        """`chunks` until the request's deadline; closing it aborts the engine request."""
-        iterator = aiter(chunks)
-        try:
-            while True:
-                remaining = prepared.deadline - time.monotonic()
-                try:
-                    # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that
-                    # lands as the chunk arrives (an abort would then go unnoticed).
-                    async with asyncio.timeout(max(remaining, 0.0)):
-                        chunk = await anext(iterator)
-                except StopAsyncIteration:
-                    return
-                except TimeoutError:
-                    raise DeadlineExceeded(
-                        f"request {prepared.request_id} ran past its deadline "
-                        f"({prepared.deadline - prepared.started:.1f} s)"
-                    ) from None
-                yield chunk
-        finally:
-            close = getattr(iterator, "aclose", None)
-            if close is not None:
-                await close()
-
     async def wait_background(self) -> None:
         """Wait for background releases (shutdown, tests)."""
-        while self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
-
-    def _release_soon(self, kv_transfer_params: dict[str, Any]) -> None:
-        """Release prefill blocks in the background: never hold up (or fail) the response."""
-        if self.release is None:
-            return
-        task = asyncio.get_running_loop().create_task(self._release(kv_transfer_params))
-        self._background.add(task)  # a reference until done, or the task may vanish
-        task.add_done_callback(self._background.discard)
-
-    async def _release(self, kv_transfer_params: dict[str, Any]) -> None:
-        assert self.release is not None
-        try:
-            await self.release(kv_transfer_params)
-        except Exception as exc:  # best effort: the lease expires anyway
-            logger.info("releasing prefill blocks: %r", exc)
+        await self._releases.wait()
 
 
 def _running(replicas: ReplicaWatch | None) -> bool:
     return replicas is None or replicas.available()
-
-
-async def _collect(
-    stream: AsyncGenerator[EngineCoreOutput, None], into: list[EngineCoreOutput]
-) -> None:
-    async with aclosing(stream):
-        async for chunk in stream:
-            into.append(chunk)
-
-
-def _drop_repeat(chunk: EngineCoreOutput, pending: list[int]) -> EngineCoreOutput:
-    """Drop from the decode stream the tokens the prefill leg sent (`pending`, consumed)."""
-    if not pending:
-        return chunk
-    dropped = min(len(pending), len(chunk.new_token_ids))
-    if chunk.new_token_ids[:dropped] != pending[:dropped]:
-        # Forced tokens cannot differ; if they do, the text would silently fork: refuse.
-        # An internal invariant broke (INTERNAL for the client): not a leg to retry.
-        raise RuntimeError(
-            f"decode engine returned {chunk.new_token_ids[:dropped]} where the prefill "
-            f"engine had sent {pending[:dropped]}"
-        )
-    del pending[:dropped]
-    logprobs = chunk.new_logprobs[dropped:] if chunk.new_logprobs else chunk.new_logprobs
-    return dataclasses.replace(
-        chunk, new_token_ids=chunk.new_token_ids[dropped:], new_logprobs=logprobs
-    )

@@ -100,37 +100,50 @@ def run(config: LatencyBenchConfig) -> dict[str, Any]:
         "batches": {},
     }
     report["async_scheduling"] = llm.engine.async_scheduling
-    peer: list[float] = []
     for size in config.batch_sizes:
         prompts = _prompts(rng, vocab, config.input_len, size)
-        if size == 1 and config.llamacpp_python:
-            modes, peer = _alternating_with_llamacpp(llm, prompts, config)
-        else:
-            modes = _decode_tokens_per_s(llm, prompts, config)
-        decode_tps = modes["async" if llm.engine.async_scheduling else "sync"]
-        entry: dict[str, Any] = {
-            "decode_tokens_per_s": round(decode_tps, 1),
-            # To the microsecond: a small model's step is well under a millisecond.
-            "ms_per_step": round(1000 * size / decode_tps, 3),
-            # Both step modes on this engine, alternating: what async scheduling gains.
-            "async_scheduling_tokens_per_s": round(modes["async"], 1),
-            "sync_scheduling_tokens_per_s": round(modes["sync"], 1),
-            "async_scheduling_gain": round(modes["async"] / modes["sync"], 3),
-            "breakdown_ms_per_step": _breakdown(llm, prompts, config.output_len, device),
-        }
-        if "eager" in modes:  # CUDA graphs against eager decode steps (both synchronous)
-            entry["eager_tokens_per_s"] = round(modes["eager"], 1)
-            entry["cuda_graphs_gain"] = round(modes["sync"] / modes["eager"], 3)
-        if size == 1:
-            entry["fraction_of_bandwidth_bound"] = round(decode_tps / bound, 3)
-            if peer:
-                entry["llamacpp_decode_tokens_per_s"] = round(max(peer), 1)
-                entry["ratio_to_llamacpp"] = round(decode_tps / max(peer), 3)
-                entry["llamacpp_fraction_of_bandwidth_bound"] = round(max(peer) / bound, 3)
-        report["batches"][str(size)] = entry
+        report["batches"][str(size)] = _batch(llm, prompts, config, bound, device)
     if config.profile_dir:
         report["profile"] = _profile(llm, _prompts(rng, vocab, config.input_len, 1), config)
     return report
+
+
+def _batch(
+    llm: Any,
+    prompts: list[list[int]],
+    config: LatencyBenchConfig,
+    bound: float,
+    device: torch.device,
+) -> dict[str, Any]:
+    """One batch size's figures: decode tokens/s in both step modes (and llama.cpp's, single
+    stream, when given), against the bandwidth bound, with a per-step breakdown."""
+    size = len(prompts)
+    peer: list[float] = []
+    if size == 1 and config.llamacpp_python:
+        modes, peer = _alternating_with_llamacpp(llm, prompts, config)
+    else:
+        modes = _decode_tokens_per_s(llm, prompts, config)
+    decode_tps = modes["async" if llm.engine.async_scheduling else "sync"]
+    entry: dict[str, Any] = {
+        "decode_tokens_per_s": round(decode_tps, 1),
+        # To the microsecond: a small model's step is well under a millisecond.
+        "ms_per_step": round(1000 * size / decode_tps, 3),
+        # Both step modes on this engine, alternating: what async scheduling gains.
+        "async_scheduling_tokens_per_s": round(modes["async"], 1),
+        "sync_scheduling_tokens_per_s": round(modes["sync"], 1),
+        "async_scheduling_gain": round(modes["async"] / modes["sync"], 3),
+        "breakdown_ms_per_step": _breakdown(llm, prompts, config.output_len, device),
+    }
+    if "eager" in modes:  # CUDA graphs against eager decode steps (both synchronous)
+        entry["eager_tokens_per_s"] = round(modes["eager"], 1)
+        entry["cuda_graphs_gain"] = round(modes["sync"] / modes["eager"], 3)
+    if size == 1:
+        entry["fraction_of_bandwidth_bound"] = round(decode_tps / bound, 3)
+        if peer:
+            entry["llamacpp_decode_tokens_per_s"] = round(max(peer), 1)
+            entry["ratio_to_llamacpp"] = round(decode_tps / max(peer), 3)
+            entry["llamacpp_fraction_of_bandwidth_bound"] = round(max(peer) / bound, 3)
+    return entry
 
 
 def _prompts(rng: random.Random, vocab: int, length: int, count: int) -> list[list[int]]:
