@@ -109,11 +109,6 @@ class LeaseTable:
             entry.ended = "cancelled"
             return True
 
-    def expire(self) -> list[Lease]:
-        """End every lease past its expiry; returns them."""
-        with self._lock:
-            return self._expire_locked()
-
     def take_finished(self) -> set[str]:
         """Request ids whose lease ended since the last call and whose blocks nobody reads."""
         with self._lock:

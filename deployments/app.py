@@ -96,7 +96,7 @@ class AppConfig:
     side_channel_tls: dict[str, str] | None = None
     """mutual TLS on the engines' side channel, JSON: {certfile, keyfile, ca_certs,
     server_name} (PEM paths on every node, e.g. a mounted Secret)"""
-    min_remote_prefill_tokens: int = 0
+    min_remote_prefill_tokens: int = FlowConfig.min_remote_prefill_tokens
     """shorter prompts skip the prefill replica"""
     max_local_prefill_tokens: int = FlowConfig.max_local_prefill_tokens
     """a prompt of which a decode replica holds all but at most this many tokens skips the
@@ -107,9 +107,9 @@ class AppConfig:
     kv_aware_routing: bool = True
     """route both legs by the engines' prefix caches (deployments/cluster/kv_index.py); off:
     Serve's default (power of two choices)"""
-    request_timeout_s: float = 300.0
+    request_timeout_s: float = FlowConfig.request_timeout_s
     """a request's deadline (a request may ask for less)"""
-    prefill_timeout_s: float = 60.0
+    prefill_timeout_s: float = FlowConfig.prefill_timeout_s
     """a prefill leg that gives no answer in this time falls back to decode-only"""
     max_migrations: int = MigrationPolicy.max_migrations
     """a request whose decode (or colocated) engine fails mid-stream moves to another engine

@@ -65,9 +65,6 @@ class OutputProcessor:
             deferred=self.final_only and not params.stop,
         )
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._states
-
     def num_requests(self) -> int:
         return len(self._states)
 

@@ -12,7 +12,8 @@ lost) or from an epoch the index has not seen (the replica restarted) makes the 
 its entries are dropped, it matches nothing, and `apply` says a snapshot is needed. A snapshot
 (every hash the engine holds, and the number of the first batch it does not cover) makes the
 replica current again; batches it covers are ignored when they arrive late. A replica that is
-no longer running is forgotten (`retain`).
+no longer running is forgotten (`forget`: a replica that stops says so; a request router that sees
+a replica gone from its set says so for it).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,12 +97,6 @@ class PrefixIndex:
 
     def forget(self, replica: str) -> None:
         self._replicas.pop(replica, None)
-
-    def retain(self, running: Iterable[str]) -> None:
-        """Forget every replica not in `running` (removed, or replaced after a crash)."""
-        keep = set(running)
-        for replica in [r for r in self._replicas if r not in keep]:
-            del self._replicas[replica]
 
     @staticmethod
     def _make_stale(state: _Replica, epoch: str) -> None:

@@ -11,7 +11,7 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ray import serve
@@ -61,17 +61,20 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RouterSettings:
+    """What a Router replica is built with: the app's settings (deployments/app.py AppConfig,
+    where each has its default), resolved for the router."""
+
     model: str
     engine_args: dict[str, Any]
     flow: FlowConfig
-    kv_secret: str = ""  # or a reference to $PDSERVE_KV_SECRET (credentials.py)
-    transport: str = ""  # "" in colocated mode
-    served_model_name: str = ""
-    otlp_endpoint: str = ""
-    kv_aware_routing: bool = False  # the engines publish to the app's KV index
-    retry_after_s: float = 1.0  # told to clients refused at an admission bound
-    api_keys: ApiKeys = field(default_factory=ApiKeys)  # salted digests only (credentials.py)
-    side_channel_tls: SideChannelTLS | None = None  # to release and borrow KV over mTLS
+    kv_secret: str  # or a reference to $PDSERVE_KV_SECRET (credentials.py)
+    transport: str  # "" in colocated mode
+    served_model_name: str
+    otlp_endpoint: str
+    kv_aware_routing: bool  # the engines publish to the app's KV index
+    retry_after_s: float  # told to clients refused at an admission bound
+    api_keys: ApiKeys  # salted digests only (credentials.py)
+    side_channel_tls: SideChannelTLS | None  # to release and borrow KV over mTLS
 
 
 @dataclass

@@ -105,10 +105,6 @@ class DecodeGraphs:
         # the pass itself.
         self._graphs: dict[tuple[int, int], Callable[[], None]] = {}
 
-    @property
-    def num_captured(self) -> int:
-        return len(self._graphs)
-
     def prepare(
         self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray
     ) -> tuple[int, int] | None:

@@ -29,10 +29,6 @@ class KVCacheSpec:
         element = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element
 
-    def num_blocks_for(self, budget_bytes: int) -> int:
-        """Blocks that fit in `budget_bytes` (block 0, the null block, included)."""
-        return budget_bytes // self.bytes_per_block
-
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
     # Zeroed: slots that are read before written (padding inside a block) must not hold NaNs.
