@@ -204,6 +204,13 @@ class EngineCore:
         return self.connector.side_channel_port if self.connector is not None else None
 
     @property
+    def side_channel(self) -> str:
+        """"host:port" where other engines read this one's KV and borrow its prefixes ("" with
+        no side channel)."""
+        kv, port = self.config.kv_transfer, self.side_channel_port
+        return f"{kv.side_channel_host}:{port}" if kv is not None and port else ""
+
+    @property
     def num_kv_blocks(self) -> int:
         """Usable KV blocks (block 0 is the null block)."""
         return self.num_blocks - 1

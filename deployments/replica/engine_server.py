@@ -235,11 +235,8 @@ def _start_kv_publisher(engine: AsyncEngine, role: str) -> KVEventPublisher | No
     core = engine.core
     if replica_id is None or core.kv_events is None:
         return None
-    kv = core.config.kv_transfer
-    port = core.side_channel_port
-    side_channel = f"{kv.side_channel_host}:{port}" if kv is not None and port else ""
     app = serve.get_replica_context().app_name
-    return KVEventPublisher(engine, replica_id, app, role, side_channel)
+    return KVEventPublisher(engine, replica_id, app, role, core.side_channel)
 
 
 class PrefillServer(EngineServer):
