@@ -114,7 +114,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _prompts(args: argparse.Namespace) -> list[str | list[int]]:
-    prompts: list[str | list[int]] = [*args.prompt, *args.prompt_token_ids]
+    options = PromptOptions(**read_flags(args, PromptOptions, flags=PROMPT_FLAGS))
+    prompts: list[str | list[int]] = [*options.prompt, *options.prompt_token_ids]
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt-token-ids")
     return prompts
