@@ -46,6 +46,9 @@ class KVCacheManager:
             cache_config.num_blocks, self.enable_caching, cache_config.enable_kv_cache_events
         )
         self.manager = _make_single_type_manager(cache_config, self.block_pool)
+        # The manager's own tables, read on every decode step (allocate_running_slots).
+        self._req_to_blocks = self.manager.req_to_blocks
+        self._num_cached_block = self.manager.num_cached_block
         self.block_hasher = make_block_hasher(
             self.block_size, HASH_FUNCTIONS[cache_config.prefix_caching_hash_algo]
         )
@@ -100,6 +103,35 @@ class KVCacheManager:
     def num_lent_blocks(self) -> int:
         return sum(len(blocks) for blocks in self._loans.values())
 
+    def allocate_running_slots(
+        self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0
+    ) -> list[KVCacheBlock] | None:
+        """allocate_slots for a running request (no prefix hits, no remote KV), once per step
+        for each: usually a decode whose held blocks still have room, so nothing changes but
+        the prefix cache learning of a block that filled up. Anything else is left to
+        allocate_slots."""
+        need = request.num_computed_tokens + num_new_tokens
+        if need > self.max_model_len:
+            need = self.max_model_len
+        held = self._req_to_blocks.get(request.request_id)
+        if (
+            held is None
+            or num_lookahead_tokens
+            or len(held) * self.block_size < need
+            or self.manager.drops_blocks
+        ):
+            return self.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
+            )
+        if self.enable_caching:
+            num_tokens = len(request.all_token_ids)
+            if need > num_tokens:
+                need = num_tokens  # only verified tokens are cached
+            # Usually the last block is still filling: nothing new to cache.
+            if need // self.block_size > self._num_cached_block.get(request.request_id, 0):
+                self.manager.cache_blocks(request, need)
+        return []
+
     def allocate_slots(
         self,
         request: Request,
@@ -120,42 +152,6 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if not (
-            new_computed_blocks
-            or num_external_computed_tokens
-            or num_lookahead_tokens
-            or self.manager.drops_blocks
-        ):
-            # The decode fast path: the held blocks usually have room already.
-            need = request.num_computed_tokens + num_new_tokens
-            if need > self.max_model_len:
-                need = self.max_model_len
-            held = self.manager.req_to_blocks.get(request.request_id)
-            if held is not None and len(held) * self.block_size >= need:
-                if self.enable_caching and not delay_cache_blocks:
-                    num_tokens = len(request.all_token_ids)
-                    self.manager.cache_blocks(request, need if need < num_tokens else num_tokens)
-                return []
-        return self._allocate_general(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-        )
-
-    def _allocate_general(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock],
-        num_lookahead_tokens: int,
-        num_external_computed_tokens: int,
-        delay_cache_blocks: bool,
-    ) -> list[KVCacheBlock] | None:
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         num_computed = min(num_local_computed + num_external_computed_tokens, self.max_model_len)
         num_tokens_need_slot = min(
