@@ -49,6 +49,10 @@ class KVCacheManager:
         # The manager's own tables, read on every decode step (allocate_running_slots).
         self._req_to_blocks = self.manager.req_to_blocks
         self._num_cached_block = self.manager.num_cached_block
+        self._drops_blocks = self.manager.drops_blocks
+        # Per running request: the computed tokens it may reach with nothing to allocate nor
+        # cache (allocate_running_slots); dropped when its blocks are freed.
+        self._room: dict[str, int] = {}
         self.block_hasher = make_block_hasher(
             self.block_size, HASH_FUNCTIONS[cache_config.prefix_caching_hash_algo]
         )
@@ -107,30 +111,44 @@ class KVCacheManager:
         self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0
     ) -> list[KVCacheBlock] | None:
         """allocate_slots for a running request (no prefix hits, no remote KV), once per step
-        for each: usually a decode whose held blocks still have room, so nothing changes but
-        the prefix cache learning of a block that filled up. Anything else is left to
-        allocate_slots."""
+        for each. Usually a decode whose held blocks still have room and whose last block is
+        still filling: nothing to do, known from one number kept per request (`_room`)."""
         need = request.num_computed_tokens + num_new_tokens
-        if need > self.max_model_len:
-            need = self.max_model_len
+        if need <= self._room.get(request.request_id, 0) and not num_lookahead_tokens:
+            return []
+        new_blocks = self._grow_running(request, num_new_tokens, need, num_lookahead_tokens)
+        if new_blocks is not None and not self._drops_blocks:
+            self._note_room(request)
+        return new_blocks
+
+    def _grow_running(
+        self, request: Request, num_new_tokens: int, need: int, num_lookahead_tokens: int
+    ) -> list[KVCacheBlock] | None:
         held = self._req_to_blocks.get(request.request_id)
         if (
             held is None
             or num_lookahead_tokens
             or len(held) * self.block_size < need
-            or self.manager.drops_blocks
+            or self._drops_blocks
         ):
             return self.allocate_slots(
                 request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
             )
+        # No cap at max_model_len: an unfinished request's tokens, drafts and samples in
+        # flight never pass it. Only verified tokens are cached.
         if self.enable_caching:
-            num_tokens = len(request.all_token_ids)
-            if need > num_tokens:
-                need = num_tokens  # only verified tokens are cached
-            # Usually the last block is still filling: nothing new to cache.
-            if need // self.block_size > self._num_cached_block.get(request.request_id, 0):
-                self.manager.cache_blocks(request, need)
+            self.manager.cache_blocks(request, min(need, len(request.all_token_ids)))
         return []
+
+    def _note_room(self, request: Request) -> None:
+        """The most tokens `request` may have computed with nothing to do: within its held
+        slots, short of filling its first block not yet cached. Only grows until freed."""
+        block_size = self.block_size
+        room = len(self._req_to_blocks[request.request_id]) * block_size
+        if self.enable_caching:
+            num_cached = self._num_cached_block.get(request.request_id, 0)
+            room = min(room, (num_cached + 1) * block_size - 1)
+        self._room[request.request_id] = room
 
     def allocate_slots(
         self,
@@ -181,6 +199,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         self.manager.free(request.request_id)
+        self._room.pop(request.request_id, None)
 
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """Remove blocks from the prefix cache (their KV is not to be trusted)."""

@@ -64,9 +64,6 @@ def build_scheduler_output(
         cached.num_output_tokens.append(len(request.output_token_ids))
         cached.resumed_token_ids[req_id] = list(request.all_token_ids)
     num_scheduled = step.num_scheduled
-    scheduled = dict(
-        zip(cached.req_ids, (*step.scheduled_running, *step.scheduled_resumed), strict=True)
-    )
     for requests in (step.scheduled_new, step.scheduled_running, step.scheduled_resumed):
         _advance(requests, num_scheduled)
     return SchedulerOutput(
@@ -78,7 +75,7 @@ def build_scheduler_output(
         finished_req_ids=finished_req_ids,
         new_block_ids_to_zero=kv_cache_manager.take_new_block_ids(),
         scheduled_spec_decode_tokens=step.spec_tokens,
-        scheduled_requests={**{r.request_id: r for r in step.scheduled_new}, **scheduled},
+        scheduled_requests=[*step.scheduled_new, *step.scheduled_running, *step.scheduled_resumed],
     )
 
 

@@ -80,6 +80,8 @@ class Scheduler:
         # Outputs produced outside a step (e.g. rejected on arrival), sent with the next one.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        # Requests let go of (their ids free for new ones), counted for update_from_output.
+        self._num_released = 0
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -170,6 +172,7 @@ class Scheduler:
             self.admitter.schedule(step, self.running)
         finished, self.finished_req_ids = self.finished_req_ids, set()
         output = build_scheduler_output(step, self.kv_cache_manager, finished)
+        output.num_released_requests = self._num_released
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
@@ -198,7 +201,7 @@ class Scheduler:
             num_new_tokens = len(request.all_token_ids) + placeholders - request.num_computed_tokens
             if drafts:
                 num_new_tokens += len(drafts)
-            if 0 < threshold < num_new_tokens:
+            if threshold and num_new_tokens > threshold:  # 0: no threshold
                 num_new_tokens = threshold
             if num_new_tokens > budget:
                 num_new_tokens = budget
@@ -355,7 +358,9 @@ class Scheduler:
     ) -> None:
         """Each sample of the step to its request, in order. The loop is the decode fast
         path (running, one token, no drafts, good KV); _settle_sample takes the rest."""
-        scheduled = scheduler_output.scheduled_requests
+        requests = self.requests
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        scheduled = self._scheduled_by_id(scheduler_output)
         rare = discarded.union(scheduler_output.scheduled_spec_decode_tokens)
         max_model_len = self.max_model_len
         any_stopped = False
@@ -364,16 +369,18 @@ class Scheduler:
         ):
             if not token_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            request = scheduled.get(req_id)
-            if request is None:
-                continue
+            request = requests.get(req_id)
+            if (
+                request is None
+                or req_id not in num_scheduled
+                or (scheduled is not None and request is not scheduled.get(req_id))
+            ):
+                continue  # finished and gone (its id may name a new request by now)
             if request.status is not _RUNNING or len(token_ids) != 1 or req_id in rare:
                 output = self._settle_sample(request, token_ids, scheduler_output, discarded)
                 if output is None:
                     continue
             else:
-                # Running, so still in self.requests under this id (only finished requests
-                # leave it, and an id is not reused while its request is there).
                 if request.num_output_placeholders:
                     request.num_output_placeholders -= 1  # this step's sample is here
                 if request.timing.first_token is None:
@@ -389,6 +396,13 @@ class Scheduler:
         if any_stopped:
             self.running = [r for r in self.running if r.status is _RUNNING]
 
+    def _scheduled_by_id(self, scheduler_output: SchedulerOutput) -> dict[str, Request] | None:
+        """The step's Requests by id, where an id may name another request by now (one was
+        released since the step was scheduled); None where every id still names its own."""
+        if self._num_released == scheduler_output.num_released_requests:
+            return None
+        return {r.request_id: r for r in scheduler_output.scheduled_requests}
+
     def _settle_sample(
         self,
         request: Request,
@@ -399,8 +413,6 @@ class Scheduler:
         """A sample off the fast path: a request finished, aborted or preempted during the
         step, one whose logits came from bad KV (None: nothing to emit), verified drafts."""
         req_id = request.request_id
-        if self.requests.get(req_id) is not request:
-            return None  # finished and gone (its id may name a new request by now)
         if request.num_output_placeholders:
             request.num_output_placeholders -= 1  # this step's sample is here
         status = request.status
@@ -458,7 +470,8 @@ class Scheduler:
 
     def free_request_blocks(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self._num_released += 1
         self.kv_transfers.forget(request.request_id)
 
     def fail_request(self, request: Request, error: str) -> None:

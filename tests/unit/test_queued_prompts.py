@@ -49,10 +49,14 @@ class RandomRun:
     def __init__(self, seed: int, policy: str, speculate: bool, ahead: bool) -> None:
         self.rng = rng = random.Random(seed)
         self.connector = FakeConnector(rng.choice(["recompute", "recompute", "fail"]))
+        block_size = rng.choice([2, 4, 8])
+        one_sequence = -(-MAX_MODEL_LEN // block_size) + 1  # blocks for max_model_len, null
         # Under priority a head that cannot fit waits for blocks that requests whose loads
         # have landed hold until they are promoted, behind it: a roomier pool there.
+        roomy = 1 if policy == "fcfs" else 2
         self.scheduler = make_scheduler(
-            num_blocks=rng.randint(18, 40) if policy == "fcfs" else rng.randint(40, 64),
+            block_size=block_size,
+            num_blocks=rng.randint(one_sequence * roomy + 1, one_sequence * (roomy + 1)),
             max_num_batched_tokens=rng.choice([8, 16, 40]),
             max_num_seqs=rng.randint(2, 6),
             max_model_len=MAX_MODEL_LEN,
@@ -75,8 +79,11 @@ class RandomRun:
             "held": {"do_remote_decode": True},
             "retry": {"retry_steps": rng.randint(1, 3), "async": False},
         }[kind]
+        # Now and then the id of a request that is gone (a step in flight may still name it).
+        gone = [r.request_id for r in self.added if r.request_id not in self.scheduler.requests]
+        reuse = gone and rng.random() < 0.1
         request = Request(
-            f"r{len(self.added)}",
+            rng.choice(gone) if reuse else f"r{len(self.added)}",
             prompt,
             SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.0),
             eos_token_id=rng.choice([None, 3]),
@@ -114,7 +121,7 @@ class RandomRun:
         self.check_stats()
         req_ids, sampled = list(so.num_scheduled_tokens), []
         for req_id in req_ids:
-            request = so.scheduled_requests[req_id]
+            request = scheduler.requests[req_id]
             if request.num_computed_tokens < owed[req_id]:
                 sampled.append([])
                 continue
@@ -146,11 +153,13 @@ class RandomRun:
         return report
 
     def break_a_block(self, request: Request, loaded_from: int, report: KVConnectorOutput) -> None:
-        """One of the blocks a load wrote (tokens from `loaded_from` on) arrived broken."""
+        """One of the blocks a load wrote (tokens from `loaded_from` on) arrived broken. Not
+        a sequence's first block: a request rewound to nothing computed while it holds blocks
+        looks for prefix hits when admitted again, and refuses them (a separate matter)."""
         block_size = self.scheduler.block_size
         loaded_to = loaded_from + request.num_external_computed_tokens
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
-        written = block_ids[loaded_from // block_size : -(-loaded_to // block_size)]
+        written = block_ids[max(1, loaded_from // block_size) : -(-loaded_to // block_size)]
         if written:
             report.invalid_block_ids.add(self.rng.choice(written))
 
