@@ -352,7 +352,7 @@ class Request:
         tokens.append(token_id)
         self.output_token_ids.append(token_id)
         # Hash only when a block fills up: a plain comparison on the decode hot path.
-        if self._block_hasher is not None and len(tokens) >= self._next_hash_at:
+        if len(tokens) >= self._next_hash_at and self._block_hasher is not None:
             self._block_hasher(self)
             self._next_hash_at = (len(self.block_hashes) + 1) * self._hash_block_size
 

@@ -46,6 +46,13 @@ class KVCacheManager:
             cache_config.num_blocks, self.enable_caching, cache_config.enable_kv_cache_events
         )
         self.manager = _make_single_type_manager(cache_config, self.block_pool)
+        # The manager's own tables, read on every decode step (allocate_running_slots).
+        self._req_to_blocks = self.manager.req_to_blocks
+        self._num_cached_block = self.manager.num_cached_block
+        self._drops_blocks = self.manager.drops_blocks
+        # Per running request: the computed tokens it may reach with nothing to allocate nor
+        # cache (allocate_running_slots); dropped when its blocks are freed.
+        self._room: dict[str, int] = {}
         self.block_hasher = make_block_hasher(
             self.block_size, HASH_FUNCTIONS[cache_config.prefix_caching_hash_algo]
         )
@@ -100,6 +107,49 @@ class KVCacheManager:
     def num_lent_blocks(self) -> int:
         return sum(len(blocks) for blocks in self._loans.values())
 
+    def allocate_running_slots(
+        self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0
+    ) -> list[KVCacheBlock] | None:
+        """allocate_slots for a running request (no prefix hits, no remote KV), once per step
+        for each. Usually a decode whose held blocks still have room and whose last block is
+        still filling: nothing to do, known from one number kept per request (`_room`)."""
+        need = request.num_computed_tokens + num_new_tokens
+        if need <= self._room.get(request.request_id, 0) and not num_lookahead_tokens:
+            return []
+        new_blocks = self._grow_running(request, num_new_tokens, need, num_lookahead_tokens)
+        if new_blocks is not None and not self._drops_blocks:
+            self._note_room(request)
+        return new_blocks
+
+    def _grow_running(
+        self, request: Request, num_new_tokens: int, need: int, num_lookahead_tokens: int
+    ) -> list[KVCacheBlock] | None:
+        held = self._req_to_blocks.get(request.request_id)
+        if (
+            held is None
+            or num_lookahead_tokens
+            or len(held) * self.block_size < need
+            or self._drops_blocks
+        ):
+            return self.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
+            )
+        # No cap at max_model_len: an unfinished request's tokens, drafts and samples in
+        # flight never pass it. Only verified tokens are cached.
+        if self.enable_caching:
+            self.manager.cache_blocks(request, min(need, len(request.all_token_ids)))
+        return []
+
+    def _note_room(self, request: Request) -> None:
+        """The most tokens `request` may have computed with nothing to do: within its held
+        slots, short of filling its first block not yet cached. Only grows until freed."""
+        block_size = self.block_size
+        room = len(self._req_to_blocks[request.request_id]) * block_size
+        if self.enable_caching:
+            num_cached = self._num_cached_block.get(request.request_id, 0)
+            room = min(room, (num_cached + 1) * block_size - 1)
+        self._room[request.request_id] = room
+
     def allocate_slots(
         self,
         request: Request,
@@ -120,42 +170,6 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if not (
-            new_computed_blocks
-            or num_external_computed_tokens
-            or num_lookahead_tokens
-            or self.manager.drops_blocks
-        ):
-            # The decode fast path: the held blocks usually have room already.
-            need = request.num_computed_tokens + num_new_tokens
-            if need > self.max_model_len:
-                need = self.max_model_len
-            held = self.manager.req_to_blocks.get(request.request_id)
-            if held is not None and len(held) * self.block_size >= need:
-                if self.enable_caching and not delay_cache_blocks:
-                    num_tokens = len(request.all_token_ids)
-                    self.manager.cache_blocks(request, need if need < num_tokens else num_tokens)
-                return []
-        return self._allocate_general(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-        )
-
-    def _allocate_general(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock],
-        num_lookahead_tokens: int,
-        num_external_computed_tokens: int,
-        delay_cache_blocks: bool,
-    ) -> list[KVCacheBlock] | None:
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         num_computed = min(num_local_computed + num_external_computed_tokens, self.max_model_len)
         num_tokens_need_slot = min(
@@ -185,6 +199,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         self.manager.free(request.request_id)
+        self._room.pop(request.request_id, None)
 
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """Remove blocks from the prefix cache (their KV is not to be trusted)."""

@@ -117,7 +117,8 @@ class KVTransferState:
     def end_step(self, scheduled_req_ids: Iterable[str]) -> None:
         """A step's outputs are settled: its synchronous loads are over (a step scheduled
         ahead keeps its own)."""
-        self._sync_loads.difference_update(scheduled_req_ids)
+        if self._sync_loads:  # rarely: not a walk over every step's ids for nothing
+            self._sync_loads.difference_update(scheduled_req_ids)
 
     def has_sync_loads(self) -> bool:
         return bool(self._sync_loads)

@@ -73,9 +73,11 @@ class SchedulerOutput:
     # {req_id: drafts}: tokens after the request's last one, computed this step to be verified
     # (they count in num_scheduled_tokens; a request without drafts is absent).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # The scheduler's own: which Request each scheduled id named (with async scheduling an
-    # aborted request's id may name a new one by the time the step's output is back).
-    scheduled_requests: dict[str, Request] = field(default_factory=dict)
+    # The scheduler's own: the Requests this step scheduled, and how many requests the
+    # scheduler had released by then. With async scheduling an aborted request's id may name
+    # a new one by the time the step's output is back: after a release, ids are checked.
+    scheduled_requests: list[Request] = field(default_factory=list)
+    num_released_requests: int = 0
 
 
 @dataclass

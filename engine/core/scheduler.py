@@ -4,9 +4,10 @@ There is no prefill phase and no decode phase. A request has `num_computed_token
 `num_tokens`; each step hands out `{request_id: num_new_tokens}` so that the former catches up
 with the latter. A decode is a request one token behind; a prefill chunk is one further behind.
 
-Why this file is long: scheduling and settling a step's outputs are one state machine over
-the same queues and request states (running, waiting, preempted, loading, finished); split
-apart, each half would have to reach into the other's invariants.
+Running requests are scheduled here, then waiting ones are admitted (sched_admit.Admitter);
+the step is described for the worker in sched_step. Settling a step's outputs is here too.
+A decode step of a full batch touches every running request three times (schedule, describe,
+settle), so those loops keep to plain attributes and leave the rare cases to helpers.
 """
 
 from __future__ import annotations
@@ -19,23 +20,22 @@ from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_cache_utils import KVCacheBlock, check_capacity
 from engine.core.kv_transfer_state import KVTransferState
+from engine.core.queued_prompts import QueuedPromptTokens
 from engine.core.request_queue import RequestQueue, create_request_queue
-from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from engine.core.sched_admit import Admitter
+from engine.core.sched_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.core.sched_step import Step, build_scheduler_output
-from engine.core.stop import check_stop, reaches_length_limit
+from engine.core.stop import append_until_stop, check_stop, reaches_length_limit
 from engine.kv_connector import KVConnectorBase
 from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason, Request, RequestStatus, finish_reason_of
 from engine.spec_decode.ngram import SpecDecodeStats
-from engine.spec_decode.scheduling import Speculator
+from engine.spec_decode.scheduling import Speculator, lookahead_tokens
 from engine.stats import EngineStats
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
-_WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
-# A step's sample is kept for requests in these states (preempted: after the step was sent).
-_SAMPLING = (_RUNNING, _PREEMPTED)
 
 
 class Scheduler:
@@ -67,9 +67,21 @@ class Scheduler:
             self.requests,
             connector.load_failure_policy if connector is not None else "recompute",
         )
+        self.queued_prompts = QueuedPromptTokens()
+        self.admitter = Admitter(
+            scheduler_config,
+            (self.waiting, self.skipped_waiting),
+            self.kv_cache_manager,
+            self.kv_transfers,
+            connector,
+            self.speculator,
+            self.queued_prompts,
+        )
         # Outputs produced outside a step (e.g. rejected on arrival), sent with the next one.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        # Requests let go of (their ids free for new ones), counted for update_from_output.
+        self._num_released = 0
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -98,6 +110,7 @@ class Scheduler:
         request.set_block_hasher(self.kv_cache_manager.block_hasher, self.block_size)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+        self.queued_prompts.add(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """End requests from outside (abort, error). Unknown or finished ids are ignored."""
@@ -141,22 +154,12 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=unfinished - len(self.running),
             num_held_requests=len(self.requests) - unfinished,
-            queued_prompt_tokens=self._queued_prompt_tokens(),
+            queued_prompt_tokens=self.queued_prompts.count(),
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             spec_decode=replace(speculator.stats) if speculator else SpecDecodeStats(),
         )
-
-    def _queued_prompt_tokens(self) -> int:
-        """Prompt tokens of unfinished requests still to compute (a prompt whose KV is being
-        read from another engine is not computed here)."""
-        queued = 0
-        for queue in (self.running, self.waiting, self.skipped_waiting):
-            for request in queue:
-                if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-                    queued += max(0, request.num_prompt_tokens - request.num_computed_tokens)
-        return queued
 
     # ---------------------------------------------------------------- schedule
 
@@ -166,9 +169,10 @@ class Scheduler:
         self._schedule_running(step)
         # A step that had to preempt is short of blocks: admitting now would only thrash.
         if not step.preempted:
-            self._schedule_waiting(step)
+            self.admitter.schedule(step, self.running)
         finished, self.finished_req_ids = self.finished_req_ids, set()
         output = build_scheduler_output(step, self.kv_cache_manager, finished)
+        output.num_released_requests = self._num_released
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
@@ -176,32 +180,41 @@ class Scheduler:
     def _schedule_running(self, step: Step) -> None:
         threshold = self.scheduler_config.long_prefill_token_threshold
         running = self.running
-        allocate_slots = self.kv_cache_manager.allocate_slots
+        allocate_slots = self.kv_cache_manager.allocate_running_slots
+        speculator = self.speculator
+        lookahead = (
+            speculator.lookahead_tokens if speculator and speculator.needs_lookahead else None
+        )
         scheduled_running = step.scheduled_running
         num_scheduled = step.num_scheduled
-        new_blocks_by_req = step.new_blocks
+        budget = step.budget  # a local in the loop; step.budget is kept for preemption
         i = 0
-        while i < len(running) and step.budget > 0:
+        while i < len(running) and budget > 0:
             request = running[i]
             placeholders = request.num_output_placeholders
             if placeholders and self._owes_its_last_token(request):
                 i += 1  # async skip-ahead: the samples in flight end it, nothing to schedule
                 continue
-            # Drafts are computed with the last token, to be verified (num_tokens_with_spec);
-            # placeholders are tokens sampled by a step still in flight (async scheduling).
+            # Placeholders are tokens sampled by a step still in flight (async scheduling);
+            # drafts are computed with the last token, to be verified (num_tokens_with_spec).
             drafts = request.spec_token_ids
-            num_tokens = len(request.all_token_ids) + placeholders + len(drafts)
-            num_new_tokens = num_tokens - request.num_computed_tokens
-            if 0 < threshold < num_new_tokens:
+            num_new_tokens = len(request.all_token_ids) + placeholders - request.num_computed_tokens
+            if drafts:
+                num_new_tokens += len(drafts)
+            if threshold and num_new_tokens > threshold:  # 0: no threshold
                 num_new_tokens = threshold
-            if num_new_tokens > step.budget:
-                num_new_tokens = step.budget
+            if num_new_tokens > budget:
+                num_new_tokens = budget
             if num_new_tokens <= 0:
                 i += 1
                 continue
-            new_blocks = allocate_slots(request, num_new_tokens, 0, (), self._lookahead(request))
+            new_blocks = allocate_slots(
+                request, num_new_tokens, lookahead(request) if lookahead else 0
+            )
             if new_blocks is None:
+                step.budget = budget
                 new_blocks, i = self._preempt_until_fits(request, num_new_tokens, i, step)
+                budget = step.budget  # what an unscheduled victim gave back
                 if new_blocks is None:
                     # It was the victim itself and left `running`: running[i] is the next one
                     # (under FCFS there is none; under priority a better one may now fit).
@@ -209,17 +222,20 @@ class Scheduler:
             scheduled_running.append(request)
             num_scheduled[request.request_id] = num_new_tokens
             if new_blocks:
-                new_blocks_by_req[request.request_id] = new_blocks
-            if drafts:  # those that fit in this step's share of the budget
-                fit = request.num_computed_tokens + num_new_tokens - len(request.all_token_ids)
-                if fit > 0:
-                    step.spec_tokens[request.request_id] = drafts[:fit]
-            step.budget -= num_new_tokens
+                step.new_blocks[request.request_id] = new_blocks
+            if drafts:
+                self._schedule_drafts(request, drafts, num_new_tokens, step)
+            budget -= num_new_tokens
             i += 1
+        step.budget = budget
 
-    def _lookahead(self, request: Request) -> int:
-        speculator = self.speculator
-        return speculator.lookahead_tokens(request) if speculator is not None else 0
+    def _schedule_drafts(
+        self, request: Request, drafts: list[int], num_new_tokens: int, step: Step
+    ) -> None:
+        """The drafts that fit in this step's share of the budget, to be verified."""
+        fit = request.num_computed_tokens + num_new_tokens - len(request.all_token_ids)
+        if fit > 0:
+            step.spec_tokens[request.request_id] = drafts[:fit]
 
     def _owes_its_last_token(self, request: Request) -> bool:
         """The steps in flight already sample up to a length limit (max_tokens or the
@@ -249,14 +265,16 @@ class Scheduler:
             del self.running[victim_index]
             if victim_index < index:  # only under priority
                 if victim.request_id in step.num_scheduled:  # not if it was skipped
-                    self._unschedule(victim, step)
+                    step.unschedule(victim)
                 index -= 1
             self._preempt(victim)
             step.preempted.append(victim)
             if victim is request:
                 return None, index
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_lookahead_tokens=self._lookahead(request)
+                request,
+                num_new_tokens,
+                num_lookahead_tokens=lookahead_tokens(self.speculator, request),
             )
             if new_blocks is not None:
                 return new_blocks, index
@@ -275,14 +293,6 @@ class Scheduler:
             return max(candidates, key=Request.sort_key)
         return candidates[-1]
 
-    def _unschedule(self, victim: Request, step: Step) -> None:
-        """Roll back what this step already granted a request that is now preempted."""
-        req_id = victim.request_id
-        step.scheduled_running.remove(victim)
-        step.budget += step.num_scheduled.pop(req_id)
-        step.new_blocks.pop(req_id, None)
-        step.spec_tokens.pop(req_id, None)
-
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop every block; prefix caching may win some back."""
         self.kv_cache_manager.free(request)
@@ -292,111 +302,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
-
-    def _schedule_waiting(self, step: Step) -> None:
-        max_num_seqs = self.scheduler_config.max_num_seqs
-        while (self.waiting or self.skipped_waiting) and step.budget > 0:
-            if len(self.running) >= max_num_seqs:
-                break
-            queue = self._select_waiting_queue()
-            request = queue.peek_request()
-            if request.status == _WAITING_FOR_REMOTE_KVS and not self.kv_transfers.promote(request):
-                queue.pop_request()
-                step.skipped.append(request)
-                continue
-            admitted = self._try_admit(request, queue, step)
-            if admitted is None:
-                break
-        if step.skipped:
-            self.skipped_waiting.prepend_requests(step.skipped)
-
-    def _select_waiting_queue(self) -> RequestQueue:
-        if self.scheduler_config.policy == "fcfs":
-            return self.skipped_waiting or self.waiting
-        if self.waiting and self.skipped_waiting:
-            head, skipped_head = self.waiting.peek_request(), self.skipped_waiting.peek_request()
-            return (
-                self.waiting if head.sort_key() < skipped_head.sort_key() else self.skipped_waiting
-            )
-        return self.waiting or self.skipped_waiting
-
-    def _try_admit(self, request: Request, queue: RequestQueue, step: Step) -> bool | None:
-        """Admit the head of `queue`. None: stop admitting this step (no room)."""
-        kv = self.kv_cache_manager
-        new_computed_blocks: list[KVCacheBlock] = []
-        num_local = num_external = 0
-        load_async = False
-        if request.num_computed_tokens == 0:
-            new_computed_blocks, num_local = kv.get_computed_blocks(request)
-            if self.connector is not None:
-                matched, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
-                if matched is None:  # the connector cannot tell yet
-                    queue.pop_request()
-                    step.skipped.append(request)
-                    return False
-                # At least one token is always computed here, for its logits.
-                num_external = max(0, min(matched, request.num_tokens - 1 - num_local))
-                load_async = load_async and num_external > 0
-        num_computed = request.num_computed_tokens + num_local + num_external
-        num_new_tokens = 0 if load_async else self._num_new_tokens(request, num_computed, step)
-        if num_new_tokens is None:
-            return None
-        new_blocks = kv.allocate_slots(
-            request,
-            num_new_tokens,
-            num_local,
-            new_computed_blocks,
-            num_lookahead_tokens=self._lookahead(request),
-            num_external_computed_tokens=num_external,
-            # KV that arrives from elsewhere is not cached until it has arrived intact.
-            delay_cache_blocks=num_external > 0,
-        )
-        if new_blocks is None:
-            return None
-        queue.pop_request()
-        if self.connector is not None:
-            self.connector.update_state_after_alloc(
-                request, kv.get_blocks(request.request_id), num_external
-            )
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = num_local + num_external
-        request.num_external_computed_tokens = num_external
-        if load_async:
-            self.kv_transfers.start_async_load(request, num_local)
-            step.skipped.append(request)
-            return True
-        if num_external:
-            self.kv_transfers.note_sync_load(request)
-        self._start_running(request, num_computed, num_new_tokens, step)
-        return True
-
-    def _num_new_tokens(self, request: Request, num_computed: int, step: Step) -> int | None:
-        num_new_tokens = request.num_tokens - num_computed
-        threshold = self.scheduler_config.long_prefill_token_threshold
-        if 0 < threshold < num_new_tokens:
-            num_new_tokens = threshold
-        if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > step.budget:
-            return None  # the prompt goes whole or not at all
-        return min(num_new_tokens, step.budget)
-
-    def _start_running(
-        self,
-        request: Request,
-        num_computed: int,
-        num_new_tokens: int,
-        step: Step,
-    ) -> None:
-        if request.status == _PREEMPTED:
-            step.scheduled_resumed.append(request)
-        else:
-            step.scheduled_new.append(request)
-        request.status = _RUNNING
-        if request.timing.first_scheduled is None:
-            request.timing.first_scheduled = time.time()
-        request.num_computed_tokens = num_computed
-        self.running.append(request)
-        step.num_scheduled[request.request_id] = num_new_tokens
-        step.budget -= num_new_tokens
+        self.queued_prompts.watch(request)
 
     # ---------------------------------------------------------------- results
 
@@ -408,53 +314,10 @@ class Scheduler:
         kv_output = model_runner_output.kv_connector_output
         discarded: set[str] = set()
         if kv_output is not None and kv_output.invalid_block_ids:
-            outcome = self.kv_transfers.handle_invalid_blocks(
-                kv_output.invalid_block_ids, scheduler_output.num_scheduled_tokens
-            )
-            discarded = outcome.discarded
-            for failed, error in outcome.failed:
-                self.fail_request(failed, error)
+            discarded = self._handle_invalid_blocks(kv_output, scheduler_output)
         self.kv_transfers.end_step(scheduler_output.num_scheduled_tokens)
-        requests = self.requests
-        scheduled = scheduler_output.scheduled_requests
-        max_model_len = self.max_model_len
-        any_stopped = False
         first_output = len(outputs)
-        for req_id, token_ids in zip(
-            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
-        ):
-            if not token_ids:
-                continue  # a prefill chunk that did not reach the end of the prompt
-            request = requests.get(req_id)
-            if request is None or request is not scheduled.get(req_id):
-                continue  # finished and gone (its id may name a new request by now)
-            if request.num_output_placeholders:
-                request.num_output_placeholders -= 1  # this step's sample is here
-            if request.status not in _SAMPLING or req_id in discarded:
-                continue  # aborted during the step, or its logits came from bad KV
-            if request.timing.first_token is None:
-                request.timing.first_token = time.time()
-            if request.status == _PREEMPTED:
-                # Preempted while this step was in flight (async scheduling): the sample is
-                # good (computed over KV it still held); it resumes with it, or ends here.
-                outputs.append(self._append_to_preempted(request, token_ids))
-                continue
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if drafts and self.speculator is not None:
-                self.speculator.settle(request, len(drafts), len(token_ids) - 1)
-            if len(token_ids) == 1:  # the decode fast path: one token, usually no stop
-                request.append_output_token_ids(token_ids[0])
-                status = check_stop(request, token_ids[0], max_model_len)
-                if status is None:
-                    outputs.append(EngineCoreOutput(req_id, token_ids))
-                    continue
-                output = self._finish_output(request, token_ids, status)
-            else:
-                output = self._append_tokens(request, token_ids)
-            any_stopped = any_stopped or output.finish_reason is not None
-            outputs.append(output)
-        if any_stopped:
-            self.running = [r for r in self.running if r.status == _RUNNING]
+        self._settle_samples(scheduler_output, model_runner_output, discarded, outputs)
         if self.speculator is not None:
             self.speculator.propose(
                 self.requests, outputs[first_output:], model_runner_output.draft_token_ids
@@ -470,21 +333,111 @@ class Scheduler:
                 self.connector.update_connector_output(kv_output)
         return outputs
 
-    def _append_to_preempted(self, request: Request, token_ids: list[int]) -> EngineCoreOutput:
-        output = self._append_tokens(request, token_ids)
-        if output.finish_reason is not None:
-            self.waiting.remove_requests([request])
-        return output
+    def _handle_invalid_blocks(
+        self, kv_output: KVConnectorOutput, scheduler_output: SchedulerOutput
+    ) -> set[str]:
+        """Apply the load-failure policy; returns the requests whose samples of this step
+        are dropped (computed over bad KV)."""
+        outcome = self.kv_transfers.handle_invalid_blocks(
+            kv_output.invalid_block_ids, scheduler_output.num_scheduled_tokens
+        )
+        for failed, error in outcome.failed:
+            self.fail_request(failed, error)
+        for req_id in outcome.discarded:
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished:
+                self.queued_prompts.watch(request)  # rewound: its prompt may be owed again
+        return outcome.discarded
+
+    def _settle_samples(
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        discarded: set[str],
+        outputs: list[EngineCoreOutput],
+    ) -> None:
+        """Each sample of the step to its request, in order. The loop is the decode fast
+        path (running, one token, no drafts, good KV); _settle_sample takes the rest."""
+        requests = self.requests
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        scheduled = self._scheduled_by_id(scheduler_output)
+        rare = discarded.union(scheduler_output.scheduled_spec_decode_tokens)
+        max_model_len = self.max_model_len
+        any_stopped = False
+        for req_id, token_ids in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, strict=True
+        ):
+            if not token_ids:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request = requests.get(req_id)
+            if (
+                request is None
+                or req_id not in num_scheduled
+                or (scheduled is not None and request is not scheduled.get(req_id))
+            ):
+                continue  # finished and gone (its id may name a new request by now)
+            if request.status is not _RUNNING or len(token_ids) != 1 or req_id in rare:
+                output = self._settle_sample(request, token_ids, scheduler_output, discarded)
+                if output is None:
+                    continue
+            else:
+                if request.num_output_placeholders:
+                    request.num_output_placeholders -= 1  # this step's sample is here
+                if request.timing.first_token is None:
+                    request.timing.first_token = time.time()
+                request.append_output_token_ids(token_ids[0])
+                status = check_stop(request, token_ids[0], max_model_len)
+                if status is None:  # usually
+                    outputs.append(EngineCoreOutput(req_id, token_ids))
+                    continue
+                output = self._finish_output(request, token_ids, status)
+            any_stopped = any_stopped or output.finish_reason is not None
+            outputs.append(output)
+        if any_stopped:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+
+    def _scheduled_by_id(self, scheduler_output: SchedulerOutput) -> dict[str, Request] | None:
+        """The step's Requests by id, where an id may name another request by now (one was
+        released since the step was scheduled); None where every id still names its own."""
+        if self._num_released == scheduler_output.num_released_requests:
+            return None
+        return {r.request_id: r for r in scheduler_output.scheduled_requests}
+
+    def _settle_sample(
+        self,
+        request: Request,
+        token_ids: list[int],
+        scheduler_output: SchedulerOutput,
+        discarded: set[str],
+    ) -> EngineCoreOutput | None:
+        """A sample off the fast path: a request finished, aborted or preempted during the
+        step, one whose logits came from bad KV (None: nothing to emit), verified drafts."""
+        req_id = request.request_id
+        if request.num_output_placeholders:
+            request.num_output_placeholders -= 1  # this step's sample is here
+        status = request.status
+        if (status is not _RUNNING and status is not _PREEMPTED) or req_id in discarded:
+            return None
+        if request.timing.first_token is None:
+            request.timing.first_token = time.time()
+        if status is _PREEMPTED:
+            # Preempted while this step was in flight (async scheduling): the sample is
+            # good (computed over KV it still held); it resumes with it, or ends here.
+            output = self._append_tokens(request, token_ids)
+            if output.finish_reason is not None:
+                self.waiting.remove_requests([request])
+            return output
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+        if drafts and self.speculator is not None:
+            self.speculator.settle(request, len(drafts), len(token_ids) - 1)
+        return self._append_tokens(request, token_ids)
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> EngineCoreOutput:
-        """Several tokens in one step (speculative decoding): stop at the first stop."""
-        for n, token_id in enumerate(token_ids, 1):
-            request.append_output_token_ids(token_id)
-            status = check_stop(request, token_id, self.max_model_len)
-            if status is not None:
-                # what follows a stop is never emitted
-                return self._finish_output(request, token_ids[:n], status)
-        return EngineCoreOutput(request.request_id, token_ids)
+        num_appended, status = append_until_stop(request, token_ids, self.max_model_len)
+        if status is None:
+            return EngineCoreOutput(request.request_id, token_ids)
+        # what follows a stop is never emitted
+        return self._finish_output(request, token_ids[:num_appended], status)
 
     def _finish_output(
         self, request: Request, new_token_ids: list[int], status: RequestStatus
@@ -505,6 +458,7 @@ class Scheduler:
         request.status = status
         request.timing.finished = time.time()
         self.finished_req_ids.add(request.request_id)
+        self.queued_prompts.forget(request)
         kv_transfer_params = None
         delay_free = False
         if self.connector is not None:
@@ -516,7 +470,8 @@ class Scheduler:
 
     def free_request_blocks(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self._num_released += 1
         self.kv_transfers.forget(request.request_id)
 
     def fail_request(self, request: Request, error: str) -> None:

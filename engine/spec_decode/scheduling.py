@@ -33,6 +33,11 @@ class Speculator:
     def wants_drafts(self, request: Request) -> bool:
         return can_speculate(request.sampling_params, request.num_output_tokens)
 
+    @property
+    def needs_lookahead(self) -> bool:
+        """Whether any request ever gets lookahead slots (lookahead_tokens is 0 otherwise)."""
+        return self.config.uses_draft_model
+
     def lookahead_tokens(self, request: Request) -> int:
         """KV slots to hold past a step's tokens: a draft model writes the K/V of its drafts
         there once the step's sample is out (method draft_model; n-gram drafts need none)."""
@@ -74,3 +79,8 @@ class Speculator:
                 request.spec_token_ids = propose_ngram(
                     request.all_token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max
                 )
+
+
+def lookahead_tokens(speculator: Speculator | None, request: Request) -> int:
+    """KV slots `request` needs past a step's tokens (none without speculation)."""
+    return speculator.lookahead_tokens(request) if speculator is not None else 0

@@ -1,0 +1,154 @@
+"""Admitting waiting requests into a step: which queue offers the next one, its prefix-cache
+hits and remote KV, its first blocks.
+
+The scheduler runs this after its running requests had their share of the step's budget, and
+only when none of them had to be preempted. The queues are the scheduler's; so is the running
+list, which admitted requests join in the order they were admitted.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.config import SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_utils import KVCacheBlock
+from engine.core.kv_transfer_state import KVTransferState
+from engine.core.queued_prompts import QueuedPromptTokens
+from engine.core.request_queue import RequestQueue
+from engine.core.sched_step import Step
+from engine.kv_connector import KVConnectorBase
+from engine.request import Request, RequestStatus
+from engine.spec_decode.scheduling import Speculator, lookahead_tokens
+
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+class Admitter:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        queues: tuple[RequestQueue, RequestQueue],
+        kv_cache_manager: KVCacheManager,
+        kv_transfers: KVTransferState,
+        connector: KVConnectorBase | None,
+        speculator: Speculator | None,
+        queued_prompts: QueuedPromptTokens,
+    ) -> None:
+        self.config = config
+        # Requests that could not be considered (blocked on a remote load, or the connector
+        # asked to retry) wait in `skipped_waiting`, looked at before `waiting` under FCFS.
+        self.waiting, self.skipped_waiting = queues
+        self.kv_cache_manager = kv_cache_manager
+        self.kv_transfers = kv_transfers
+        self.connector = connector
+        self.speculator = speculator
+        self.queued_prompts = queued_prompts
+
+    def schedule(self, step: Step, running: list[Request]) -> None:
+        """Admit queue heads while the budget and `max_num_seqs` allow."""
+        max_num_seqs = self.config.max_num_seqs
+        while (self.waiting or self.skipped_waiting) and step.budget > 0:
+            if len(running) >= max_num_seqs:
+                break
+            queue = self._select_queue()
+            request = queue.peek_request()
+            if request.status == _WAITING_FOR_REMOTE_KVS and not self.kv_transfers.promote(request):
+                queue.pop_request()
+                step.skipped.append(request)
+                continue
+            if self._try_admit(request, queue, step, running) is None:
+                break
+        if step.skipped:
+            self.skipped_waiting.prepend_requests(step.skipped)
+
+    def _select_queue(self) -> RequestQueue:
+        waiting, skipped = self.waiting, self.skipped_waiting
+        if self.config.policy == "fcfs":
+            return skipped or waiting
+        if waiting and skipped:
+            head, skipped_head = waiting.peek_request(), skipped.peek_request()
+            return waiting if head.sort_key() < skipped_head.sort_key() else skipped
+        return waiting or skipped
+
+    def _try_admit(
+        self, request: Request, queue: RequestQueue, step: Step, running: list[Request]
+    ) -> bool | None:
+        """Admit the head of `queue`. None: stop admitting this step (no room)."""
+        kv = self.kv_cache_manager
+        new_computed_blocks: list[KVCacheBlock] = []
+        num_local = num_external = 0
+        load_async = False
+        if request.num_computed_tokens == 0:
+            new_computed_blocks, num_local = kv.get_computed_blocks(request)
+            if self.connector is not None:
+                matched, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                if matched is None:  # the connector cannot tell yet
+                    queue.pop_request()
+                    step.skipped.append(request)
+                    return False
+                # At least one token is always computed here, for its logits.
+                num_external = max(0, min(matched, request.num_tokens - 1 - num_local))
+                load_async = load_async and num_external > 0
+        num_computed = request.num_computed_tokens + num_local + num_external
+        num_new_tokens = 0 if load_async else self._num_new_tokens(request, num_computed, step)
+        if num_new_tokens is None:
+            return None
+        new_blocks = kv.allocate_slots(
+            request,
+            num_new_tokens,
+            num_local,
+            new_computed_blocks,
+            num_lookahead_tokens=lookahead_tokens(self.speculator, request),
+            num_external_computed_tokens=num_external,
+            # KV that arrives from elsewhere is not cached until it has arrived intact.
+            delay_cache_blocks=num_external > 0,
+        )
+        if new_blocks is None:
+            return None
+        queue.pop_request()
+        self._note_admitted(request, num_local, num_external)
+        if load_async:
+            self.kv_transfers.start_async_load(request, num_local)
+            step.skipped.append(request)
+            return True
+        if num_external:
+            self.kv_transfers.note_sync_load(request)
+        _start_running(request, num_computed, num_new_tokens, step, running)
+        return True
+
+    def _note_admitted(self, request: Request, num_local: int, num_external: int) -> None:
+        if self.connector is not None:
+            blocks = self.kv_cache_manager.get_blocks(request.request_id)
+            self.connector.update_state_after_alloc(request, blocks, num_external)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_local + num_external
+        request.num_external_computed_tokens = num_external
+        self.queued_prompts.watch(request)  # its computed tokens move from here on
+
+    def _num_new_tokens(self, request: Request, num_computed: int, step: Step) -> int | None:
+        num_new_tokens = request.num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        if not self.config.enable_chunked_prefill and num_new_tokens > step.budget:
+            return None  # the prompt goes whole or not at all
+        return min(num_new_tokens, step.budget)
+
+
+def _start_running(
+    request: Request, num_computed: int, num_new_tokens: int, step: Step, running: list[Request]
+) -> None:
+    if request.status == _PREEMPTED:
+        step.scheduled_resumed.append(request)
+    else:
+        step.scheduled_new.append(request)
+    request.status = _RUNNING
+    if request.timing.first_scheduled is None:
+        request.timing.first_scheduled = time.time()
+    request.num_computed_tokens = num_computed
+    running.append(request)
+    step.num_scheduled[request.request_id] = num_new_tokens
+    step.budget -= num_new_tokens
