@@ -18,6 +18,7 @@ from engine.outputs import EngineCoreOutput
 from engine.request import SamplingParams
 from tests.model.flow_utils import idle, run, tokens
 from tests.model.orchestrator.shared import ENGINE_ARGS, SECRET, make_flow
+from tests.waiting import wait_until
 
 
 class IndexOf:
@@ -155,8 +156,12 @@ def test_a_loan_nobody_reads_is_released_and_an_engine_lends_nothing_it_lacks(se
             client.lend_prefix([])
         reply = client.lend_prefix(hashes)
         assert len(reply.block_ids) == 3 and reply.lease_id
+        # Held for the borrower, as the engine's stats say once it has stepped (they are as
+        # of its last step).
         stats = engine.stats()
-        assert stats["num_free_blocks"] == stats["num_blocks"] - 3  # held for the borrower
+        assert wait_until(
+            lambda: engine.stats()["num_free_blocks"] == stats["num_blocks"] - 3, 10
+        ), engine.stats()
         assert client.release(reply.lease_id)
         assert idle(engine)
         assert engine.engine.core.scheduler.kv_cache_manager.num_lent_blocks == 0
@@ -182,7 +187,10 @@ def test_a_loan_nobody_releases_expires_and_its_blocks_come_back(offline):
         reply = client.lend_prefix(prompt_block_hashes(prompt, 16))
         assert len(reply.block_ids) == 3  # the prompt's three full blocks
         assert core.scheduler.kv_cache_manager.num_lent_blocks == 3
-        assert idle(lender, timeout_s=10)  # expired, freed, not read by anyone
+        # Expired and freed, not read by anyone; then the stats (as of the engine's last step,
+        # so maybe still from before the loan) say so too.
+        assert wait_until(lambda: core.scheduler.kv_cache_manager.num_lent_blocks == 0, 10)
+        assert idle(lender, timeout_s=10)
         assert core.scheduler.kv_cache_manager.num_lent_blocks == 0
     finally:
         client.close()
