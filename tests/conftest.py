@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
+from pathlib import Path
 
 # The default model is built once per test session into a private cache, never into ~/.cache:
-# tests stay hermetic, and subprocesses (CLI tests) inherit the variable.
+# tests stay hermetic, and subprocesses (CLI tests) inherit the variable. One per checkout: the
+# CPU kernels' build files record their sources' path, so checkouts sharing a cache would each
+# rebuild the kernels (minutes) whenever another had built them.
+_CHECKOUT = hashlib.sha256(str(Path(__file__).resolve().parents[1]).encode()).hexdigest()[:8]
 os.environ.setdefault(
-    "PDSERVE_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"pdserve-test-cache-{os.getuid()}")
+    "PDSERVE_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"pdserve-test-cache-{os.getuid()}-{_CHECKOUT}"),
 )
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import threading
 import traceback
 from typing import Any
 
 from engine.request import SamplingParams
 
 _START_TIMEOUT_S = 120
+_HOLD_TIMEOUT_S = 60  # a held read goes on by itself after this (a test that failed)
 
 
 def _summary(output: Any) -> dict[str, Any]:
@@ -46,6 +48,7 @@ def _serve(conn: Any, model: str, engine_kwargs: dict[str, Any]) -> None:
 
     llm = LLM(model, **engine_kwargs)
     connector = llm.engine.connector
+    gate = threading.Event()  # held ReadBlocks streams go on once it is set
     conn.send(("ready", llm.engine.side_channel_port))
     while True:
         command, args = conn.recv()
@@ -62,12 +65,16 @@ def _serve(conn: Any, model: str, engine_kwargs: dict[str, Any]) -> None:
             elif command == "inject_failure":
                 llm.engine.inject_kv_load_failure(args[0])
                 reply = None
-            elif command == "slow_reads":
-                _slow_down_side_channel(connector, args[0])
+            elif command == "hold_reads":
+                _hold_side_channel_reads(connector, gate)
+                reply = None
+            elif command == "release_reads":
+                gate.set()
                 reply = None
             elif command == "abort_during_read":
                 reply = _abort_during_read(llm, *args)
             elif command == "close":
+                gate.set()  # no read stays held in a closing engine
                 llm.close()
                 conn.send(("ok", None))
                 return
@@ -78,19 +85,18 @@ def _serve(conn: Any, model: str, engine_kwargs: dict[str, Any]) -> None:
             conn.send(("error", traceback.format_exc()))
 
 
-def _slow_down_side_channel(connector: Any, seconds_per_block: float) -> None:
-    """Make this engine's ReadBlocks stream slow (to land an abort mid-read elsewhere)."""
-    import time
-
+def _hold_side_channel_reads(connector: Any, gate: threading.Event) -> None:
+    """This engine's ReadBlocks streams wait for `gate` ("release_reads") before each chunk:
+    an abort elsewhere lands while a read is in flight."""
     server = connector.worker.server
     original = server.block_chunks
 
-    def slow(block_ids: list[int]) -> Any:
+    def held(block_ids: list[int]) -> Any:
         for chunk in original(block_ids):
-            time.sleep(seconds_per_block)
+            gate.wait(_HOLD_TIMEOUT_S)
             yield chunk
 
-    server.block_chunks = slow
+    server.block_chunks = held
 
 
 def _abort_during_read(llm: Any, prompts: Any, params: Any, kv: Any) -> dict[str, Any]:

@@ -17,12 +17,12 @@ from deployments.replica.core_pinning import claim_cores, pin_process_threads, p
 pytestmark = pytest.mark.integration
 
 HOLDER = """
-import sys, time
+import sys
 from pathlib import Path
 from deployments.replica.core_pinning import claim_cores
 claim = claim_cores(int(sys.argv[2]), [0, 1, 2, 3], Path(sys.argv[1]))
 print(",".join(map(str, claim.cores)) if claim else "none", flush=True)
-time.sleep(600)
+sys.stdin.read()  # holds the claim until killed (or its stdin closes)
 """
 
 
@@ -30,6 +30,7 @@ def holder(lock_dir: Path, count: int) -> tuple[subprocess.Popen[str], str]:
     """Another process claiming `count` of the cores 0-3; it holds them until it dies."""
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(lock_dir), str(count)],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).resolve().parents[2],

@@ -194,10 +194,10 @@ def test_refused_peers_and_lease_expiry(transport, colocated):
 
 
 def test_decode_abort_during_a_read_frees_blocks_only_after_the_read_stopped(colocated):
-    # gRPC only: the stream can be slowed so that the abort lands mid-read.
+    # gRPC only: the stream can be held so that the abort lands mid-read.
     prefill, decode = engine("grpc"), engine("grpc")
     try:
-        prefill.call("slow_reads", 0.2)
+        prefill.call("hold_reads")
         prompts, params = PROMPTS[:2], [GREEDY, GREEDY]
         firsts = prefill.generate(
             prompts, [replace(p, max_tokens=1) for p in params], {"do_remote_decode": True}
@@ -206,6 +206,7 @@ def test_decode_abort_during_a_read_frees_blocks_only_after_the_read_stopped(col
         state = decode.call("abort_during_read", prompts, params, kv)
         assert state["aborted_while_reading"] == 2
         assert state["held_after_abort"] == 2  # the blocks wait for the reads to stop
+        prefill.call("release_reads")  # the held streams go on, find their calls cancelled
         assert_idle_and_clean(decode, prefill)
     finally:
         prefill.close()

@@ -13,6 +13,7 @@ The module's tests share one app and run in order; the last one kills a replica.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections import Counter
@@ -22,14 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import ray
 
-from deployments.app import AppConfig
 from deployments.cluster.kv_index import index_actor_name
-from deployments.launch import APP_NAME, ServeOptions, start, stop
+from deployments.launch import APP_NAME
 from engine.core.kv_cache_utils import prompt_block_hashes
 from engine.llm import LLM
 from engine.request import SamplingParams
 from pdserve.client import Completion, GenerationClient, generate_request
-from tests.integration.serve_utils import free_port, replica_actors, wait_until
+from tests.integration.serving import AppSettings, ServeCluster, replica_actors
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -45,38 +46,26 @@ LOAN = 16
 PARAMS = {"max_tokens": ANSWER_TOKENS, "temperature": 0.0, "ignore_eos": True}
 
 
+SETTINGS = AppSettings(
+    app={
+        "model": "tiny",
+        "engine_args": ENGINE_ARGS,
+        "prefill_replicas": 2,
+        "decode_replicas": 2,
+        # A CPU each: as many engines as the machine has cores pin to one of their own (in
+        # cores claimed by this session's Ray alone: tests/integration/conftest.py).
+        "num_cpus_per_engine": 1,
+        "transport": "nixl",
+        "max_local_prefill_tokens": LOCAL,
+        "min_prefix_loan_tokens": LOAN,
+    }
+)
+
+
 @pytest.fixture(scope="module")
-def client(tmp_path_factory) -> Iterator[GenerationClient]:
-    # Cores claimed by this app alone, whatever else runs pdserve on this machine (Ray's
-    # processes inherit the environment of the cluster this process starts).
-    lock_dir = tmp_path_factory.mktemp("cores")
-    previous = os.environ.get("PDSERVE_CORE_LOCK_DIR")
-    os.environ["PDSERVE_CORE_LOCK_DIR"] = str(lock_dir)
-    config = AppConfig.from_args(
-        {
-            "model": "tiny",
-            "engine_args": ENGINE_ARGS,
-            "prefill_replicas": 2,
-            "decode_replicas": 2,
-            # A CPU each: as many engines as the machine has cores pin to one of their own.
-            "num_cpus_per_engine": 1,
-            "transport": "nixl",
-            "max_local_prefill_tokens": LOCAL,
-            "min_prefix_loan_tokens": LOAN,
-        }
-    )
-    grpc_port = free_port()
-    start(config, ServeOptions(grpc_port=grpc_port, http_port=free_port(), num_cpus=16))
-    served = GenerationClient(f"127.0.0.1:{grpc_port}", APP_NAME)
-    try:
-        yield served
-    finally:
-        served.close()
-        stop()
-        if previous is None:
-            del os.environ["PDSERVE_CORE_LOCK_DIR"]
-        else:
-            os.environ["PDSERVE_CORE_LOCK_DIR"] = previous
+def client(serve_cluster: ServeCluster) -> Iterator[GenerationClient]:
+    with serve_cluster.serving(SETTINGS) as served:
+        yield served.client
 
 
 @pytest.fixture(scope="module")
@@ -143,11 +132,11 @@ def test_engine_replicas_compute_on_cores_of_their_own(client):
 
     # Ray titles a replica's process after its actor ("ray::ServeReplica:pdserve:...").
     titles = ("ray::ServeReplica:pdserve:PrefillServer", "ray::ServeReplica:pdserve:DecodeServer")
-    engines = [
-        p.pid
-        for p in psutil.process_iter(["cmdline"])
-        if p.info["cmdline"] and p.info["cmdline"][0].startswith(titles)
-    ]
+    engines = []
+    for process in psutil.Process().children(recursive=True):  # this session's Ray's only
+        with contextlib.suppress(psutil.Error):
+            if process.cmdline() and process.cmdline()[0].startswith(titles):
+                engines.append(process.pid)
     assert len(engines) == 4
     allowed = os.sched_getaffinity(0)
     pinned = []

@@ -1,32 +1,35 @@
 """Request migration on real local Ray Serve: decode replicas killed with SIGKILL mid-stream.
 One prefill, two decode and two router replicas; the offline engine in this process is the
 oracle. Also: Abort across router replicas, Health over every replica, admission bounds.
-(The case of a single decode replica, whose streams move to the prefill replica, is the last
-test of test_serve_app.py.)"""
+(The case of a single decode replica, whose streams move to the prefill replica, is in
+serve_app/test_replica_kills.py.)"""
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
 
-from deployments.app import AppConfig
-from deployments.launch import APP_NAME, ServeOptions, start, stop
 from engine.llm import LLM
 from engine.request import SamplingParams
 from pdserve.client import GenerationClient, generate_request
 from protos.pdserve.v1 import generate_pb2 as pb
-from tests.integration.serve_utils import free_port, replica_actors, sigkill_replica, wait_until
+from tests.integration.serving import (
+    AppSettings,
+    ServeCluster,
+    ServedApp,
+    ongoing_requests,
+    replica_actors,
+    sigkill_replica,
+)
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
-JSON = {"Content-Type": "application/json"}
 
 ENGINE_ARGS = {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20}
 MAX_TOKENS = 180
@@ -38,51 +41,30 @@ TIGHT_LIMITS = {
     "max_queued_requests": 1,
     "retry_after_s": 3.0,
 }
-
-
-@dataclass
-class Served:
-    client: GenerationClient
-    target: str
-    http_port: int
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    config = AppConfig.from_args(
-        {
-            "model": "tiny",
-            "engine_args": ENGINE_ARGS,
-            "decode_replicas": 2,
-            "router_replicas": 2,
-            "num_cpus_per_engine": 0.5,
-            "transport": "nixl",
-            "lease_seconds": 20,
-        }
-    )
-    grpc_port, http_port = free_port(), free_port()
+SETTINGS = AppSettings(
+    app={
+        "model": "tiny",
+        "engine_args": ENGINE_ARGS,
+        "decode_replicas": 2,
+        "router_replicas": 2,
+        "num_cpus_per_engine": 0.5,
+        "transport": "nixl",
+        "lease_seconds": 20,
+    },
     # "tight": one colocated engine taking one request at a time, one more waiting at each
     # caller: the admission bounds are reached with a handful of requests.
-    start(
-        config,
-        ServeOptions(
-            grpc_port=grpc_port,
-            http_port=http_port,
-            num_cpus=8,
-            extra_apps={TIGHT: {"colocated": True, **TIGHT_LIMITS}},
-        ),
-    )
-    target = f"127.0.0.1:{grpc_port}"
-    app = Served(GenerationClient(target, APP_NAME), target, http_port)
-    try:
-        yield app
-    finally:
-        app.client.close()
-        stop()
+    extra_apps={TIGHT: {"colocated": True, **TIGHT_LIMITS}},
+)
 
 
 @pytest.fixture(scope="module")
-def client(served: Served) -> GenerationClient:
+def served(serve_cluster: ServeCluster) -> Iterator[ServedApp]:
+    with serve_cluster.serving(SETTINGS) as app:
+        yield app
+
+
+@pytest.fixture(scope="module")
+def client(served: ServedApp) -> GenerationClient:
     return served.client
 
 
@@ -120,16 +102,6 @@ def decode_engines(health: pb.HealthResponse) -> list[pb.EngineStats]:
     return [e for e in health.engines if e.role == "decode"]
 
 
-def idle(client: GenerationClient) -> bool:
-    health = client.health()
-    return health.status == "SERVING" and all(
-        e.state == "running"
-        and e.num_free_blocks == e.num_blocks
-        and e.num_running + e.num_waiting + e.num_held_requests == 0
-        for e in health.engines
-    )
-
-
 def actor_name(replica_id: str) -> str:
     (name,) = [n for n in replica_actors("DecodeServer") if n.endswith(f"#{replica_id}")]
     return name
@@ -144,7 +116,7 @@ def test_health_reports_every_replica(client: GenerationClient) -> None:
     assert len({e.replica_id for e in health.engines}) == 3
 
 
-def test_abort_finds_the_request_on_whichever_router_replica_holds_it(client) -> None:
+def test_abort_finds_the_request_on_whichever_router_replica_holds_it(served, client) -> None:
     """Serve's proxy sends each call to either router replica: every Abort finds its stream
     (about half of them on the other replica), and each stream ends with "abort"."""
     calls = []
@@ -160,10 +132,10 @@ def test_abort_finds_the_request_on_whichever_router_replica_holds_it(client) ->
         rest = list(call)
         assert rest[-1].finish_reason == "abort"
     assert not client.abort("abort-0")  # ended: nobody holds it
-    assert wait_until(lambda: idle(client), 60), client.health()
+    assert wait_until(served.engines_idle, 60), client.health()
 
 
-def test_sigkill_of_a_decode_replica_loses_no_stream(client, offline) -> None:
+def test_sigkill_of_a_decode_replica_loses_no_stream(served, client, offline) -> None:
     texts = prompts(6, "a")
     streams = start_streams(client, texts)
     busiest = max(decode_engines(client.health()), key=lambda e: e.num_running)
@@ -171,10 +143,12 @@ def test_sigkill_of_a_decode_replica_loses_no_stream(client, offline) -> None:
     sigkill_replica(actor_name(busiest.replica_id))
     assert finish(streams) == expected(offline, texts)
     # Serve replaces the dead replica; then nothing is held on any engine.
-    assert wait_until(lambda: idle(client), 180), client.health()
+    assert wait_until(served.engines_idle, 180), client.health()
 
 
-def test_with_no_decode_replica_left_the_prefill_replica_takes_over(client, offline) -> None:
+def test_with_no_decode_replica_left_the_prefill_replica_takes_over(
+    served, client, offline
+) -> None:
     texts = prompts(4, "b")
     streams = start_streams(client, texts)
     for engine in decode_engines(client.health()):
@@ -186,10 +160,10 @@ def test_with_no_decode_replica_left_the_prefill_replica_takes_over(client, offl
         "A late request", max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
     )
     assert client.complete(request, timeout=180).token_ids == late
-    assert wait_until(lambda: idle(client), 180), client.health()
+    assert wait_until(served.engines_idle, 180), client.health()
 
 
-def test_over_the_admission_bounds_requests_are_refused_at_once(served: Served) -> None:
+def test_over_the_admission_bounds_requests_are_refused_at_once(served: ServedApp) -> None:
     """Eight streams at once on the tight app: those past the bounds (the engine's queue at
     the Router, the Router's at the proxy) end at once with RESOURCE_EXHAUSTED, the Router's
     refusals with a retry-after; the rest complete. HTTP gets 429 with Retry-After in
@@ -221,8 +195,11 @@ def test_over_the_admission_bounds_requests_are_refused_at_once(served: Served) 
     running = tight.stream(request, timeout=120)
     next(running)
     waiting = tight.stream(request, timeout=120)
-    time.sleep(0.5)
-    status, headers, body = post(served.http_port, f"/{TIGHT}/v1/completions")
+    (router,) = replica_actors("Router", TIGHT)
+    assert wait_until(lambda: ongoing_requests(router) == 2, 30)  # both at the Router
+    body = {"model": "tiny", "prompt": "Count", "max_tokens": 100, "ignore_eos": True}
+    status, headers, text = served.request(f"/{TIGHT}/v1/completions", body)
+    body = json.loads(text)
     assert status == 429 and headers.get("retry-after") == "3", (status, body)
     assert body["error"]["type"] == "rate_limit_error" and "capacity" in body["error"]["message"]
     assert len([t for c in waiting for t in c.token_ids]) == 200
@@ -230,14 +207,3 @@ def test_over_the_admission_bounds_requests_are_refused_at_once(served: Served) 
     after = tight.complete(generate_request("Count", max_tokens=4, temperature=0.0))
     assert len(after.token_ids) == 4
     tight.close()
-
-
-def post(port: int, path: str) -> tuple[int, dict[str, str], Any]:
-    body = {"model": "tiny", "prompt": "Count", "max_tokens": 100, "ignore_eos": True}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", path, json.dumps(body), JSON)
-    response = conn.getresponse()
-    data = response.read().decode()
-    conn.close()
-    headers = {k.lower(): v for k, v in response.getheaders()}
-    return response.status, headers, json.loads(data)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import ssl
-import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,14 +17,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deployments.app import AppConfig
-from deployments.launch import APP_NAME, ServeOptions, start, stop
 from pdserve.client import GenerationClient, generate_request
 from pdserve.trace_sink import SpanSink, start_sink
-from tests.integration.serve_utils import free_port, wait_until
+from tests.integration.serving import AppSettings, ProxyTLS, ServeCluster, ServedApp
 from tests.tls_certs import CertificateAuthority
+from tests.waiting import wait_until
 
-pytestmark = pytest.mark.integration
+# Its own Ray, started for TLS at the proxies: after every other Serve test (conftest.py).
+pytestmark = [pytest.mark.integration, pytest.mark.proxy_tls]
 
 KEYS = ["key-one-7f3a9c", "key-two-b81d2e"]
 WRONG_KEY = "key-wrong-55e0aa"
@@ -36,21 +36,21 @@ PARAMS = {"max_tokens": 8, "temperature": 0.0}
 class Secured:
     sink: SpanSink
     ca: str
-    grpc_port: int
-    grpc_tls_port: int
-    https: str
+    served: ServedApp
 
 
 @pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
+def secured(
+    tmp_path_factory: pytest.TempPathFactory, serve_cluster: ServeCluster
+) -> Iterator[Secured]:
     directory = tmp_path_factory.mktemp("pki")
     ca = CertificateAuthority(directory, "pdserve")
     proxy = ca.issue("proxy", ("localhost",))
     engine = ca.issue("engine", ("pdserve-engine",))
     sink = SpanSink()
     otlp, otlp_port = start_sink(sink)
-    config = AppConfig.from_args(
-        {
+    settings = AppSettings(
+        app={
             "model": "tiny",
             "engine_args": {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20},
             "num_cpus_per_engine": 0.5,
@@ -58,34 +58,24 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
             "api_key": KEYS,
             "side_channel_tls": asdict(engine),
             "otlp_endpoint": f"http://127.0.0.1:{otlp_port}",
-        }
+        },
+        tls=ProxyTLS(keyfile=str(proxy.keyfile), certfile=str(proxy.certfile)),
     )
-    grpc_port, http_port, tls_port = free_port(), free_port(), free_port()
-    options = ServeOptions(
-        grpc_port=grpc_port,
-        http_port=http_port,
-        num_cpus=6,
-        ssl_keyfile=proxy.keyfile,
-        ssl_certfile=proxy.certfile,
-        grpc_tls_port=tls_port,
-    )
-    start(config, options)
     try:
-        yield Secured(
-            sink, ca.certfile.as_posix(), grpc_port, tls_port, f"https://localhost:{http_port}"
-        )
+        with serve_cluster.serving(settings) as served:
+            yield Secured(sink, ca.certfile.as_posix(), served)
     finally:
-        stop()
         otlp.stop(0)
 
 
-def _grpc(port: int, key: str = "", roots: bytes | None = None) -> GenerationClient:
-    return GenerationClient(f"localhost:{port}", APP_NAME, key, roots)
+def _grpc(secured: Secured, key: str = "", roots: bytes | None = None) -> GenerationClient:
+    """A client of the plain gRPC port, or of the TLS port trusting `roots`."""
+    return secured.served.grpc(api_key=key, roots=roots)
 
 
 def test_grpc_needs_a_valid_key(secured: Secured) -> None:
     for key in ("", WRONG_KEY):
-        with _grpc(secured.grpc_port, key) as client:
+        with _grpc(secured, key) as client:
             with pytest.raises(grpc.RpcError) as refused:
                 client.complete(generate_request(PROMPT, **PARAMS), timeout=60)
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -95,7 +85,7 @@ def test_grpc_needs_a_valid_key(secured: Secured) -> None:
                 client.abort("anything")
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert client.health().status  # probes need no key
-    with _grpc(secured.grpc_port, KEYS[1]) as client:
+    with _grpc(secured, KEYS[1]) as client:
         completion = client.complete(generate_request(PROMPT, **PARAMS), timeout=120)
     assert len(completion.token_ids) == PARAMS["max_tokens"]
     assert completion.route == "disaggregated"
@@ -112,31 +102,38 @@ def test_grpc_needs_a_valid_key(secured: Secured) -> None:
 def test_grpc_over_tls_gives_the_same_tokens(secured: Secured) -> None:
     roots = Path(secured.ca).read_bytes()
     with (
-        _grpc(secured.grpc_port, KEYS[0]) as plain,
-        _grpc(secured.grpc_tls_port, KEYS[0], roots) as tls,
+        _grpc(secured, KEYS[0]) as plain,
+        _grpc(secured, KEYS[0], roots) as tls,
     ):
         expected = plain.complete(generate_request(PROMPT, **PARAMS), timeout=120)
         got = tls.complete(generate_request(PROMPT, **PARAMS), timeout=120)
         assert got.token_ids == expected.token_ids
-        with _grpc(secured.grpc_tls_port, WRONG_KEY, roots) as wrong:
+        with _grpc(secured, WRONG_KEY, roots) as wrong:
             with pytest.raises(grpc.RpcError) as refused:
                 wrong.complete(generate_request(PROMPT, **PARAMS), timeout=60)
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with _grpc(secured.grpc_tls_port, KEYS[0], b"") as untrusted:  # system roots: not our CA
+    with _grpc(secured, KEYS[0], b"") as untrusted:  # system roots: not our CA
         with pytest.raises(grpc.RpcError) as refused:
             untrusted.health(timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def _https(
-    secured: Secured, path: str, body: dict | None = None, key: str = "", ours: bool = True
+    secured: Secured,
+    path: str,
+    body: dict | None = None,
+    key: str = "",
+    ours: bool = True,
+    request_id: str = "",
 ) -> tuple[int, str]:
     """(status, body) of a call to the HTTPS endpoint, trusting our CA (or the system's)."""
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
+    if request_id:
+        headers["X-Request-Id"] = request_id
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(secured.https + path, data=data, headers=headers)
+    request = urllib.request.Request(secured.served.http_url + path, data=data, headers=headers)
     context = ssl.create_default_context(cafile=secured.ca if ours else None)
     try:
         with urllib.request.urlopen(request, timeout=120, context=context) as response:
@@ -162,12 +159,12 @@ def test_https_needs_a_valid_key(secured: Secured) -> None:
 
 def test_keys_are_in_no_log_and_no_span(secured: Secured) -> None:
     # Each key, and a wrong one, over both APIs (whatever ran before in this module).
-    with _grpc(secured.grpc_port, WRONG_KEY) as client, pytest.raises(grpc.RpcError):
+    with _grpc(secured, WRONG_KEY) as client, pytest.raises(grpc.RpcError):
         client.complete(generate_request(PROMPT, **PARAMS), timeout=60)
     body = {"model": "tiny", "prompt": PROMPT, **PARAMS}
     assert _https(secured, "/v1/completions", body, WRONG_KEY)[0] == 401
     for key in KEYS:
-        with _grpc(secured.grpc_port, key) as client:
+        with _grpc(secured, key) as client:
             client.complete(generate_request(PROMPT, **PARAMS), timeout=120)
         assert _https(secured, "/v1/completions", body, key)[0] == 200
 
@@ -177,12 +174,13 @@ def test_keys_are_in_no_log_and_no_span(secured: Secured) -> None:
         )
 
     assert wait_until(refusals_exported, timeout_s=30)
-    time.sleep(2)  # the last batch of spans and log lines
+    # One more request, the last: once its lines are in the logs and its spans exported, so
+    # are those of every request before it.
+    last = f"last-{uuid.uuid4().hex}"
+    assert _https(secured, "/v1/completions", body, KEYS[0], request_id=last)[0] == 200
+    assert wait_until(lambda: _logged_and_exported(secured, last), timeout_s=30)
     spans = repr(secured.sink.find(lambda s: True))
-    import ray
-
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
-    files = [path for path in logs.rglob("*") if path.is_file()]
+    files = [path for path in _ray_logs().rglob("*") if path.is_file()]
     assert files
     texts = [path.read_bytes() for path in files]
     for key in (*KEYS, WRONG_KEY):
@@ -190,3 +188,25 @@ def test_keys_are_in_no_log_and_no_span(secured: Secured) -> None:
         assert not [
             path.name for path, text in zip(files, texts, strict=True) if key.encode() in text
         ]
+
+
+def _ray_logs() -> Path:
+    import ray
+
+    return Path(ray._private.worker._global_node.get_logs_dir_path())
+
+
+def _logged_and_exported(secured: Secured, request_id: str) -> bool:
+    """The request's access lines are in the logs of Serve's proxy and of the Router replica,
+    and its spans, the Router's and the decode engine's, are exported."""
+    serve = _ray_logs() / "serve"
+    for pattern in ("proxy_*.log", "replica_pdserve_Router_*.log"):
+        if not any(request_id in path.read_text(errors="replace") for path in serve.glob(pattern)):
+            return False
+    routers = secured.sink.find(
+        lambda s: (
+            s["name"] == "router.request"
+            and request_id in str(s["attributes"].get("pdserve.request_id", ""))
+        )
+    )
+    return bool(routers) and "decode" in secured.sink.trace(routers[0]["trace_id"])

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,13 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.serve_utils import free_port, wait_until
+from deployments.launch import free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Lines:
@@ -84,24 +87,50 @@ CAPITAL_SCHEMA = {
 }
 
 
+@dataclass(frozen=True)
+class Ports:
+    grpc: int
+    http: int
+    dashboard: int
+    metrics: int
+
+
 def test_pdserve_serve_then_clients_dashboard_metrics_then_sigterm() -> None:
     """What an operator does: serve, call it, ask Serve's own CLI for its status, scrape its
     Prometheus metrics, then stop it with SIGTERM (what Kubernetes and systemd send): it shuts
     down as Ctrl-C does, leaving no Ray process behind."""
-    grpc_port, http_port, dashboard_port, metrics_port = (free_port() for _ in range(4))
+    ports = Ports(free_port(), free_port(), free_port(), free_port())
+    proc = _start_pdserve_serve(ports)
+    lines = _Lines(proc)
+    ray_processes: list[psutil.Process] = []
+    try:
+        lines.wait_for("press Ctrl-C", 300)
+        _check_what_it_printed("".join(lines.seen), ports)
+        ray_processes = psutil.Process(proc.pid).children(recursive=True)
+        _check_grpc_client(ports.grpc)
+        _check_openai_sdk(ports.http)
+        _check_serve_status(ports.dashboard)
+        _check_metrics_scrape(ports.http, ports.metrics)
+    finally:
+        _sigterm(proc)
+    _check_clean_shutdown(proc, lines, ray_processes)
+
+
+def _start_pdserve_serve(ports: Ports) -> subprocess.Popen[str]:
+    """`pdserve serve` on its default model (SmolLM2), the colocated app beside it."""
     engine_args = json.dumps({"max_model_len": 256, "kv_cache_memory_bytes": 32 << 20})
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [
             *PDSERVE,
             "serve",
             "--grpc-port",
-            str(grpc_port),
+            str(ports.grpc),
             "--http-port",
-            str(http_port),
+            str(ports.http),
             "--dashboard-port",
-            str(dashboard_port),
+            str(ports.dashboard),
             "--metrics-export-port",
-            str(metrics_port),
+            str(ports.metrics),
             "--num-cpus",
             "4",
             "--num-cpus-per-engine",
@@ -117,30 +146,29 @@ def test_pdserve_serve_then_clients_dashboard_metrics_then_sigterm() -> None:
         env={**os.environ, "RAY_DEDUP_LOGS": "0", "RAY_metrics_report_interval_ms": "1000"},
         start_new_session=True,
     )
-    lines = _Lines(proc)
-    ray_processes: list[psutil.Process] = []
+
+
+def _check_what_it_printed(printed: str, ports: Ports) -> None:
+    assert f"gRPC on 127.0.0.1:{ports.grpc}" in printed
+    assert "serving model 'smollm2'" in printed, printed
+    assert (
+        f"RAY_AUTH_MODE=token serve status --address http://127.0.0.1:{ports.dashboard}" in printed
+    ), printed
+    assert f"Prometheus metrics on http://127.0.0.1:{ports.metrics}/metrics" in printed
+
+
+def _sigterm(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGTERM)
     try:
-        lines.wait_for("press Ctrl-C", 300)
-        printed = "".join(lines.seen)
-        assert f"gRPC on 127.0.0.1:{grpc_port}" in printed
-        assert "serving model 'smollm2'" in printed, printed
-        assert (
-            f"RAY_AUTH_MODE=token serve status --address http://127.0.0.1:{dashboard_port}"
-            in printed
-        ), printed
-        assert f"Prometheus metrics on http://127.0.0.1:{metrics_port}/metrics" in printed
-        ray_processes = psutil.Process(proc.pid).children(recursive=True)
-        _check_grpc_client(grpc_port)
-        _check_openai_sdk(http_port)
-        _check_serve_status(dashboard_port)
-        _check_metrics_scrape(http_port, metrics_port)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def _check_clean_shutdown(
+    proc: subprocess.Popen[str], lines: _Lines, ray_processes: list[psutil.Process]
+) -> None:
     output = lines.rest(30)
     assert proc.returncode == 0, output
     assert "shutting down" in output
@@ -159,7 +187,12 @@ def _check_serve_status(dashboard_port: int) -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "RAY_AUTH_MODE": "token"},  # as pdserve serve prints it
+        env={
+            **os.environ,
+            "RAY_AUTH_MODE": "token",  # as pdserve serve prints it
+            # It imports the app's request routers: this checkout's, whatever is installed.
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        },
     )
     assert status.returncode == 0, status.stderr
     apps = yaml.safe_load(status.stdout)["applications"]

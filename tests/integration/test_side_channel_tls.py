@@ -14,7 +14,7 @@ import pytest
 from connector.side_channel import SideChannelServer
 from connector.side_channel_client import SideChannelClient, SideChannelError
 from engine.config import KVTransferConfig, SideChannelTLS
-from tests.integration.test_side_channel import COMPAT_HASH, ENGINE_ID, SECRET, block, make_cache
+from tests.integration.side_channel.shared import COMPAT_HASH, ENGINE_ID, SECRET, block, make_cache
 from tests.tls_certs import CertificateAuthority
 
 NAME = "pdserve-engine"

@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from deployments.app import AppConfig
-from deployments.launch import APP_NAME, ServeOptions, start, stop
+from deployments.launch import APP_NAME
 from pdserve.client import GenerationClient, generate_request
-from tests.integration.serve_utils import free_port, wait_until
+from tests.integration.serving import AppSettings, ServeCluster
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -27,29 +27,23 @@ SLA = {
 }
 
 
+SETTINGS = AppSettings(
+    app={
+        "model": "tiny",
+        "engine_args": {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20},
+        "num_cpus_per_engine": 0.5,
+        "transport": "nixl",
+        "sla_autoscaling": SLA,
+    }
+)
+
+
 @pytest.fixture(scope="module")
-def client() -> Iterator[GenerationClient]:
-    # Replicas push their autoscaling metrics every second instead of every ten.
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
-        env.setenv("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
-        config = AppConfig.from_args(
-            {
-                "model": "tiny",
-                "engine_args": {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20},
-                "num_cpus_per_engine": 0.5,
-                "transport": "nixl",
-                "sla_autoscaling": SLA,
-            }
-        )
-        grpc_port = free_port()
-        start(config, ServeOptions(grpc_port=grpc_port, http_port=free_port(), num_cpus=8))
-        served = GenerationClient(f"127.0.0.1:{grpc_port}", APP_NAME)
-        try:
-            yield served
-        finally:
-            served.close()
-            stop()
+def client(serve_cluster: ServeCluster) -> Iterator[GenerationClient]:
+    # The harness's Ray has replicas push their autoscaling metrics every second instead of
+    # every ten (tests/integration/conftest.py).
+    with serve_cluster.serving(SETTINGS) as served:
+        yield served.client
 
 
 def decode_replicas() -> int:

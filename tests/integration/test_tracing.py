@@ -4,20 +4,20 @@ Prometheus endpoint serves the metrics."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
 
-from deployments.app import AppConfig
-from deployments.launch import APP_NAME, ServeOptions, start, stop
+from deployments.launch import APP_NAME
 from pdserve.client import GenerationClient, generate_request
 from pdserve.trace_sink import STATUS_ERROR, SpanSink, start_sink
-from tests.integration.serve_utils import free_port, wait_until
+from tests.integration.serving import AppSettings, ServeCluster, ServedApp, replica_actors
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -34,19 +34,22 @@ CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 
 
+@dataclass
 class Served:
-    def __init__(self, receiver: SpanSink, grpc_port: int, http_port: int) -> None:
-        self.receiver = receiver
-        self.client = GenerationClient(f"127.0.0.1:{grpc_port}", APP_NAME)
-        self.http_port = http_port
+    receiver: SpanSink
+    app: ServedApp
+
+    @property
+    def client(self) -> GenerationClient:
+        return self.app.client
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
+def served(serve_cluster: ServeCluster) -> Iterator[Served]:
     receiver = SpanSink()
     server, otlp_port = start_sink(receiver)
-    config = AppConfig.from_args(
-        {
+    settings = AppSettings(
+        app={
             "model": "tiny",
             "engine_args": ENGINE_ARGS,
             "num_cpus_per_engine": 0.5,
@@ -54,12 +57,10 @@ def served() -> Iterator[Served]:
             "otlp_endpoint": f"http://127.0.0.1:{otlp_port}",
         }
     )
-    grpc_port, http_port = free_port(), free_port()
-    start(config, ServeOptions(grpc_port=grpc_port, http_port=http_port, num_cpus=6))
     try:
-        yield Served(receiver, grpc_port, http_port)
+        with serve_cluster.serving(settings) as app:
+            yield Served(receiver, app)
     finally:
-        stop()
         server.stop(0)
 
 
@@ -143,7 +144,7 @@ def test_a_prompt_the_decode_replica_holds_skips_the_prefill_leg_in_the_trace(
 
 def test_http_traceparent_header_is_honoured(served: Served) -> None:
     trace_id, parent = "5bf92f3577b34da6a3ce929d0e0e4737", "10f067aa0ba902b8"
-    conn = http.client.HTTPConnection("127.0.0.1", served.http_port, timeout=60)
+    conn = served.app.connection(timeout=60)
     body = json.dumps({"prompt": long_prompt("http"), "max_tokens": 4, "temperature": 0})
     headers = {"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{parent}-01"}
     conn.request("POST", "/v1/completions", body, headers)
@@ -230,12 +231,15 @@ def test_prometheus_endpoint_exports_the_metrics(served: Served) -> None:
         "ray_pdserve_waiting_requests",
     ]
     values: dict[str, float] = {}
+    # This app's replicas' samples only: an app an earlier module ran on this Ray exported
+    # the same metrics.
+    ours = tuple(f'replica="{name.rsplit("#", 1)[1]}"' for name in app_replicas())
 
     def scrape() -> bool:
         body = urllib.request.urlopen(url, timeout=10).read().decode()
         values.clear()
         for line in body.splitlines():
-            if line.startswith("ray_pdserve_"):
+            if line.startswith("ray_pdserve_") and any(tag in line for tag in ours):
                 name, _, value = line.rpartition(" ")
                 metric = name.split("{", 1)[0]
                 values[metric] = max(values.get(metric, 0.0), float(value))
@@ -245,3 +249,11 @@ def test_prometheus_endpoint_exports_the_metrics(served: Served) -> None:
     for name in wanted:
         if name.endswith(("_total", "_bucket")):
             assert values[name] > 0, name
+
+
+def app_replicas() -> list[str]:
+    return [
+        name
+        for deployment in ("Router", "PrefillServer", "DecodeServer")
+        for name in replica_actors(deployment)
+    ]

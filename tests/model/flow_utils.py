@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from deployments.protocol import GenerateInput, ResponseChunk
 from deployments.replica.engine_server import EngineServer
 from deployments.router.orchestrator import Orchestrator
 from engine.request import SamplingParams
+from tests.waiting import wait_until
 
 
 def run(flow: Orchestrator, prompt: Any, **params: Any) -> list[ResponseChunk]:
@@ -31,10 +31,9 @@ def tokens(chunks: list[ResponseChunk]) -> list[int]:
 
 def idle(server: EngineServer, timeout_s: float = 10.0) -> bool:
     """Every KV block free and no request held for a reader, within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def now_idle() -> bool:
         stats = server.stats()
-        if stats["num_free_blocks"] == stats["num_blocks"] and not stats["num_held_requests"]:
-            return True
-        time.sleep(0.05)
-    return False
+        return stats["num_free_blocks"] == stats["num_blocks"] and not stats["num_held_requests"]
+
+    return wait_until(now_idle, timeout_s)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 
 import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.llm import LLM
 from engine.request import SamplingParams
+from tests.model.step_gate import StepGate
+from tests.waiting import wait_until, wait_until_async
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -31,6 +33,17 @@ def free_blocks(engine) -> int:
     return engine.core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
+def ahead(engine, request_id: str, tokens: int, by: int = 2):
+    """A condition: the engine has made `by` tokens of the request past `tokens` (or ended
+    it). A consumer that waits for it before reading on is behind the engine."""
+
+    def check() -> bool:
+        request = engine.core.scheduler.requests.get(request_id)
+        return request is None or request.num_output_tokens >= tokens + by
+
+    return check
+
+
 def test_streams_token_by_token_and_matches_hf(engine, hf_refs):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     outs = asyncio.run(collect(engine, prompt))
@@ -47,8 +60,9 @@ def test_each_streamed_output_is_a_snapshot_even_for_a_slow_consumer(engine, hf_
 
     async def slow():
         seen = []
-        async for out in engine.generate(prompt, GREEDY):
-            await asyncio.sleep(0.02)  # several engine steps happen meanwhile
+        async for out in engine.generate(prompt, GREEDY, request_id="slow-snapshots"):
+            # The engine makes more tokens before this consumer reads on.
+            assert await wait_until_async(ahead(engine, "slow-snapshots", len(seen) + 1), 10)
             completion = out.outputs[0]
             seen.append((list(completion.new_token_ids), list(completion.token_ids)))
         return seen
@@ -64,9 +78,11 @@ def test_coalesce_batches_the_steps_a_slow_consumer_missed(engine, hf_refs):
 
     async def slow():
         seen = []
-        async for out in engine.generate(prompt, GREEDY, coalesce=True):
-            await asyncio.sleep(0.05)  # the engine makes several tokens meanwhile
+        async for out in engine.generate(prompt, GREEDY, coalesce=True, request_id="coalesced"):
             seen.append((list(out.outputs[0].new_token_ids), out.finished))
+            # The engine makes several tokens before this consumer reads on.
+            made = sum(len(new) for new, _ in seen)
+            assert await wait_until_async(ahead(engine, "coalesced", made, by=3), 10)
         return seen
 
     seen = asyncio.run(slow())
@@ -96,10 +112,17 @@ def test_consumer_that_stops_early_aborts_and_frees_blocks(engine):
             seen += 1
             if seen == 3:
                 break
-        await asyncio.sleep(0.3)  # the engine thread applies the abort
         return seen
 
     assert asyncio.run(take_three()) == 3
+    # The engine thread applies the abort.
+    wait_until(
+        lambda: (
+            engine.core.scheduler.get_num_unfinished_requests() == 0
+            and free_blocks(engine) == before
+        ),
+        10,
+    )
     assert engine.core.scheduler.get_num_unfinished_requests() == 0
     assert free_blocks(engine) == before
 
@@ -229,9 +252,7 @@ def test_stop_string_is_matched_by_the_caller_and_ends_the_engine_request():
         assert last.finish_reason == "stop" and last.stop_reason == stop
         assert last.text == expected.text and last.token_ids == expected.token_ids
         assert len(last.token_ids) < 40
-        deadline = time.monotonic() + 10
-        while engine.stats.num_free_blocks != 63 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: engine.stats.num_free_blocks == 63, 10)
         stats = engine.stats
         assert stats.num_free_blocks == 63 and stats.num_running == stats.num_waiting == 0
     finally:
@@ -241,7 +262,6 @@ def test_stop_string_is_matched_by_the_caller_and_ends_the_engine_request():
 def test_calls_on_the_loop_run_between_steps_and_fail_once_the_loop_is_gone(hf_refs):
     """run_on_loop: a call runs on the engine thread and returns its value (or raises its
     error); one a caller cancelled before it ran never runs; after shutdown nothing waits."""
-    import threading
     from concurrent.futures import CancelledError
 
     from engine.async_engine import EngineDeadError
@@ -265,10 +285,10 @@ def test_calls_on_the_loop_run_between_steps_and_fail_once_the_loop_is_gone(hf_r
         engine.run_on_loop(lambda: 3).result(timeout=1)
 
 
-def bounded_slow_engine(hf_refs, monkeypatch, **kwargs):
-    """An engine bounded at 80 queued prompt tokens whose steps take at least 20 ms and cover
-    8 tokens: a 40-token prompt waits five steps, long enough for others to queue behind."""
-    eng = AsyncEngine(
+def bounded_engine(hf_refs, **kwargs):
+    """An engine bounded at 80 queued prompt tokens whose steps cover 8 tokens: a 40-token
+    prompt takes five steps (held by the test's StepGate, the others queue behind it)."""
+    return AsyncEngine(
         hf_refs["llama_gqa"].path,
         max_model_len=96,
         block_size=4,
@@ -277,14 +297,6 @@ def bounded_slow_engine(hf_refs, monkeypatch, **kwargs):
         max_queued_prompt_tokens=80,
         **kwargs,
     )
-    step = eng.core.runner.execute_model
-
-    def slow_step(scheduler_output):
-        time.sleep(0.02)
-        return step(scheduler_output)
-
-    monkeypatch.setattr(eng.core.runner, "execute_model", slow_step)
-    return eng
 
 
 def test_a_full_engine_refuses_new_prompts_at_once_and_serves_the_rest(hf_refs, monkeypatch):
@@ -292,15 +304,21 @@ def test_a_full_engine_refuses_new_prompts_at_once_and_serves_the_rest(hf_refs, 
     what was admitted completes, and once the queue drains prompts are admitted again."""
     from engine.core.admission import QueueFull
 
-    eng = bounded_slow_engine(hf_refs, monkeypatch)
+    eng = bounded_engine(hf_refs)
+    gate = StepGate(eng.core, monkeypatch)
     prompts = [[7 + i] * 40 for i in range(3)]
 
     async def go():
-        admitted = [asyncio.create_task(collect(eng, p)) for p in prompts[:2]]
-        await asyncio.sleep(0)
+        first = asyncio.create_task(collect(eng, prompts[0]))
+        assert await asyncio.to_thread(gate.held.wait, 10)  # its first step, held
+        second = asyncio.create_task(collect(eng, prompts[1]))
+        third = asyncio.create_task(collect(eng, prompts[2]))
+        # The tasks queue their requests when they first run, in order; then the held step
+        # ends and the engine takes both: 32 + 40 tokens waiting, and 40 more is too many.
+        asyncio.get_running_loop().call_soon(gate.open)
         with pytest.raises(QueueFull, match="retry later"):
-            await collect(eng, prompts[2])
-        done = await asyncio.gather(*admitted)
+            await third
+        done = await asyncio.gather(first, second)
         return done, await collect(eng, prompts[2])
 
     try:
@@ -309,6 +327,7 @@ def test_a_full_engine_refuses_new_prompts_at_once_and_serves_the_rest(hf_refs, 
         assert len(later[-1].outputs[0].token_ids) == 12
         assert not eng.core.scheduler.requests
     finally:
+        gate.open()
         eng.shutdown()
 
 
@@ -317,21 +336,25 @@ def test_a_higher_priority_prompt_displaces_a_waiting_lower_one(hf_refs, monkeyp
     still waiting: that caller hears QueueFull (as if refused at admission); the rest run."""
     from engine.core.admission import QueueFull
 
-    eng = bounded_slow_engine(hf_refs, monkeypatch, scheduling_policy="priority")
+    eng = bounded_engine(hf_refs, scheduling_policy="priority")
+    gate = StepGate(eng.core, monkeypatch)
 
     async def go():
         first = asyncio.create_task(collect(eng, [7] * 40, priority=5))
-        await asyncio.sleep(0.05)  # running: never displaced
+        assert await asyncio.to_thread(gate.held.wait, 10)  # running: never displaced
         low = asyncio.create_task(collect(eng, [8] * 40, priority=5))
-        await asyncio.sleep(0)
-        urgent = await collect(eng, [9] * 40, priority=0)
+        urgent = asyncio.create_task(collect(eng, [9] * 40, priority=0))
+        # Both queue, low first, before the held step ends and the engine takes them.
+        asyncio.get_running_loop().call_soon(gate.open)
+        urgent_outs = await urgent
         with pytest.raises(QueueFull, match="higher priority"):
             await low
-        return await first, urgent
+        return await first, urgent_outs
 
     try:
         first, urgent = asyncio.run(go())
         assert len(first[-1].outputs[0].token_ids) == len(urgent[-1].outputs[0].token_ids) == 12
         assert not eng.core.scheduler.requests
     finally:
+        gate.open()
         eng.shutdown()

@@ -305,9 +305,11 @@ def test_an_abort_while_waiting_for_the_first_output_closes_the_call(servers):
     sets = ReplicaSets()
     sets.publish("decode", ["d1"])
     closed = threading.Event()
+    waiting = asyncio.Event()
 
     async def decode(request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         try:
+            waiting.set()
             await asyncio.Event().wait()
             yield  # pragma: no cover
         finally:
@@ -319,7 +321,7 @@ def test_an_abort_while_waiting_for_the_first_output_closes_the_call(servers):
     async def go() -> None:
         request = GenerateInput(PROMPT, SamplingParams(max_tokens=8, temperature=0.0))
         task = asyncio.create_task(anext(flow.generate(request)))
-        await asyncio.sleep(0.2)
+        await asyncio.wait_for(waiting.wait(), 10)  # the call waits for its first output
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

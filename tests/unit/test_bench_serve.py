@@ -107,7 +107,6 @@ class Recorder:
 
     async def __call__(self, prompt: list[int], output_len: int, kind: str) -> RequestResult:
         self.sent.append((prompt, output_len, kind))
-        await asyncio.sleep(0)
         answer = [1000 + len(prompt) + i for i in range(output_len)]
         return RequestResult(ok=True, kind=kind, token_ids=answer, num_output_tokens=output_len)
 
@@ -158,12 +157,22 @@ def test_mixed_sends_bursts_of_long_prompts_while_the_steady_stream_runs() -> No
         burst_interval_s=0.02,
     )
 
-    class Slow(Recorder):
+    class UntilABurst(Recorder):
+        """Steady requests are answered once a burst has come: the steady stream lasts
+        past at least one burst interval, however fast the machine."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.burst = asyncio.Event()
+
         async def __call__(self, prompt, output_len, kind):
-            await asyncio.sleep(0.015)  # six steady requests, two at a time: ~45 ms
+            if kind == "burst":
+                self.burst.set()
+            else:
+                await asyncio.wait_for(self.burst.wait(), 10)
             return await super().__call__(prompt, output_len, kind)
 
-    send = Slow()
+    send = UntilABurst()
     asyncio.run(drive(config, 500, send))
     steady = [p for p, n, k in send.sent if k == "steady"]
     bursts = [(p, n) for p, n, k in send.sent if k == "burst"]

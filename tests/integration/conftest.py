@@ -1,0 +1,73 @@
+"""The Serve harness's fixtures (tests/integration/serving.py) and the order it needs.
+
+A module that serves an app asks for `serve_cluster` and deploys its AppSettings with
+`serve_cluster.serving(...)` in a module fixture (or a package fixture, shared by the modules
+of tests/integration/serve_app/). Every such test runs after the integration tests that start
+no Ray here, and those whose proxies speak TLS run last: so Ray and Serve start once for the
+plain proxies and once for TLS, and are stopped as soon as the next test needs neither (the
+chaos bench starts a Ray of its own in this process; the model tests want the cores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.serving import ServeCluster
+
+HERE = Path(__file__).parent
+_CLUSTER = pytest.StashKey[ServeCluster]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "proxy_tls: serves over TLS proxies (a Ray of its own; runs last)"
+    )
+
+
+def _cluster_group(item: pytest.Item) -> int:
+    """0: starts no Ray here; 1: on the harness's Ray; 2: on its Ray with TLS proxies."""
+    if "serve_cluster" not in item.fixturenames:
+        return 0
+    return 2 if item.get_closest_marker("proxy_tls") else 1
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Reorder the integration tests by cluster group, in place (a stable sort: each module's
+    tests, and the modules of a group, keep their order)."""
+    where = [i for i, item in enumerate(items) if item.path.is_relative_to(HERE)]
+    ordered = sorted((items[i] for i in where), key=_cluster_group)
+    for i, item in zip(where, ordered, strict=True):
+        items[i] = item
+
+
+@pytest.fixture(scope="session")
+def serve_cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServeCluster]:
+    environment = {
+        # Engines that pin cores (1 CPU each, test_kv_routing.py) claim them in a directory of
+        # this session's: no other pdserve on the machine holds them.
+        "PDSERVE_CORE_LOCK_DIR": str(tmp_path_factory.mktemp("cores")),
+        # Autoscaling metrics every second instead of every ten (test_sla_autoscaling_serve.py;
+        # only autoscaling deployments push them).
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+    }
+    cluster = ServeCluster(environment)
+    request.config.stash[_CLUSTER] = cluster
+    yield cluster
+    cluster.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Once the fixtures the next test does not share are gone: stop Ray and Serve when the
+    next test does not serve an app (it starts again, lazily, for one that does)."""
+    result = yield
+    cluster = item.config.stash.get(_CLUSTER, None)
+    if cluster is not None and (nextitem is None or _cluster_group(nextitem) == 0):
+        cluster.stop()
+    return result

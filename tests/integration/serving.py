@@ -1,0 +1,335 @@
+"""The integration suite's Serve harness: one local Ray and Serve (started with
+deployments.launch's machinery) for every test module that serves an app, the apps deployed and
+deleted per module (or per package, tests/integration/serve_app/), and the ways a test calls
+them: gRPC (pdserve.client), HTTP, health and engines-idle checks, the replicas' logs.
+
+Starting Ray and Serve costs tens of seconds on 2 cores and an app most of a minute: the
+cluster starts once, and again only for proxies of other settings (TLS); see conftest.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deployments import launch
+from deployments.app import AppConfig, build_app
+from deployments.cluster.kv_index import index_actor_name
+from deployments.launch import APP_NAME, ServeOptions, free_port
+from deployments.router.grpc_ingress import SERVICER_FUNCTION
+from pdserve.client import GenerationClient
+
+__all__ = [
+    "APP_NAME",
+    "AppSettings",
+    "ProxyTLS",
+    "ServeCluster",
+    "ServedApp",
+    "free_port",
+    "ongoing_requests",
+    "replica_actors",
+    "sigkill_replica",
+]
+
+# Ray's logical CPUs: enough for the largest app deployed here (4 engines of 1 CPU, routers),
+# and for replacements of killed replicas. Cores are shared whatever the number.
+NUM_CPUS = 16
+HTTP_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class ProxyTLS:
+    """PEM files for Serve's HTTPS and the gRPC proxy's TLS port."""
+
+    keyfile: str
+    certfile: str
+
+
+@dataclass
+class AppSettings:
+    """What a module serves: the main app ("pdserve", at route /) as AppConfig overrides, apps
+    beside it (name -> overrides of the main app's settings, at route /<name>), and TLS at
+    the proxies."""
+
+    app: dict[str, Any]
+    extra_apps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tls: ProxyTLS | None = None
+
+
+class ServeCluster:
+    """Local Ray and Serve for the session, started when an app is first wanted; started
+    again when the proxies' TLS differs (the gRPC proxy reads it from the environment that
+    Ray's processes inherit). `environment`: variables every Ray process gets."""
+
+    def __init__(self, environment: dict[str, str]) -> None:
+        self._environment = environment
+        self._options: ServeOptions | None = None
+
+    @contextlib.contextmanager
+    def serving(self, settings: AppSettings) -> Iterator[ServedApp]:
+        """The apps of `settings`, deployed and running; deleted on exit."""
+        served = ServedApp(self._ensure(settings.tls), settings)
+        try:
+            served.deploy()
+            yield served
+        finally:
+            served.delete()
+
+    def stop(self) -> None:
+        """Shut Serve and Ray down, and wait for their processes to be gone."""
+        if self._options is not None:
+            self._options = None
+            launch.stop()
+
+    def _ensure(self, tls: ProxyTLS | None) -> ServeOptions:
+        if self._options is not None and _tls_of(self._options) != tls:
+            self.stop()
+        if self._options is None:
+            self._options = self._start(tls)
+        return self._options
+
+    def _start(self, tls: ProxyTLS | None) -> ServeOptions:
+        """As `pdserve serve` starts (deployments.launch.start), without deploying."""
+        from ray import serve
+        from ray.serve.config import HTTPOptions, gRPCOptions
+
+        options = ServeOptions(
+            grpc_port=free_port(),
+            http_port=free_port(),
+            num_cpus=NUM_CPUS,
+            ssl_keyfile=tls.keyfile if tls else None,
+            ssl_certfile=tls.certfile if tls else None,
+            grpc_tls_port=free_port(),
+        )
+        with _environment(self._environment), launch._proxy_environment(options):
+            launch._init_local_ray(NUM_CPUS, options)
+        try:
+            serve.start(
+                http_options=HTTPOptions(
+                    host=options.host,
+                    port=options.http_port,
+                    ssl_keyfile=options.ssl_keyfile,
+                    ssl_certfile=options.ssl_certfile,
+                ),
+                grpc_options=gRPCOptions(
+                    port=options.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]
+                ),
+            )
+        except BaseException:
+            launch.stop()  # no Ray left behind for the next module to trip over
+            raise
+        return options
+
+
+def _tls_of(options: ServeOptions) -> ProxyTLS | None:
+    if not options.tls:
+        return None
+    return ProxyTLS(str(options.ssl_keyfile), str(options.ssl_certfile))
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class ServedApp:
+    """The apps of one AppSettings on the session's Serve, deployed as `pdserve serve`
+    deploys them (deployments.launch.start): the main app at route /, each extra app at
+    /<name> and by its name in gRPC metadata."""
+
+    def __init__(self, options: ServeOptions, settings: AppSettings) -> None:
+        self.settings = settings
+        self.grpc_port, self.http_port = options.grpc_port, options.http_port
+        self.grpc_tls_port = options.grpc_tls_port
+        self.target = f"{options.host}:{options.grpc_port}"
+        # Over TLS by name: the proxy's certificate names "localhost", not an address.
+        host = "localhost" if options.tls else options.host
+        self.http_url = f"{'https' if options.tls else 'http'}://{host}:{options.http_port}"
+        self.names = [APP_NAME, *settings.extra_apps]
+        self.clients = {name: GenerationClient(self.target, name) for name in self.names}
+        self.client = self.clients[APP_NAME]
+        self._logs_before: set[Path] = set()
+
+    def deploy(self) -> None:
+        from ray import serve
+
+        self._logs_before = set(_serve_logs().glob("*"))
+        args = asdict(AppConfig.from_args(self.settings.app))
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        for name, overrides in self.settings.extra_apps.items():
+            extra = AppConfig.from_args({**args, **overrides})
+            serve.run(build_app(asdict(extra)), name=name, route_prefix=f"/{name}")
+
+    def delete(self) -> None:
+        """Delete the apps, and their KV index actors (detached: `serve.shutdown()` would end
+        them, a deleted app leaves them for the next app of its name)."""
+        import ray
+        from ray import serve
+
+        for client in self.clients.values():
+            client.close()
+        processes = _processes_of(self.names)
+        for name in reversed(self.names):
+            serve.delete(name)
+            with contextlib.suppress(ValueError):  # none was made
+                ray.kill(ray.get_actor(index_actor_name(name), namespace="pdserve"))
+        # Gone, not going: the next app's tests count processes and cores.
+        launch._end(processes)
+
+    # ---------------------------------------------------------------------------- gRPC
+
+    def grpc(
+        self, app: str = APP_NAME, api_key: str = "", roots: bytes | None = None
+    ) -> GenerationClient:
+        """A client of its own (the caller closes it): with a key, or over TLS to the
+        proxy's TLS port trusting `roots` (b"": the system's)."""
+        if roots is None:
+            return GenerationClient(self.target, app, api_key)
+        return GenerationClient(f"localhost:{self.grpc_tls_port}", app, api_key, roots)
+
+    def engines_idle(self, app: str = APP_NAME) -> bool:
+        """Every engine of `app` running, every block free, no request anywhere."""
+        health = self.clients[app].health()
+        return health.status == "SERVING" and all(
+            e.state == "running"
+            and e.num_free_blocks == e.num_blocks
+            and e.num_running == 0
+            and e.num_waiting == 0
+            and e.num_held_requests == 0
+            for e in health.engines
+        )
+
+    # ---------------------------------------------------------------------------- HTTP
+
+    def connection(self, timeout: float = HTTP_TIMEOUT_S) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=timeout)
+
+    def request(
+        self,
+        path: str,
+        body: Any = None,
+        raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, str], str]:
+        """POST a JSON body (or `raw` bytes): status, headers (lower-case names), text."""
+        conn = self.connection()
+        payload = raw if raw is not None else json.dumps(body).encode()
+        conn.request("POST", path, payload, {"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        text = response.read().decode()
+        conn.close()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, text
+
+    def http(
+        self, path: str, body: Any, raw: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
+        """POST, and the reply's JSON."""
+        status, _, text = self.request(path, body, raw, headers)
+        return status, json.loads(text)
+
+    def sse(self, path: str, body: dict[str, Any]) -> list[Any]:
+        """A streamed call's server-sent events: JSON objects, then "[DONE]"."""
+        conn = self.connection()
+        conn.request(
+            "POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+        )
+        response = conn.getresponse()
+        assert response.status == 200
+        events = []
+        for line in response:
+            text = line.decode().strip()
+            if text.startswith("data: "):
+                data = text[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+        conn.close()
+        return events
+
+    # ---------------------------------------------------------------------------- Ray
+
+    def replicas(self, deployment: str, app: str = APP_NAME) -> list[str]:
+        return replica_actors(deployment, app)
+
+    def logs(self, pattern: str) -> str:
+        """The text of Serve's log files matching `pattern` (e.g. "replica_pdserve_Router_*")
+        written by this deployment's processes: none an earlier app on this Ray left."""
+        return "".join(
+            path.read_text(errors="replace")
+            for path in sorted(_serve_logs().glob(pattern))
+            if path not in self._logs_before
+        )
+
+
+def _serve_logs() -> Path:
+    import ray
+
+    return Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+
+
+def _processes_of(apps: list[str]) -> list[Any]:
+    """The processes of the apps' replica actors and KV index actors."""
+    import psutil
+    from ray._private import state
+
+    names = {index_actor_name(app) for app in apps}
+    prefixes = tuple(f"SERVE_REPLICA::{app}#" for app in apps)
+    processes = []
+    for actor in state.actors().values():
+        name = actor.get("Name") or ""
+        if actor.get("State") == "ALIVE" and (name in names or name.startswith(prefixes)):
+            with contextlib.suppress(psutil.Error):
+                processes.append(psutil.Process(int(actor["Pid"])))
+    return processes
+
+
+def replica_actors(deployment: str, app_name: str = APP_NAME) -> list[str]:
+    """Names of the live replica actors of a deployment (e.g. "PrefillServer") of `app_name`
+    (namespace "serve")."""
+    import ray
+
+    return sorted(
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == "serve"
+        and actor["name"].startswith(f"SERVE_REPLICA::{app_name}#{deployment}#")
+    )
+
+
+def ongoing_requests(actor_name: str) -> int:
+    """Requests a replica is handling now, as Serve counts them (for its routing and its
+    max_ongoing_requests): a request counts from its arrival at the replica."""
+    import ray
+
+    actor = ray.get_actor(actor_name, namespace="serve")
+    return int(ray.get(actor.get_num_ongoing_requests.remote(), timeout=10))
+
+
+def sigkill_replica(actor_name: str) -> int:
+    """SIGKILL a replica actor's process (a crash, the kernel's OOM killer): no clean-up runs
+    in it. Its pid comes from the GCS actor table (Ray's private state API: the public one
+    needs the dashboard, which these tests leave off)."""
+    from ray._private import state
+
+    (entry,) = [
+        actor
+        for actor in state.actors().values()
+        if actor.get("Name") == actor_name and actor.get("State") == "ALIVE"
+    ]
+    pid = int(entry["Pid"])
+    os.kill(pid, signal.SIGKILL)
+    return pid
