@@ -101,19 +101,33 @@ class EngineArgs:
     def create_engine_config(self) -> tuple[EngineConfig, ModelArchConfig]:
         path = self.model_path()
         arch = ModelArchConfig.from_pretrained(path)
-        device = _resolve_device(self.device)
         max_model_len = self._max_model_len(arch)
-        max_batched = self.max_num_batched_tokens or (
-            8192 if self.enable_chunked_prefill else max(8192, max_model_len)
-        )
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        model = ModelConfig(
-            model=str(path),
+        kv_transfer = None
+        if self.kv_transfer_config is not None:
+            kv_transfer = config_from_dict(
+                "kv_transfer_config", self.kv_transfer_config, KVTransferConfig
+            )
+        config = EngineConfig(
+            self._model_config(str(path), arch),
+            self._cache_config(arch),
+            self._scheduler_config(max_model_len),
+            self.kv_cache_memory_bytes,
+            self.gpu_memory_utilization,
+            kv_transfer,
+            self._speculative_config(arch),
+        )
+        return config, arch
+
+    def _model_config(self, path: str, arch: ModelArchConfig) -> ModelConfig:
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        device = _resolve_device(self.device)
+        return ModelConfig(
+            model=path,
             dtype=_resolve_dtype(self.dtype, device, arch),
             device=device,
             seed=self.seed,
@@ -123,14 +137,21 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             tokenizer=self.tokenizer_path(),
         )
-        cache = CacheConfig(
+
+    def _cache_config(self, arch: ModelArchConfig) -> CacheConfig:
+        return CacheConfig(
             block_size=self.block_size,
             num_blocks=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             sliding_window=arch.sliding_window,
             enable_kv_cache_events=self._kv_events_enabled(),
         )
-        scheduler = SchedulerConfig(
+
+    def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        max_batched = self.max_num_batched_tokens or (
+            8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+        )
+        return SchedulerConfig(
             max_num_batched_tokens=max_batched,
             max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len,
@@ -140,28 +161,16 @@ class EngineArgs:
             async_scheduling=self.async_scheduling,
             max_queued_prompt_tokens=self.max_queued_prompt_tokens,
         )
-        kv_transfer = None
-        if self.kv_transfer_config is not None:
-            kv_transfer = config_from_dict(
-                "kv_transfer_config", self.kv_transfer_config, KVTransferConfig
-            )
-        speculative = None
-        if self.speculative_config is not None:
-            speculative = config_from_dict(
-                "speculative_config", self.speculative_config, SpeculativeConfig
-            )
-            if speculative.uses_draft_model:
-                speculative = _resolve_draft_model(speculative, arch)
-        config = EngineConfig(
-            model,
-            cache,
-            scheduler,
-            self.kv_cache_memory_bytes,
-            self.gpu_memory_utilization,
-            kv_transfer,
-            speculative,
+
+    def _speculative_config(self, arch: ModelArchConfig) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        speculative = config_from_dict(
+            "speculative_config", self.speculative_config, SpeculativeConfig
         )
-        return config, arch
+        if speculative.uses_draft_model:
+            speculative = _resolve_draft_model(speculative, arch)
+        return speculative
 
     def _kv_events_enabled(self) -> bool:
         events = config_from_dict("kv_events_config", self.kv_events_config or {}, KVEventsConfig)

@@ -205,7 +205,7 @@ class EngineCore:
 
     @property
     def side_channel(self) -> str:
-        """"host:port" where other engines read this one's KV and borrow its prefixes ("" with
+        """ "host:port" where other engines read this one's KV and borrow its prefixes ("" with
         no side channel)."""
         kv, port = self.config.kv_transfer, self.side_channel_port
         return f"{kv.side_channel_host}:{port}" if kv is not None and port else ""

@@ -51,14 +51,13 @@ class KVCacheManager:
         self._num_cached_block = self.manager.num_cached_block
         self._drops_blocks = self.manager.drops_blocks
         # Per running request: the computed tokens it may reach with nothing to allocate nor
-        # cache (allocate_running_slots); dropped when its blocks are freed.
-        self._room: dict[str, int] = {}
+        # cache. The scheduler reads it on every decode step and calls allocate_running_slots
+        # only past it (read-only outside; an entry is dropped when its blocks are freed).
+        self.running_room: dict[str, int] = {}
         self.block_hasher = make_block_hasher(
             self.block_size, HASH_FUNCTIONS[cache_config.prefix_caching_hash_algo]
         )
         self.prefix_cache_stats = PrefixCacheStats()
-        # Block ids allocated in the current step (for KV zeroing and events).
-        self._new_block_ids: list[int] = []
         # Prefix blocks lent to other engines, by loan (lease) id.
         self._loans: dict[str, list[KVCacheBlock]] = {}
 
@@ -110,12 +109,10 @@ class KVCacheManager:
     def allocate_running_slots(
         self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0
     ) -> list[KVCacheBlock] | None:
-        """allocate_slots for a running request (no prefix hits, no remote KV), once per step
-        for each. Usually a decode whose held blocks still have room and whose last block is
-        still filling: nothing to do, known from one number kept per request (`_room`)."""
+        """allocate_slots for a running request (no prefix hits, no remote KV), called when
+        its computed tokens would pass its `running_room` or it needs lookahead slots: usually
+        its last block fills up (cache it) or it needs another."""
         need = request.num_computed_tokens + num_new_tokens
-        if need <= self._room.get(request.request_id, 0) and not num_lookahead_tokens:
-            return []
         new_blocks = self._grow_running(request, num_new_tokens, need, num_lookahead_tokens)
         if new_blocks is not None and not self._drops_blocks:
             self._note_room(request)
@@ -148,7 +145,7 @@ class KVCacheManager:
         if self.enable_caching:
             num_cached = self._num_cached_block.get(request.request_id, 0)
             room = min(room, (num_cached + 1) * block_size - 1)
-        self._room[request.request_id] = room
+        self.running_room[request.request_id] = room
 
     def allocate_slots(
         self,
@@ -185,8 +182,6 @@ class KVCacheManager:
         if new_computed_blocks:
             manager.save_new_computed_blocks(request.request_id, new_computed_blocks)
         new_blocks = manager.allocate_new_blocks(request.request_id, num_tokens_need_slot)
-        if new_blocks:
-            self._new_block_ids.extend(b.block_id for b in new_blocks)
         if self.enable_caching and not delay_cache_blocks:
             # Only verified tokens are cached: lookahead slots hold nothing yet.
             manager.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
@@ -199,7 +194,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         self.manager.free(request.request_id)
-        self._room.pop(request.request_id, None)
+        self.running_room.pop(request.request_id, None)
 
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """Remove blocks from the prefix cache (their KV is not to be trusted)."""
@@ -211,13 +206,6 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.manager.req_to_blocks.get(request_id, ())]
-
-    def new_step_starts(self) -> None:
-        self._new_block_ids.clear()
-
-    def take_new_block_ids(self) -> list[int]:
-        ids, self._new_block_ids = self._new_block_ids, []
-        return ids
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

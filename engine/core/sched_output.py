@@ -67,8 +67,6 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     # Requests finished since the last step: the worker drops their state.
     finished_req_ids: set[str]
-    # Newly allocated block ids this step (a worker may zero them).
-    new_block_ids_to_zero: list[int] = field(default_factory=list)
     kv_connector_metadata: Any = None
     # {req_id: drafts}: tokens after the request's last one, computed this step to be verified
     # (they count in num_scheduled_tokens; a request without drafts is absent).

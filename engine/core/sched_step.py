@@ -73,7 +73,6 @@ def build_scheduler_output(
         total_num_scheduled_tokens=sum(num_scheduled.values()),
         preempted_req_ids={r.request_id for r in step.preempted},
         finished_req_ids=finished_req_ids,
-        new_block_ids_to_zero=kv_cache_manager.take_new_block_ids(),
         scheduled_spec_decode_tokens=step.spec_tokens,
         scheduled_requests=[*step.scheduled_new, *step.scheduled_running, *step.scheduled_resumed],
     )

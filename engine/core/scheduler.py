@@ -4,10 +4,11 @@ There is no prefill phase and no decode phase. A request has `num_computed_token
 `num_tokens`; each step hands out `{request_id: num_new_tokens}` so that the former catches up
 with the latter. A decode is a request one token behind; a prefill chunk is one further behind.
 
-Running requests are scheduled here, then waiting ones are admitted (sched_admit.Admitter);
-the step is described for the worker in sched_step. Settling a step's outputs is here too.
-A decode step of a full batch touches every running request three times (schedule, describe,
-settle), so those loops keep to plain attributes and leave the rare cases to helpers.
+Running requests are scheduled here (making room by preemption.Preemption), then waiting ones
+are admitted (sched_admit.Admitter); the step is described for the worker in sched_step.
+Settling a step's outputs is here too. A decode step of a full batch touches every running
+request three times (schedule, describe, settle), so those loops keep to plain attributes and
+leave the rare cases to helpers.
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_cache_utils import KVCacheBlock, check_capacity
 from engine.core.kv_transfer_state import KVTransferState
+from engine.core.preemption import Preemption
 from engine.core.queued_prompts import QueuedPromptTokens
 from engine.core.request_queue import RequestQueue, create_request_queue
 from engine.core.sched_admit import Admitter
 from engine.core.sched_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.core.sched_step import Step, build_scheduler_output
-from engine.core.stop import append_until_stop, check_stop, reaches_length_limit
+from engine.core.stop import append_until_stop, check_stop, owes_its_last_token
 from engine.kv_connector import KVConnectorBase
 from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason, Request, RequestStatus, finish_reason_of
 from engine.spec_decode.ngram import SpecDecodeStats
-from engine.spec_decode.scheduling import Speculator, lookahead_tokens
+from engine.spec_decode.scheduling import Speculator
 from engine.stats import EngineStats
 
 _WAITING = RequestStatus.WAITING
@@ -77,9 +79,16 @@ class Scheduler:
             self.speculator,
             self.queued_prompts,
         )
+        self.preemption = Preemption(
+            scheduler_config.policy,
+            self.max_model_len,
+            self.kv_cache_manager,
+            self.waiting,
+            self.queued_prompts,
+            self.speculator,
+        )
         # Outputs produced outside a step (e.g. rejected on arrival), sent with the next one.
         self._pending_outputs: list[EngineCoreOutput] = []
-        self.num_preemptions = 0
         # Requests let go of (their ids free for new ones), counted for update_from_output.
         self._num_released = 0
 
@@ -155,7 +164,7 @@ class Scheduler:
             num_waiting=unfinished - len(self.running),
             num_held_requests=len(self.requests) - unfinished,
             queued_prompt_tokens=self.queued_prompts.count(),
-            num_preemptions=self.num_preemptions,
+            num_preemptions=self.preemption.num_preemptions,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             spec_decode=replace(speculator.stats) if speculator else SpecDecodeStats(),
@@ -164,7 +173,6 @@ class Scheduler:
     # ---------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        self.kv_cache_manager.new_step_starts()
         step = Step(self.scheduler_config.max_num_batched_tokens)
         self._schedule_running(step)
         # A step that had to preempt is short of blocks: admitting now would only thrash.
@@ -179,8 +187,9 @@ class Scheduler:
 
     def _schedule_running(self, step: Step) -> None:
         threshold = self.scheduler_config.long_prefill_token_threshold
+        max_model_len = self.max_model_len
         running = self.running
-        allocate_slots = self.kv_cache_manager.allocate_running_slots
+        room = self.kv_cache_manager.running_room
         speculator = self.speculator
         lookahead = (
             speculator.lookahead_tokens if speculator and speculator.needs_lookahead else None
@@ -192,7 +201,7 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             placeholders = request.num_output_placeholders
-            if placeholders and self._owes_its_last_token(request):
+            if placeholders and owes_its_last_token(request, max_model_len):
                 i += 1  # async skip-ahead: the samples in flight end it, nothing to schedule
                 continue
             # Placeholders are tokens sampled by a step still in flight (async scheduling);
@@ -208,26 +217,38 @@ class Scheduler:
             if num_new_tokens <= 0:
                 i += 1
                 continue
-            new_blocks = allocate_slots(
-                request, num_new_tokens, lookahead(request) if lookahead else 0
-            )
-            if new_blocks is None:
+            req_id = request.request_id
+            num_lookahead = lookahead(request) if lookahead else 0
+            if num_lookahead or request.num_computed_tokens + num_new_tokens > room.get(req_id, 0):
                 step.budget = budget
-                new_blocks, i = self._preempt_until_fits(request, num_new_tokens, i, step)
+                new_blocks, i = self._slots_for(request, num_new_tokens, num_lookahead, i, step)
                 budget = step.budget  # what an unscheduled victim gave back
                 if new_blocks is None:
                     # It was the victim itself and left `running`: running[i] is the next one
                     # (under FCFS there is none; under priority a better one may now fit).
                     continue
+                if new_blocks:
+                    step.new_blocks[req_id] = new_blocks
+            # else, usually: a decode within its blocks, nothing to allocate nor cache
             scheduled_running.append(request)
-            num_scheduled[request.request_id] = num_new_tokens
-            if new_blocks:
-                step.new_blocks[request.request_id] = new_blocks
+            num_scheduled[req_id] = num_new_tokens
             if drafts:
                 self._schedule_drafts(request, drafts, num_new_tokens, step)
             budget -= num_new_tokens
             i += 1
         step.budget = budget
+
+    def _slots_for(
+        self, request: Request, num_new_tokens: int, num_lookahead: int, index: int, step: Step
+    ) -> tuple[list[KVCacheBlock] | None, int]:
+        """Slots for running[index] past its room: allocated, or made by preemption. Returns
+        its new blocks (None if it was preempted itself) and its index in `running`."""
+        new_blocks = self.kv_cache_manager.allocate_running_slots(
+            request, num_new_tokens, num_lookahead
+        )
+        if new_blocks is not None:
+            return new_blocks, index
+        return self.preemption.until_fits(self.running, request, num_new_tokens, index, step)
 
     def _schedule_drafts(
         self, request: Request, drafts: list[int], num_new_tokens: int, step: Step
@@ -236,11 +257,6 @@ class Scheduler:
         fit = request.num_computed_tokens + num_new_tokens - len(request.all_token_ids)
         if fit > 0:
             step.spec_tokens[request.request_id] = drafts[:fit]
-
-    def _owes_its_last_token(self, request: Request) -> bool:
-        """The steps in flight already sample up to a length limit (max_tokens or the
-        context): scheduling the request again would compute tokens nobody reads."""
-        return reaches_length_limit(request, self.max_model_len, request.num_output_placeholders)
 
     def may_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the outputs of the one in flight are
@@ -252,57 +268,6 @@ class Scheduler:
             return False
         speculator = self.speculator
         return speculator is None or not any(map(speculator.wants_drafts, self.running))
-
-    def _preempt_until_fits(
-        self, request: Request, num_new_tokens: int, index: int, step: Step
-    ) -> tuple[list[KVCacheBlock] | None, int]:
-        """Preempt victims until `request` fits. Returns its new blocks (None if the victim
-        was `request` itself) and its index in `running`, which shifts left when a victim
-        before it is removed."""
-        while True:
-            victim = self._choose_victim(request)
-            victim_index = self.running.index(victim)
-            del self.running[victim_index]
-            if victim_index < index:  # only under priority
-                if victim.request_id in step.num_scheduled:  # not if it was skipped
-                    step.unschedule(victim)
-                index -= 1
-            self._preempt(victim)
-            step.preempted.append(victim)
-            if victim is request:
-                return None, index
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request,
-                num_new_tokens,
-                num_lookahead_tokens=lookahead_tokens(self.speculator, request),
-            )
-            if new_blocks is not None:
-                return new_blocks, index
-
-    def _choose_victim(self, request: Request) -> Request:
-        """FCFS: the most recently admitted; priority: the lowest priority. Never a request
-        whose samples in flight end it (async scheduling): its blocks are free at the next
-        update anyway, and a finished prefill must hand over its KV, not an empty lease.
-        `request` itself is always a candidate."""
-        candidates = [
-            r
-            for r in self.running
-            if r is request or not (r.num_output_placeholders and self._owes_its_last_token(r))
-        ]
-        if self.scheduler_config.policy == "priority":
-            return max(candidates, key=Request.sort_key)
-        return candidates[-1]
-
-    def _preempt(self, request: Request) -> None:
-        """Preemption by recompute: drop every block; prefix caching may win some back."""
-        self.kv_cache_manager.free(request)
-        request.status = _PREEMPTED
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.prepend_request(request)
-        self.queued_prompts.watch(request)
 
     # ---------------------------------------------------------------- results
 
@@ -359,7 +324,6 @@ class Scheduler:
         """Each sample of the step to its request, in order. The loop is the decode fast
         path (running, one token, no drafts, good KV); _settle_sample takes the rest."""
         requests = self.requests
-        num_scheduled = scheduler_output.num_scheduled_tokens
         scheduled = self._scheduled_by_id(scheduler_output)
         rare = discarded.union(scheduler_output.scheduled_spec_decode_tokens)
         max_model_len = self.max_model_len
@@ -370,11 +334,7 @@ class Scheduler:
             if not token_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request = requests.get(req_id)
-            if (
-                request is None
-                or req_id not in num_scheduled
-                or (scheduled is not None and request is not scheduled.get(req_id))
-            ):
+            if request is None or (scheduled is not None and request is not scheduled.get(req_id)):
                 continue  # finished and gone (its id may name a new request by now)
             if request.status is not _RUNNING or len(token_ids) != 1 or req_id in rare:
                 output = self._settle_sample(request, token_ids, scheduler_output, discarded)

@@ -63,3 +63,9 @@ def reaches_length_limit(request: Request, max_model_len: int, pending: int = 0)
         len(request.output_token_ids) + pending >= request.max_tokens
         or len(request.all_token_ids) + pending >= max_model_len
     )
+
+
+def owes_its_last_token(request: Request, max_model_len: int) -> bool:
+    """The steps in flight (async scheduling) already sample up to a length limit (max_tokens
+    or the context): scheduling the request again would compute tokens nobody reads."""
+    return reaches_length_limit(request, max_model_len, request.num_output_placeholders)

@@ -138,7 +138,7 @@ def test_fcfs_preempts_the_most_recently_admitted():
     step(scheduler, runner)  # each needs a 3rd block at position 8: 3 more needed, 2 free
     # Step 2 gave r0 and r1 their 3rd block; r2 could not grow and preempted itself.
     assert scheduler.requests["r2"].status == RequestStatus.PREEMPTED
-    assert scheduler.num_preemptions == 1
+    assert scheduler.make_stats().num_preemptions == 1
     assert [r.request_id for r in scheduler.running] == ["r0", "r1"]
 
 

@@ -117,7 +117,7 @@ def test_drafts_respect_the_budget_max_tokens_and_preemption():
     # Preemption (by recompute) drops drafts with the KV they would have been verified on.
     sampled.spec_token_ids = [1, 2]
     scheduler.running.remove(sampled)
-    scheduler._preempt(sampled)
+    scheduler.preemption.preempt(sampled)
     assert sampled.spec_token_ids == [] and sampled.num_computed_tokens == 0
 
 
