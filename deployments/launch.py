@@ -76,7 +76,7 @@ def start(
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    with _proxy_environment(options):
+    with proxy_environment(options):
         _init_local_ray(options.num_cpus or _logical_cpus(config, options), options)
     if after_ray_init is not None:
         after_ray_init()
@@ -111,7 +111,7 @@ def start(
 
 
 @contextlib.contextmanager
-def _proxy_environment(options: ServeOptions) -> Iterator[None]:
+def proxy_environment(options: ServeOptions) -> Iterator[None]:
     """The gRPC proxy's TLS settings as environment variables while Ray starts: its processes
     inherit them from the raylet, and this process gets its own environment back after."""
     from deployments.router import grpc_ingress
@@ -123,8 +123,15 @@ def _proxy_environment(options: ServeOptions) -> Iterator[None]:
             grpc_ingress.TLS_KEYFILE_ENV: os.path.abspath(str(options.ssl_keyfile)),
             grpc_ingress.TLS_PORT_ENV: str(options.grpc_tls_port),
         }
-    before = {name: os.environ.get(name) for name in wanted}
-    os.environ.update(wanted)
+    with environment(wanted):
+        yield
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ while inside; what was there before (or nothing) after."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:

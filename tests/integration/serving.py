@@ -108,7 +108,7 @@ class ServeCluster:
             ssl_certfile=tls.certfile if tls else None,
             grpc_tls_port=free_port(),
         )
-        with _environment(self._environment), launch._proxy_environment(options):
+        with launch.environment(self._environment), launch.proxy_environment(options):
             launch._init_local_ray(NUM_CPUS, options)
         try:
             serve.start(
@@ -132,20 +132,6 @@ def _tls_of(options: ServeOptions) -> ProxyTLS | None:
     if not options.tls:
         return None
     return ProxyTLS(str(options.ssl_keyfile), str(options.ssl_certfile))
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 class ServedApp:
