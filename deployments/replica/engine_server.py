@@ -174,21 +174,17 @@ class EngineServer:
 
     def __del__(self) -> None:
         # Serve calls this on a graceful replica shutdown: stop the loop, then the side channel.
-        sampler = getattr(self, "_sampler", None)
-        if sampler is not None:
-            sampler.set()
-        publisher = getattr(self, "_kv_publisher", None)
-        if publisher is not None:
-            publisher.stop()
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
-        tracing = getattr(self, "tracing", None)
-        if tracing is not None:
-            tracing.shutdown()
-        cores = getattr(self, "_cores", None)
-        if cores is not None:
-            cores.release()
+        # Each part may be missing (a constructor that failed half-way).
+        for part, stop in (
+            ("_sampler", "set"),
+            ("_kv_publisher", "stop"),
+            ("engine", "shutdown"),
+            ("tracing", "shutdown"),
+            ("_cores", "release"),
+        ):
+            held = getattr(self, part, None)
+            if held is not None:
+                getattr(held, stop)()
 
 
 def _engine_metrics() -> EngineMetrics | None:

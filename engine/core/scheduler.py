@@ -381,16 +381,19 @@ class Scheduler:
         if request.timing.first_token is None:
             request.timing.first_token = time.time()
         if status is _PREEMPTED:
-            # Preempted while this step was in flight (async scheduling): the sample is
-            # good (computed over KV it still held); it resumes with it, or ends here.
-            output = self._append_tokens(request, token_ids)
-            if output.finish_reason is not None:
-                self.waiting.remove_requests([request])
-            return output
+            return self._append_to_preempted(request, token_ids)
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
         if drafts and self.speculator is not None:
             self.speculator.settle(request, len(drafts), len(token_ids) - 1)
         return self._append_tokens(request, token_ids)
+
+    def _append_to_preempted(self, request: Request, token_ids: list[int]) -> EngineCoreOutput:
+        """Preempted while this step was in flight (async scheduling): the sample is good
+        (computed over KV it still held); it resumes with it, or ends here."""
+        output = self._append_tokens(request, token_ids)
+        if output.finish_reason is not None:
+            self.waiting.remove_requests([request])
+        return output
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> EngineCoreOutput:
         num_appended, status = append_until_stop(request, token_ids, self.max_model_len)

@@ -3,12 +3,13 @@ time goes.
 
 Decode of a small batch reads every weight once per step, so tokens/s cannot pass
 (read bandwidth / weight bytes); both are measured here, in the same run, on the same device
-and threads. Decode speed excludes the prompt: a request of max_tokens=1 (prefill and first
-token) is timed and taken off a request of output_len tokens, best of `repeats`, with async
+and threads. Decode speed excludes the prompt: a run of output_len tokens is timed from its
+first sampled token to its last by the engine's own timestamps (a prefill run timed apart and
+subtracted came out at or below zero on a noisy machine), best of `repeats`, with async
 scheduling on and off in turn on the same engine (the report's figure is the engine's default
-mode's). The breakdown
-comes from a run of its own with the engine's StepTimer on (it synchronizes a GPU at each
-phase); `outside_steps` is the time between steps (the offline loop's output processing).
+mode's); llama.cpp is timed the same way. The breakdown comes from a run of its own with the
+engine's StepTimer on (it synchronizes a GPU at each phase); `outside_steps` is the time
+between steps (the offline loop's output processing).
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ def run(config: LatencyBenchConfig) -> dict[str, Any]:
         max_model_len=config.input_len + config.output_len,
         max_num_seqs=max(config.batch_sizes),
         seed=config.seed,
-        # Off: the timed runs repeat their prompts, and a cached prompt would make
-        # "full run minus prefill run" more than the decode.
+        # Off: the timed runs repeat their prompts, and each should do the same work.
         enable_prefix_caching=False,
     )
     device = torch.device(llm.engine.config.model.device)
@@ -159,13 +159,24 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def _decode_seconds(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
+    """One run's decode: from the first token sampled to the last (max_tokens - 1 steps), by
+    the engine's timestamps."""
+    from engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    timings = [o.timing for o in outputs]
+    return max(t.finished for t in timings) - min(t.first_token for t in timings)
+
+
 def _decode_tokens_per_s(
     llm: Any, prompts: list[list[int]], config: LatencyBenchConfig
 ) -> dict[str, float]:
     """Decode tokens per second with async scheduling on ("async") and off ("sync"), and
-    where the engine replays CUDA graphs, synchronous without them ("eager"): a full run
-    minus its prefill, best of `repeats`, alternating runs and modes so that a noisy moment
-    hurts all alike. The engine is left in its own mode."""
+    where the engine replays CUDA graphs, synchronous without them ("eager"): a run from its
+    first sampled token to its last, best of `repeats`, alternating runs and modes so that a
+    noisy moment hurts all alike. The engine is left in its own mode."""
     engine, runner = llm.engine, llm.engine.runner
     default, graphs = engine.async_scheduling, runner.graphs
     modes = ("async", "sync", "eager") if graphs is not None else ("async", "sync")
@@ -175,9 +186,7 @@ def _decode_tokens_per_s(
             for mode in modes:
                 engine.set_async_scheduling(mode == "async")
                 runner.graphs = None if mode == "eager" else graphs
-                prefill = _generate(llm, prompts, 1)
-                full = _generate(llm, prompts, config.output_len)
-                best[mode] = min(best[mode], full - prefill)
+                best[mode] = min(best[mode], _decode_seconds(llm, prompts, config.output_len))
     finally:
         engine.set_async_scheduling(default)
         runner.graphs = graphs
@@ -207,7 +216,7 @@ def _alternating_with_llamacpp(
 
 
 # Runs in the peer's Python: single-stream greedy decode of the same prompt ids, timed as the
-# engine's (a run of output_len tokens minus a run of one), after a warm-up.
+# engine's (from the first token out to the last of output_len), after a warm-up.
 _LLAMACPP_SCRIPT = """
 import json, sys, time, llama_cpp
 path, threads, n_out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -215,13 +224,14 @@ prompt = json.loads(sys.argv[4])
 m = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + n_out + 8, n_threads=threads,
                     n_threads_batch=threads, verbose=False)
 def run(n):
+    tokens = m.generate(prompt, top_k=1, temp=0.0, reset=True)
+    next(tokens)  # the prompt's prefill and the first token
     start = time.perf_counter()
-    for _, _token in zip(range(n), m.generate(prompt, top_k=1, temp=0.0, reset=True)):
+    for _, _token in zip(range(n - 1), tokens):
         pass
     return time.perf_counter() - start
 run(4)
-first, full = run(1), run(n_out)
-print(json.dumps((n_out - 1) / (full - first)))
+print(json.dumps((n_out - 1) / run(n_out)))
 """
 
 

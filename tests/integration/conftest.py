@@ -19,6 +19,8 @@ from tests.integration.serving import ServeCluster
 
 HERE = Path(__file__).parent
 _CLUSTER = pytest.StashKey[ServeCluster]()
+# Modules that start a Ray of their own (the chaos bench in this process; `pdserve serve`).
+_OWN_RAY = {"test_chaos.py", "test_serve_cli.py"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -36,11 +38,15 @@ def _cluster_group(item: pytest.Item) -> int:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Reorder the integration tests by cluster group, in place (a stable sort: each module's
-    tests, and the modules of a group, keep their order)."""
+    tests, and the modules of a group, keep their order). Under pytest-xdist (`make test`
+    runs two workers), every test that starts Ray goes to one worker, in that order: one Ray
+    on the machine at a time."""
     where = [i for i, item in enumerate(items) if item.path.is_relative_to(HERE)]
     ordered = sorted((items[i] for i in where), key=_cluster_group)
     for i, item in zip(where, ordered, strict=True):
         items[i] = item
+        if _cluster_group(item) or item.path.name in _OWN_RAY:
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from connector.grpc_transport import GrpcTransport
 from connector.transport import BlockRead
 from tests.integration.side_channel.shared import (
     ENGINE_ID,
@@ -91,13 +92,7 @@ def test_grpc_transport_cancel(gated_server: tuple[GatedServer, int]) -> None:
 def test_server_killed_mid_read_fails_fast() -> None:
     proc = ServerProcess(hold_after=1)
     try:
-        blocks = list(range(30))
-        lease_id = proc.lease("req-kill", blocks)
-        transport = transport_for(proc.port, read_timeout_s=5.0)
-        transport.start_read(BlockRead("t-kill", ENGINE_ID, blocks, blocks, lease_id))
-        cache = transport._cache
-        assert cache is not None
-        assert wait_until(lambda: bool(cache[0].any()), 10.0)  # the rest held at the gate
+        transport = _read_held_at_the_gate(proc, "kill", read_timeout_s=5.0)
         proc.proc.kill()
         started = time.monotonic()
         reason = finish(transport, "t-kill", 10.0)
@@ -112,13 +107,7 @@ def test_frozen_server_read_ends_at_its_deadline() -> None:
     """A peer that keeps its socket open but never answers: the deadline ends the read."""
     proc = ServerProcess(hold_after=1)
     try:
-        blocks = list(range(30))
-        lease_id = proc.lease("req-frozen", blocks)
-        transport = transport_for(proc.port, read_timeout_s=1.0)
-        transport.start_read(BlockRead("t-frozen", ENGINE_ID, blocks, blocks, lease_id))
-        cache = transport._cache
-        assert cache is not None
-        assert wait_until(lambda: bool(cache[0].any()), 10.0)  # the rest held at the gate
+        transport = _read_held_at_the_gate(proc, "frozen", read_timeout_s=1.0)
         pid = proc.proc.pid
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
@@ -130,3 +119,16 @@ def test_frozen_server_read_ends_at_its_deadline() -> None:
         transport.close()
     finally:
         proc.stop()
+
+
+def _read_held_at_the_gate(proc: ServerProcess, name: str, read_timeout_s: float) -> GrpcTransport:
+    """Read "t-<name>", 30 blocks from `proc` (a server that holds all but the first at its
+    gate), once the first has landed."""
+    blocks = list(range(30))
+    lease_id = proc.lease(f"req-{name}", blocks)
+    transport = transport_for(proc.port, read_timeout_s=read_timeout_s)
+    transport.start_read(BlockRead(f"t-{name}", ENGINE_ID, blocks, blocks, lease_id))
+    cache = transport._cache
+    assert cache is not None
+    assert wait_until(lambda: bool(cache[0].any()), 10.0)  # the rest held at the gate
+    return transport
