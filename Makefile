@@ -27,9 +27,9 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Two workers (pytest-xdist): the tests that start Ray keep to one of them, in order
-# (tests/integration/conftest.py); unit, model and process tests share the other.
+# (tests/conftest.py); unit, model and process tests share the other.
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2
 
 bench-sched: $(STAMP)
 	$(VENV)/bin/pdserve bench sched

@@ -7,6 +7,25 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
+# The tests that start Ray: those on the Serve harness (tests/integration/serving.py) and two
+# that start one of their own. Under `make test`'s two workers they all run on one, in the
+# order tests/integration/conftest.py gives them: one Ray on the machine at a time.
+# tests/integration/conftest.py refuses a test that starts Ray from elsewhere.
+RAY_TESTS = tuple(
+    f"tests/integration/{path}"
+    for path in (
+        "serve_app/",
+        "test_chaos.py",
+        "test_kv_routing.py",
+        "test_migration_serve.py",
+        "test_security_serve.py",
+        "test_serve_cli.py",
+        "test_sla_autoscaling_serve.py",
+        "test_tracing.py",
+    )
+)
 
 # The default model is built once per test session into a private cache, never into ~/.cache:
 # tests stay hermetic, and subprocesses (CLI tests) inherit the variable. One per checkout: the
@@ -45,3 +64,16 @@ def pytest_sessionstart(session) -> None:
 
     with contextlib.suppress(cpu_kernels.KernelBuildError):
         cpu_kernels.load()
+
+
+def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
+    """pytest-xdist's scheduling by scope, with every Ray test in one scope ("ray", given to
+    one worker whole) and each other test a scope of its own (shared out as workers free up).
+    The scope is all the scheduler sees of a test: its node id."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneRayAtATime(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray" if nodeid.startswith(RAY_TESTS) else nodeid
+
+    return OneRayAtATime(config, log)

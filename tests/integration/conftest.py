@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import RAY_TESTS
 from tests.integration.serving import ServeCluster
 
 HERE = Path(__file__).parent
@@ -36,17 +37,22 @@ def _cluster_group(item: pytest.Item) -> int:
     return 2 if item.get_closest_marker("proxy_tls") else 1
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """A test that starts Ray must be one of tests/conftest.py's RAY_TESTS: under `make
+    test`'s two workers those run on one, and two Rays at once would share the machine's two
+    cores between two Serve apps (and their timeouts)."""
+    starts_ray = _cluster_group(item) or item.path.name in _OWN_RAY
+    if starts_ray and not item.nodeid.startswith(RAY_TESTS):
+        raise pytest.UsageError(f"{item.nodeid} starts Ray: list it in tests/conftest.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Reorder the integration tests by cluster group, in place (a stable sort: each module's
-    tests, and the modules of a group, keep their order). Under pytest-xdist (`make test`
-    runs two workers), every test that starts Ray goes to one worker, in that order: one Ray
-    on the machine at a time."""
+    tests, and the modules of a group, keep their order)."""
     where = [i for i, item in enumerate(items) if item.path.is_relative_to(HERE)]
     ordered = sorted((items[i] for i in where), key=_cluster_group)
     for i, item in zip(where, ordered, strict=True):
         items[i] = item
-        if _cluster_group(item) or item.path.name in _OWN_RAY:
-            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")
