@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.models.catalog import SMOLLM2_MODEL
 from engine.step_timer import PHASES, StepTimer
+from pdserve.bench.stats import decode_seconds
 from pdserve.flags import Flag, int_list
 
 _BANDWIDTH_BUFFER_BYTES = 512 << 20  # far beyond any last-level cache
@@ -165,9 +166,7 @@ def _decode_seconds(llm: Any, prompts: list[list[int]], max_tokens: int) -> floa
     from engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    timings = [o.timing for o in outputs]
-    return max(t.finished for t in timings) - min(t.first_token for t in timings)
+    return decode_seconds(llm.generate([{"prompt_token_ids": p} for p in prompts], params))
 
 
 def _decode_tokens_per_s(

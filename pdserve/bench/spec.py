@@ -4,19 +4,19 @@ against plain decoding, one stream.
 The workload is where prompt lookup pays: a code edit — the model is asked to repeat a piece of
 source (a module of this package) with one change, so its answer copies long spans of its own
 prompt. Both engines load the same weights in this process and run alternately (a noisy moment
-hurts both alike); decode speed excludes the prompt (a max_tokens=1 run is taken off a full
-one, best of `repeats`). Greedy outputs must be identical: drafts only change how many tokens a
-step verifies, never which.
+hurts both alike); decode speed excludes the prompt (a run is timed from its first token to
+its last by the engine's timestamps, best of `repeats`). Greedy outputs must be identical:
+drafts only change how many tokens a step verifies, never which.
 """
 
 from __future__ import annotations
 
 import inspect
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.models.catalog import SMOLLM2_MODEL
+from pdserve.bench.stats import decode_seconds
 
 
 @dataclass(frozen=True)
@@ -114,19 +114,12 @@ def run(config: SpecBenchConfig) -> dict[str, Any]:
 
 
 def _decode_seconds(llm: Any, prompt: list[int], output_len: int) -> tuple[float, list[int]]:
-    """Seconds of a full run minus its prefill (a max_tokens=1 run), and the full run's
-    tokens."""
+    """A run's decode seconds (from its first token to its last) and its tokens."""
     from engine.request import SamplingParams
 
-    def timed(max_tokens: int) -> tuple[float, list[int]]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        start = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
-        return time.perf_counter() - start, list(out.outputs[0].token_ids)
-
-    prefill, _ = timed(1)
-    full, tokens = timed(output_len)
-    return max(full - prefill, 1e-9), tokens
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": prompt}], params)
+    return decode_seconds(outputs), list(outputs[0].outputs[0].token_ids)
 
 
 CONFIG = SpecBenchConfig

@@ -110,11 +110,17 @@ def test_first_token_arrives_before_the_decode_leg_finishes(app: ServedApp) -> N
     request = generate_request(PROMPTS[0], max_tokens=160, temperature=0.0, ignore_eos=True)
     stream = app.client.stream(request, timeout=120)
     first = next(stream)
-    # The client holds the prefill's token while the decode engine still has the request.
-    decode = next(e for e in app.client.health().engines if e.role == "decode")
     assert len(first.token_ids) == 1
     assert first.prompt_token_ids
-    assert decode.num_running + decode.num_waiting >= 1
+
+    # The client holds the prefill's token while the decode engine still has the request
+    # (159 tokens to go). Its stats are a snapshot as of its last step: wait for the one
+    # after the decode leg arrived.
+    def decode_holds_it() -> bool:
+        decode = next(e for e in app.client.health().engines if e.role == "decode")
+        return decode.num_running + decode.num_waiting >= 1
+
+    assert wait_until(decode_holds_it, 30.0)
     chunks = [first, *stream]
     print("chunks for 160 tokens:", len(chunks))
     # Tokens stream as produced: one chunk per decode step, or a few steps together when the
