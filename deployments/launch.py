@@ -74,23 +74,12 @@ def start(
     """Start Ray and Serve and deploy; returns where the app listens. `after_ray_init` runs
     as soon as Ray is up (before the engines load, which takes minutes)."""
     from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
 
     with proxy_environment(options):
         _init_local_ray(options.num_cpus or _logical_cpus(config, options), options)
     if after_ray_init is not None:
         after_ray_init()
-    serve.start(
-        http_options=HTTPOptions(
-            host=options.host,
-            port=options.http_port,
-            ssl_keyfile=options.ssl_keyfile,
-            ssl_certfile=options.ssl_certfile,
-        ),
-        grpc_options=gRPCOptions(
-            port=options.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]
-        ),
-    )
+    start_serve(options)
     args = asdict(config)
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     where = {
@@ -108,6 +97,24 @@ def start(
     if options.metrics_export_port is not None:
         where["metrics"] = f"http://{options.host}:{options.metrics_export_port}/metrics"
     return where
+
+
+def start_serve(options: ServeOptions) -> None:
+    """Serve on the Ray this process is connected to, its proxies where `options` say."""
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    serve.start(
+        http_options=HTTPOptions(
+            host=options.host,
+            port=options.http_port,
+            ssl_keyfile=options.ssl_keyfile,
+            ssl_certfile=options.ssl_certfile,
+        ),
+        grpc_options=gRPCOptions(
+            port=options.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]
+        ),
+    )
 
 
 @contextlib.contextmanager

@@ -23,7 +23,6 @@ from deployments import launch
 from deployments.app import AppConfig, build_app
 from deployments.cluster.kv_index import index_actor_name
 from deployments.launch import APP_NAME, ServeOptions, free_port
-from deployments.router.grpc_ingress import SERVICER_FUNCTION
 from pdserve.client import GenerationClient
 
 __all__ = [
@@ -97,8 +96,6 @@ class ServeCluster:
 
     def _start(self, tls: ProxyTLS | None) -> ServeOptions:
         """As `pdserve serve` starts (deployments.launch.start), without deploying."""
-        from ray import serve
-        from ray.serve.config import HTTPOptions, gRPCOptions
 
         options = ServeOptions(
             grpc_port=free_port(),
@@ -111,17 +108,7 @@ class ServeCluster:
         with launch.environment(self._environment), launch.proxy_environment(options):
             launch._init_local_ray(NUM_CPUS, options)
         try:
-            serve.start(
-                http_options=HTTPOptions(
-                    host=options.host,
-                    port=options.http_port,
-                    ssl_keyfile=options.ssl_keyfile,
-                    ssl_certfile=options.ssl_certfile,
-                ),
-                grpc_options=gRPCOptions(
-                    port=options.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]
-                ),
-            )
+            launch.start_serve(options)
         except BaseException:
             launch.stop()  # no Ray left behind for the next module to trip over
             raise
