@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.stop_strings import check_stop_strings
+
 
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Every status after PREEMPTED is a finished one."""
@@ -166,11 +168,7 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if not _is_int(token_id) or token_id < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
-        if isinstance(self.stop, str):
-            raise ValueError("stop must be a list of strings, not a single string")
-        for text in self.stop:
-            if not isinstance(text, str) or not text:
-                raise ValueError(f"stop strings must be non-empty strings, got {text!r}")
+        check_stop_strings(self.stop)
         forced = self.forced_output_token_ids
         if len(forced) > self.max_tokens or any(not _is_int(t) or t < 0 for t in forced):
             raise ValueError(

@@ -19,6 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.models.catalog import is_gguf_path
+from engine.stop_strings import StopStrings
 
 # How many prompt tokens the detokenizer decodes before the first output token. Tokenizers such as
 # sentencepiece's Metaspace drop a leading space at the start of a decode, so the first output
@@ -308,9 +309,9 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._stops = _check_stop_strings(stop)
+        self._stops = StopStrings(stop)
         self._include_stop = include_stop_str_in_output
-        self._tail_len = max((len(s) for s in self._stops), default=1) - 1
+        self._tail_len = max(self._stops.max_len, 1) - 1
         context = self._prompt_context(prompt_token_ids)
         self._token_ids = context
         self._num_context = len(context)
@@ -379,47 +380,15 @@ class IncrementalDetokenizer:
     def _apply_stop_strings(self, new_text: str, flush: bool) -> str:
         window = self._tail + new_text
         emitted_end = len(self._tail) - self._num_pending
-        match = _find_stop(window, self._stops, new_from=len(self._tail))
+        match = self._stops.find(window, new_from=len(self._tail))
         if match is not None:
             stop, start = match
             self.stop_reason = stop
             return window[emitted_end : start + len(stop) if self._include_stop else start]
         held = 0
         if not (flush or self._include_stop):
-            held = _stop_prefix_len(window, self._stops, self._tail_len)
+            held = self._stops.prefix_len(window, self._tail_len)
         release_end = max(emitted_end, len(window) - held)
         self._num_pending = len(window) - release_end
         self._tail = window[-self._tail_len :] if self._tail_len else ""
         return window[emitted_end:release_end]
-
-
-def _check_stop_strings(stop: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(stop, str):
-        raise ValueError("stop must be a list of strings, not a single string")
-    for text in stop:
-        if not isinstance(text, str) or not text:
-            raise ValueError(f"stop strings must be non-empty strings, got {text!r}")
-    return tuple(stop)
-
-
-def _find_stop(text: str, stops: Sequence[str], new_from: int) -> tuple[str, int] | None:
-    """The stop string that completes first in `text` among matches ending after `new_from`.
-
-    "First to complete" (smallest end, then smallest start) does not depend on how the text was
-    split into deltas, so streaming and one-shot decoding stop at the same place.
-    """
-    best: tuple[int, int, str] | None = None
-    for stop in stops:
-        start = text.find(stop, max(0, new_from - len(stop) + 1))
-        if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
-            best = (start + len(stop), start, stop)
-    return None if best is None else (best[2], best[1])
-
-
-def _stop_prefix_len(text: str, stops: Sequence[str], max_len: int) -> int:
-    """Length of the longest suffix of `text` (at most `max_len`) that begins a stop string."""
-    for length in range(min(max_len, len(text)), 0, -1):
-        suffix = text[-length:]
-        if any(stop.startswith(suffix) for stop in stops):
-            return length
-    return 0

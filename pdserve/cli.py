@@ -32,11 +32,10 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _add_generate(commands: argparse._SubParsersAction) -> None:
+def _add_generate(parser: argparse.ArgumentParser) -> None:
     from engine.arg_utils import EngineArgs
     from engine.models.catalog import SMOLLM2_MODEL
 
-    parser = commands.add_parser("generate", help="offline generation, no Ray")
     engine = parser.add_argument_group("engine arguments (vLLM's names)")
     add_flags(engine, EngineArgs, flags=ENGINE_FLAGS, defaults={"model": SMOLLM2_MODEL})
     _add_prompt_and_sampling(parser)
@@ -48,30 +47,29 @@ def _add_prompt_and_sampling(parser: argparse.ArgumentParser) -> None:
     add_flags(parser.add_argument_group("sampling"), SamplingOptions)
 
 
-def _add_serve(commands: argparse._SubParsersAction) -> None:
+def _add_serve(parser: argparse.ArgumentParser) -> None:
     from pdserve import serve_command
 
-    parser = commands.add_parser("serve", help="local Ray + the Serve app; blocks until Ctrl-C")
     serve_command.add_arguments(parser)
 
 
-def _add_client(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("client", help="call the gRPC API")
+def _add_client(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, ClientOptions, flags={"tls_ca": Flag(metavar="PEM")})
     _add_prompt_and_sampling(parser)
 
 
-def _add_tools(commands: argparse._SubParsersAction) -> None:
+def _add_trace_sink(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, TraceSinkOptions)
+
+
+def _add_download(parser: argparse.ArgumentParser) -> None:
     from pdserve.download import DownloadOptions
 
-    sink = commands.add_parser("trace-sink", help="print OTLP/gRPC spans sent to it (dev tool)")
-    add_flags(sink, TraceSinkOptions)
-    download = commands.add_parser(
-        "download", help="fetch a model into a directory (init containers)"
-    )
-    add_flags(download, DownloadOptions)
-    make_model = commands.add_parser("make-model", help="write the generated tiny test model")
-    add_flags(make_model, MakeModelOptions)
+    add_flags(parser, DownloadOptions)
+
+
+def _add_make_model(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, MakeModelOptions)
 
 
 # `pdserve bench NAME`: each module's CONFIG dataclass gives the flags (and its FLAGS, if any,
@@ -88,28 +86,47 @@ _BENCHES = {
 }
 
 
-def _add_bench(commands: argparse._SubParsersAction) -> None:
+def _add_bench(parser: argparse.ArgumentParser, chosen: Sequence[str] | None) -> None:
     import importlib
 
-    bench = commands.add_parser("bench", help="benchmarks; each prints one JSON object")
-    benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    benches = parser.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     for name, help_text in _BENCHES.items():
-        module = importlib.import_module(f"pdserve.bench.{name}")
-        add_flags(benches.add_parser(name, help=help_text), module.CONFIG, flags=_flags(module))
+        bench = benches.add_parser(name, help=help_text)
+        if chosen is None or chosen[:1] == [name]:
+            module = importlib.import_module(f"pdserve.bench.{name}")
+            add_flags(bench, module.CONFIG, flags=_flags(module))
 
 
 def _flags(module: Any) -> dict[str, Flag]:
     return getattr(module, "FLAGS", {})
 
 
-def _build_parser() -> argparse.ArgumentParser:
+# Each command's help, and what adds its flags.
+_COMMAND_FLAGS: dict[str, tuple[str, Any]] = {
+    "generate": ("offline generation, no Ray", _add_generate),
+    "serve": ("local Ray + the Serve app; blocks until Ctrl-C", _add_serve),
+    "client": ("call the gRPC API", _add_client),
+    "trace-sink": ("print OTLP/gRPC spans sent to it (dev tool)", _add_trace_sink),
+    "download": ("fetch a model into a directory (init containers)", _add_download),
+    "make-model": ("write the generated tiny test model", _add_make_model),
+    "bench": ("benchmarks; each prints one JSON object", None),
+}
+
+
+def _build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; given `argv`, with the flags of the command it names only. A command's
+    flags may import the engine (torch: seconds), which `pdserve client` never needs."""
+    positional = None if argv is None else [a for a in argv if not a.startswith("-")]
     parser = _Parser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    _add_generate(commands)
-    _add_serve(commands)
-    _add_client(commands)
-    _add_tools(commands)
-    _add_bench(commands)
+    for name, (help_text, add) in _COMMAND_FLAGS.items():
+        command = commands.add_parser(name, help=help_text)
+        if positional is not None and positional[:1] != [name]:
+            continue
+        if name == "bench":
+            _add_bench(command, None if positional is None else positional[1:])
+        else:
+            add(command)
     return parser
 
 
@@ -291,7 +308,8 @@ _COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _build_parser(argv).parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
     except ValueError as exc:  # bad input: one line, exit status 2, no traceback

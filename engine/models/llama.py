@@ -131,7 +131,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelArchConfig, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (empty) table, it skips its random init: the checkpoint fills it, and
+        # normal_ on the meta device (the loader's) imports sympy, seconds per process.
+        table = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table)
         # One table for every layer: looked up once per step.
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
         self.layers = nn.ModuleList(

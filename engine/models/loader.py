@@ -56,7 +56,9 @@ def load_model(
     path = Path(path)
     with _default_dtype(dtype), torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
-    model.to_empty(device=device)
+    # Module.to_empty's empty_like runs torch's Python reference on meta tensors, which
+    # imports sympy (seconds in every process that loads a model); empty by shape does not.
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
     _load_weights(model, checkpoint_tensors(path, config), config)
     model.model.rotary.build(device)
