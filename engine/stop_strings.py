@@ -18,7 +18,7 @@ def check_stop_strings(stop: Sequence[str]) -> None:
 
 class StopStrings:
     """Stop strings as a set (for "does one end here?") and a sorted tuple (for "does one
-    begin with this?"). Per call the work is (new characters × distinct lengths) set lookups,
+    begin with this?"). Per call the work is (new characters times distinct lengths) set lookups,
     or a binary search per held-back length, never a pass over every string."""
 
     def __init__(self, stop: Sequence[str]) -> None:
