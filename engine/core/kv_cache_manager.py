@@ -192,6 +192,16 @@ class KVCacheManager:
         if self.enable_caching:
             self.manager.cache_blocks(request, num_computed_tokens)
 
+    def uncache_unwritten(self, request: Request) -> None:
+        """Take the request's blocks past its computed tokens out of the prefix cache. They were
+        indexed when this step granted it slots, for the KV the step would write; a request
+        unscheduled in the same step (a later one preempted it) never has it written, and a
+        prefix hit on them would read whatever the blocks held before."""
+        if self.enable_caching:
+            self.manager.uncache_from(
+                request.request_id, request.num_computed_tokens // self.block_size
+            )
+
     def free(self, request: Request) -> None:
         self.manager.free(request.request_id)
         self.running_room.pop(request.request_id, None)

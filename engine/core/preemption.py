@@ -49,6 +49,7 @@ class Preemption:
             if victim_index < index:  # only under priority
                 if victim.request_id in step.num_scheduled:  # not if it was skipped
                     step.unschedule(victim)
+                    self.kv_cache_manager.uncache_unwritten(victim)
                 index -= 1
             self.preempt(victim)
             step.preempted.append(victim)

@@ -71,6 +71,14 @@ class SingleTypeKVCacheManager(ABC):
         )
         self.num_cached_block[request_id] = num_full
 
+    def uncache_from(self, request_id: str, first_block: int) -> None:
+        """Take the request's blocks from `first_block` on out of the prefix cache."""
+        num_cached = self.num_cached_block.get(request_id, 0)
+        if num_cached <= first_block:
+            return
+        self.block_pool.evict_blocks(self.req_to_blocks[request_id][first_block:num_cached])
+        self.num_cached_block[request_id] = first_block
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks, the last ones first: the tail of a sequence is the
         least likely to be shared, so it should be the first to be evicted."""

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.core.kv_cache_utils import cdiv
+from engine.core.preemption import Preemption
 from engine.core.scheduler import Scheduler
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from tests.unit.sched_utils import make_scheduler, runner_for
@@ -206,3 +208,64 @@ def test_async_scheduling_emits_what_synchronous_scheduling_emits(workload):
         assert finals[req_id] == sync_finals[req_id], req_id
     if any(len(out) > 1 for out in sync_emitted.values()):
         assert num_ahead > 0  # decodes followed decodes: some step was scheduled ahead
+
+
+def _preempted_after_its_grant() -> tuple:
+    """The run hypothesis found (shrunk): under priority, r0 (priority 1) is granted its
+    step's slots, which fill block 9 of its prompt; a later running request needs blocks, and
+    r0, the lowest priority, is preempted in the same step. Its block 9 was indexed in the
+    prefix cache for KV that no step then wrote; r0, admitted again, hit it."""
+    config = {
+        "block_size": 2,
+        "num_blocks": 25,
+        "max_num_seqs": 7,
+        "max_num_batched_tokens": 9,
+        "max_model_len": MAX_MODEL_LEN,
+        "enable_chunked_prefill": True,
+        "long_prefill_token_threshold": 3,
+        "policy": "priority",
+        "enable_prefix_caching": True,
+    }
+
+    def arrival(step: int, i: int, prompt: list[int], max_tokens: int, priority: int) -> Arrival:
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=0)
+        return Arrival(step, Request(f"r{i}", prompt, params, None, float(i), priority))
+
+    arrivals = [
+        arrival(0, 0, [*SHARED[:20], 0], 1, priority=1),
+        *(arrival(0, i, [7], 1, priority=0) for i in (1, 4, 5, 6, 7, 8)),
+        arrival(2, 2, [7], 3, priority=0),
+        arrival(2, 3, [0] * 9, 1, priority=0),
+        arrival(1, 9, [*SHARED[:19], 0], 2, priority=0),
+    ]
+    return config, arrivals, []
+
+
+def test_a_request_preempted_after_its_grant_leaves_no_unwritten_block_cached() -> None:
+    """Under async scheduling (the order in which this workload takes the path): no block
+    past a request's computed tokens stays indexed once it is preempted in the step that
+    granted it slots; and the fake runner checks that every position's KV is the request's
+    own (r0's resumed prompt read block 9 unwritten before the fix)."""
+    preempted_in_own_step = []
+    original = Preemption.until_fits
+
+    def until_fits(self, running, request, num_new_tokens, index, step):  # type: ignore[no-untyped-def]
+        kv = self.kv_cache_manager
+        # The step's grants so far: computed tokens before the step, and the blocks held.
+        granted = {
+            r.request_id: (r.num_computed_tokens, list(kv.get_blocks(r.request_id)))
+            for r in step.scheduled_running
+        }
+        result = original(self, running, request, num_new_tokens, index, step)
+        for victim in step.preempted:
+            if victim.request_id in granted:
+                preempted_in_own_step.append(victim.request_id)
+                computed, blocks = granted[victim.request_id]
+                unwritten = blocks[computed // kv.block_size :]
+                assert all(block.block_hash is None for block in unwritten)
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Preemption, "until_fits", until_fits)
+        run_workload(_preempted_after_its_grant(), async_scheduling=True)
+    assert "r0" in preempted_in_own_step  # the path this test is about was taken
