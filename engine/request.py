@@ -258,6 +258,7 @@ class Request:
         "eos_token_id",
         "error",
         "kv_transfer_params",
+        "max_num_tokens",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -273,6 +274,7 @@ class Request:
         "spec_token_ids",
         "status",
         "stop_reason",
+        "stop_token_set",
         "timing",
     )
 
@@ -300,6 +302,12 @@ class Request:
         self.sampling_params = sampling_params
         self.max_tokens = sampling_params.max_tokens
         self.eos_token_id = eos_token_id
+        # For the per-token stop check (engine/core/stop.py): the tokens that may stop it
+        # (min_tokens and ignore_eos are looked at only for these), and its length once
+        # max_tokens outputs exist.
+        ids = sampling_params.stop_token_ids
+        self.stop_token_set = frozenset(ids if eos_token_id is None else (*ids, eos_token_id))
+        self.max_num_tokens = self.num_prompt_tokens + self.max_tokens
         self.arrival_time = time.time() if arrival_time is None else float(arrival_time)
         self.priority = priority
         self.cache_salt = cache_salt
@@ -345,14 +353,17 @@ class Request:
         hasher(self)
         self._next_hash_at = (len(self.block_hashes) + 1) * block_size
 
-    def append_output_token_ids(self, token_id: int) -> None:
+    def append_output_token_ids(self, token_id: int) -> int:
+        """Append one output token; returns num_tokens."""
         tokens = self.all_token_ids
         tokens.append(token_id)
         self.output_token_ids.append(token_id)
+        num_tokens = len(tokens)
         # Hash only when a block fills up: a plain comparison on the decode hot path.
-        if len(tokens) >= self._next_hash_at and self._block_hasher is not None:
+        if num_tokens >= self._next_hash_at and self._block_hasher is not None:
             self._block_hasher(self)
             self._next_hash_at = (len(self.block_hashes) + 1) * self._hash_block_size
+        return num_tokens
 
     def sort_key(self) -> tuple[int, float]:
         """Priority order: lower `priority` first, then earlier arrival."""

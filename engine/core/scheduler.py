@@ -27,7 +27,7 @@ from engine.core.request_queue import RequestQueue, create_request_queue
 from engine.core.sched_admit import Admitter
 from engine.core.sched_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.core.sched_step import Step, build_scheduler_output
-from engine.core.stop import append_until_stop, check_stop, owes_its_last_token
+from engine.core.stop import append_sampled, append_until_stop, owes_its_last_token
 from engine.kv_connector import KVConnectorBase
 from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason, Request, RequestStatus, finish_reason_of
@@ -345,8 +345,7 @@ class Scheduler:
                     request.num_output_placeholders -= 1  # this step's sample is here
                 if request.timing.first_token is None:
                     request.timing.first_token = time.time()
-                request.append_output_token_ids(token_ids[0])
-                status = check_stop(request, token_ids[0], max_model_len)
+                status = append_sampled(request, token_ids[0], max_model_len)
                 if status is None:  # usually
                     outputs.append(EngineCoreOutput(req_id, token_ids))
                     continue

@@ -1,7 +1,8 @@
 """Stop conditions checked after every appended token.
 
-check_stop runs once per request per decode step, so it reads plain attributes (`len` of the
-token lists, not the Request properties) and looks at min_tokens only for a stop token.
+append_sampled runs once per request per decode step, so it reads plain attributes (a set of
+the tokens that may stop the request, the token count at which max_tokens is reached) and
+looks at min_tokens only for a stop token.
 """
 
 from __future__ import annotations
@@ -12,20 +13,18 @@ _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
-def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
-    """The finished status `token_id` (just appended) puts the request in, if any.
+def append_sampled(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
+    """Append a sampled token; the finished status it puts the request in, if any.
 
     EOS and stop tokens count only once `min_tokens` outputs exist; length limits always do.
     A stop token is reported as the stop reason, as in the OpenAI API's `stop_reason`.
     """
-    if token_id == request.eos_token_id or token_id in request.sampling_params.stop_token_ids:
+    num_tokens = request.append_output_token_ids(token_id)
+    if token_id in request.stop_token_set:
         status = _stop_token_status(request, token_id)
         if status is not None:
             return status
-    if (
-        len(request.output_token_ids) >= request.max_tokens
-        or len(request.all_token_ids) >= max_model_len
-    ):
+    if num_tokens >= request.max_num_tokens or num_tokens >= max_model_len:
         return _LENGTH_CAPPED
     return None
 
@@ -49,8 +48,7 @@ def append_until_stop(
     the request: how many were appended, and the finished status if one stopped it (what
     follows a stop is never appended)."""
     for n, token_id in enumerate(token_ids, 1):
-        request.append_output_token_ids(token_id)
-        status = check_stop(request, token_id, max_model_len)
+        status = append_sampled(request, token_id, max_model_len)
         if status is not None:
             return n, status
     return len(token_ids), None
