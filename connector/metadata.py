@@ -7,11 +7,12 @@ import hashlib
 import json
 from array import array
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.kv_connector import KV_CACHE_LAYOUT
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

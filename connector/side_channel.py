@@ -34,10 +34,9 @@ import logging
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
 
 from connector.block_data import encode_block_data
 from connector.leases import (
@@ -48,6 +47,9 @@ from connector.leases import (
 from engine.config import KVTransferConfig, SideChannelTLS
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # the client side (the router's lease calls) runs without torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,8 @@ def block_bytes_view(kv_cache: torch.Tensor) -> torch.Tensor:
     flat = kv_cache.view(kv_cache.shape[0], -1)
     if flat.shape[1] == 0:
         raise ValueError("kv_cache blocks are empty")
+    import torch
+
     return flat.view(torch.uint8)
 
 

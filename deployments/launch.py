@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -68,29 +68,39 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def deploy(config: AppConfig, extra_apps: Mapping[str, Mapping[str, Any]]) -> None:
+    """The main app at route / and each extra app (its overrides of the main app's settings)
+    at /<name>, deployed together: their replicas start side by side, not one app's after
+    the other's. Returns once every app is running."""
+    from ray import serve
+
+    args = asdict(config)
+    targets = [serve.RunTarget(build_app(args), name=APP_NAME, route_prefix="/")]
+    for name, overrides in extra_apps.items():
+        extra = asdict(AppConfig.from_args({**args, **overrides}))
+        targets.append(serve.RunTarget(build_app(extra), name=name, route_prefix=f"/{name}"))
+    serve.run_many(targets)
+
+
 def start(
     config: AppConfig, options: ServeOptions, after_ray_init: Callable[[], None] | None = None
 ) -> dict[str, str]:
     """Start Ray and Serve and deploy; returns where the app listens. `after_ray_init` runs
     as soon as Ray is up (before the engines load, which takes minutes)."""
-    from ray import serve
 
     with proxy_environment(options):
         _init_local_ray(options.num_cpus or _logical_cpus(config, options), options)
     if after_ray_init is not None:
         after_ray_init()
     start_serve(options)
-    args = asdict(config)
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    deploy(config, options.extra_apps)
     where = {
         "grpc": f"{options.host}:{options.grpc_port}",
         "http": f"{'https' if options.tls else 'http'}://{options.host}:{options.http_port}",
     }
     if options.tls:
         where["grpc_tls"] = f"{options.host}:{options.grpc_tls_port}"
-    for name, overrides in options.extra_apps.items():
-        extra = AppConfig.from_args({**args, **overrides})
-        serve.run(build_app(asdict(extra)), name=name, route_prefix=f"/{name}")
+    for name in options.extra_apps:
         where[f"{name}_http"] = f"{where['http']}/{name}"
     if options.dashboard_port is not None:
         where["dashboard"] = f"http://{options.host}:{options.dashboard_port}"

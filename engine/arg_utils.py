@@ -6,8 +6,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from engine.config import (
     CacheConfig,
     EngineConfig,
@@ -188,12 +186,16 @@ class EngineArgs:
 
 
 def _resolve_device(device: str) -> str:
+    if device == "cpu":
+        return device
+    if device != "auto" and not device.startswith("cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    import torch  # only to look for a GPU: the router checks prompts with this config
+
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but CUDA is not available")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
     return device
 
 

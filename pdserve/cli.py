@@ -176,13 +176,14 @@ def _completion_json(
 
 def _run_generate(args: argparse.Namespace) -> int:
     from engine.arg_utils import EngineArgs
-    from engine.llm import LLM
     from engine.request import SamplingParams
 
     prompts = [_offline_prompt(p, args.raw) for p in _prompts(args)]
     kwargs = _sampling_kwargs(args)
-    SamplingParams(**kwargs)  # bad sampling arguments fail before the model loads
+    SamplingParams(**kwargs)  # bad sampling arguments fail before torch and the model load
     engine_args = read_flags(args, EngineArgs, flags=ENGINE_FLAGS)
+    from engine.llm import LLM
+
     llm = LLM(**engine_args)
     params = [SamplingParams(**_offline_max_tokens(llm, prompt, kwargs)) for prompt in prompts]
     for output in llm.generate(prompts, params):

@@ -90,7 +90,11 @@ class Router:
         decode: DeploymentHandle,
         prefill: DeploymentHandle | None = None,
     ) -> None:
-        inputs = InputProcessor.from_args(settings.model, **settings.engine_args)
+        # The router computes nothing: its copy of the engine's config only checks and
+        # tokenizes prompts, on a node with no GPU ("cuda" would be refused here).
+        inputs = InputProcessor.from_args(
+            settings.model, **{**settings.engine_args, "device": "cpu"}
+        )
         quiet_client_errors()  # refusals: one INFO line each in this replica's log
         self.settings = settings
         self.tokenizer = inputs.tokenizer

@@ -16,12 +16,14 @@ import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from engine.models.config import ModelArchConfig
+
+if TYPE_CHECKING:  # the metadata (config, tokenizer) is read without torch: the router does
+    import torch
 
 # GGUF `general.architecture` -> the Hugging Face architecture the engine builds.
 GGUF_ARCHITECTURES = {
@@ -159,6 +161,8 @@ def gguf_tensors(
     reader: Any, config: ModelArchConfig, name: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file, dequantized."""
+    import torch
+
     unpermute = config.architecture == "LlamaForCausalLM"
     for tensor in reader.tensors:
         hf_name = hf_tensor_name(tensor.name)

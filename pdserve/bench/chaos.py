@@ -104,11 +104,10 @@ def run(config: ChaosConfig) -> dict[str, Any]:
     )
     grpc_port = free_port()
     # Ray forwards its processes' output to this one's stdout, which carries the report.
+    options = ServeOptions(grpc_port=grpc_port, http_port=free_port(), num_cpus=config.num_cpus)
     with contextlib.redirect_stdout(sys.stderr):
-        start(
-            app, ServeOptions(grpc_port=grpc_port, http_port=free_port(), num_cpus=config.num_cpus)
-        )
         try:
+            start(app, options)  # a failed start leaves no Ray behind either
             return _chaos(config, f"127.0.0.1:{grpc_port}", APP_NAME, prompts, expected)
         finally:
             stop()

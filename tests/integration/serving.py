@@ -15,12 +15,12 @@ import json
 import os
 import signal
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from deployments import launch
-from deployments.app import AppConfig, build_app
+from deployments.app import AppConfig
 from deployments.cluster.kv_index import index_actor_name
 from deployments.launch import APP_NAME, ServeOptions, free_port
 from pdserve.client import GenerationClient
@@ -140,14 +140,8 @@ class ServedApp:
         self._logs_before: set[Path] = set()
 
     def deploy(self) -> None:
-        from ray import serve
-
         self._logs_before = set(_serve_logs().glob("*"))
-        args = asdict(AppConfig.from_args(self.settings.app))
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-        for name, overrides in self.settings.extra_apps.items():
-            extra = AppConfig.from_args({**args, **overrides})
-            serve.run(build_app(asdict(extra)), name=name, route_prefix=f"/{name}")
+        launch.deploy(AppConfig.from_args(self.settings.app), self.settings.extra_apps)
 
     def delete(self) -> None:
         """Delete the apps, and their KV index actors (detached: `serve.shutdown()` would end

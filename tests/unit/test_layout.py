@@ -132,7 +132,9 @@ def test_deployments_processes_keep_to_their_own_side() -> None:
 
 def test_router_and_cluster_load_no_engine_runtime() -> None:
     """The same, as Python sees it: importing every router and cluster module (with what they
-    import in turn) loads no engine core, model runner, async engine, offline API or replica."""
+    import in turn) loads no engine core, model runner, async engine, offline API or replica;
+    nor torch (seconds of every router replica's start), not even once the router has read
+    its model's config and tokenizer (from a GGUF too)."""
     packages = [*NO_ENGINE_RUNTIME]
     code = f"""
 import importlib, pkgutil, sys
@@ -140,7 +142,10 @@ for name in {packages!r}:
     package = importlib.import_module(name)
     for info in pkgutil.walk_packages(package.__path__, name + "."):
         importlib.import_module(info.name)
-loaded = [m for m in sys.modules if m.startswith({(*ENGINE_RUNTIME, "deployments.replica")!r})]
+from engine.inputs import InputProcessor
+InputProcessor.from_args("smollm2", device="cpu")  # as the Router replica starts
+banned = {(*ENGINE_RUNTIME, "deployments.replica", "torch")!r}
+loaded = [m for m in sys.modules if m == "torch" or m.startswith(banned)]
 print(sorted(loaded))
 print(len([m for m in sys.modules if m.startswith("deployments.router.")]))
 """
