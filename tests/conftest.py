@@ -10,29 +10,22 @@ from pathlib import Path
 from typing import Any
 
 # The tests that start Ray: those on the Serve harness (tests/integration/serving.py) and two
-# that start one of their own, in two shares of about equal time. Under `make test`'s workers
-# each share runs whole on one worker, in the order tests/integration/conftest.py gives it,
-# with a Ray of its own (on its own ports), beside the other share's; the other tests fill
-# the workers as they free up. tests/integration/conftest.py refuses a test that starts Ray
-# from elsewhere.
-RAY_SHARES = tuple(
-    tuple(f"tests/integration/{path}" for path in share)
-    for share in (
-        (
-            "serve_app/",
-            "test_security_serve.py",
-            "test_sla_autoscaling_serve.py",
-            "test_tracing.py",
-        ),
-        (
-            "test_chaos.py",
-            "test_kv_routing.py",
-            "test_migration_serve.py",
-            "test_serve_cli.py",
-        ),
+# that start one of their own. Under `make test`'s two workers they all run on one, in the
+# order tests/integration/conftest.py gives them: one Ray on the machine at a time.
+# tests/integration/conftest.py refuses a test that starts Ray from elsewhere.
+RAY_TESTS = tuple(
+    f"tests/integration/{path}"
+    for path in (
+        "serve_app/",
+        "test_chaos.py",
+        "test_kv_routing.py",
+        "test_migration_serve.py",
+        "test_security_serve.py",
+        "test_serve_cli.py",
+        "test_sla_autoscaling_serve.py",
+        "test_tracing.py",
     )
 )
-RAY_TESTS = tuple(path for share in RAY_SHARES for path in share)
 
 # The default model is built once per test session into a private cache, never into ~/.cache:
 # tests stay hermetic, and subprocesses (CLI tests) inherit the variable. One per checkout: the
@@ -74,17 +67,13 @@ def pytest_sessionstart(session) -> None:
 
 
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
-    """pytest-xdist's scheduling by scope, with each share of the Ray tests one scope ("ray0",
-    "ray1": each given to one worker whole) and each other test a scope of its own. xdist
-    hands out the scopes with the most tests first, so the shares start at once, on two
-    workers. The scope is all the scheduler sees of a test: its node id."""
+    """pytest-xdist's scheduling by scope, with every Ray test in one scope ("ray", given to
+    one worker whole) and each other test a scope of its own (shared out as workers free up).
+    The scope is all the scheduler sees of a test: its node id."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class RayShares(LoadScopeScheduling):
+    class OneRayAtATime(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            for i, share in enumerate(RAY_SHARES):
-                if nodeid.startswith(share):
-                    return f"ray{i}"
-            return nodeid
+            return "ray" if nodeid.startswith(RAY_TESTS) else nodeid
 
-    return RayShares(config, log)
+    return OneRayAtATime(config, log)

@@ -39,8 +39,8 @@ def _cluster_group(item: pytest.Item) -> int:
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     """A test that starts Ray must be one of tests/conftest.py's RAY_TESTS: under `make
-    test`'s workers each share of them runs on one worker, in order (one Serve app at a time
-    per Ray, each Ray's apps on ports of their own)."""
+    test`'s two workers those run on one, and two Rays at once would share the machine's two
+    cores between two Serve apps (and their timeouts)."""
     starts_ray = _cluster_group(item) or item.path.name in _OWN_RAY
     if starts_ray and not item.nodeid.startswith(RAY_TESTS):
         raise pytest.UsageError(f"{item.nodeid} starts Ray: list it in tests/conftest.py")
