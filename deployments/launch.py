@@ -204,8 +204,11 @@ def stop() -> None:
     # notice only minutes later, still listening. Whatever of our process tree outlives the
     # shutdown is ended here, so SIGTERM leaves as little behind as Ctrl-C does.
     ray_processes = _ray_processes()
-    serve.shutdown()
-    ray.shutdown()
+    # Only a Ray this process is connected to: with none (its start failed), serve.shutdown()
+    # would connect to whatever cluster RAY_ADDRESS names, or start one, to shut it down.
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
     _end(ray_processes)
 
 

@@ -190,7 +190,7 @@ def _resolve_device(device: str) -> str:
         return device
     if device != "auto" and not device.startswith("cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
-    import torch  # only to look for a GPU: the router checks prompts with this config
+    import torch  # only to look for a GPU: "cpu" (the router's) needs no torch
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -85,7 +85,6 @@ def _reader_class() -> type:
     value (~250k for a 49k-token vocabulary); slicing an np.memmap makes memmap objects, whose
     bookkeeping was 60% of the parse (4.0 s -> 1.6 s for SmolLM2). The bytes stay mapped."""
     import gguf
-    import numpy as np
 
     class Reader(gguf.GGUFReader):
         @property

@@ -157,7 +157,8 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode: FusedDecodeStep | None = None
 
     def tie_weights(self) -> None:
-        """Share the embedding with the output head (again after `to_empty`, which unties)."""
+        """Share the embedding with the output head (again after the loader makes
+        the parameters real, which unties)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
