@@ -57,10 +57,8 @@ def append_until_stop(
 def reaches_length_limit(request: Request, max_model_len: int, pending: int = 0) -> bool:
     """max_tokens outputs, or a full context, counting `pending` samples not yet appended
     (async scheduling's placeholders)."""
-    return (
-        len(request.output_token_ids) + pending >= request.max_tokens
-        or len(request.all_token_ids) + pending >= max_model_len
-    )
+    num_tokens = len(request.all_token_ids) + pending
+    return num_tokens >= request.max_num_tokens or num_tokens >= max_model_len
 
 
 def owes_its_last_token(request: Request, max_model_len: int) -> bool:
