@@ -17,7 +17,6 @@ RAY_TESTS = tuple(
     f"tests/integration/{path}"
     for path in (
         "serve_app/",
-        "test_chaos.py",
         "test_kv_routing.py",
         "test_migration_serve.py",
         "test_security_serve.py",

@@ -87,11 +87,10 @@ class _Tally:
 
 
 def run(config: ChaosConfig) -> dict[str, Any]:
+    """Start a local app of the config's shape, run the chaos on it (`run_on`), stop it."""
     from deployments.app import AppConfig
     from deployments.launch import APP_NAME, ServeOptions, free_port, start, stop
 
-    prompts = [f"Chaos request {i} asks about" for i in range(24)]
-    expected = _offline(config, prompts)
     app = AppConfig.from_args(
         {
             "model": config.model,
@@ -108,9 +107,19 @@ def run(config: ChaosConfig) -> dict[str, Any]:
     with contextlib.redirect_stdout(sys.stderr):
         try:
             start(app, options)  # a failed start leaves no Ray behind either
-            return _chaos(config, f"127.0.0.1:{grpc_port}", APP_NAME, prompts, expected)
+            return run_on(config, f"127.0.0.1:{grpc_port}", APP_NAME)
         finally:
             stop()
+
+
+def run_on(config: ChaosConfig, target: str, app: str) -> dict[str, Any]:
+    """The chaos on app `app` of the Serve that this process is connected to (its gRPC proxy at
+    `target`), serving `config.model` with prefill, decode and router replicas: its replicas
+    are found and killed through Ray, so the app must run on this machine. The requests
+    carry their own deadline (`config.request_timeout_s`), whatever the app's default."""
+    prompts = [f"Chaos request {i} asks about" for i in range(24)]
+    expected = _offline(config, prompts)
+    return _chaos(config, target, app, prompts, expected)
 
 
 def _offline(config: ChaosConfig, prompts: list[str]) -> list[list[int]]:
@@ -135,11 +144,11 @@ def _chaos(
     load = _Load(client, config, prompts, expected, tally)
     for i in range(3):  # warm-up: every engine has run, memory is what steady state holds
         _one(load, random.Random(i), plain=True)
-    rss_before = _engine_rss()
+    rss_before = _engine_rss(app)
     stop_at = time.monotonic() + config.duration_s
     issued = _Issued(config.max_requests)
     kills: Counter[str] = Counter()
-    killer = threading.Thread(target=_killer, args=(config, stop_at, kills), daemon=True)
+    killer = threading.Thread(target=_killer, args=(config, app, stop_at, kills), daemon=True)
     workers = [
         threading.Thread(
             target=_worker, args=(load, random.Random(config.seed + w), stop_at, issued)
@@ -155,7 +164,7 @@ def _chaos(
     elapsed = time.monotonic() - began
     killer.join(timeout=5)
     idle_s, leftovers = _wait_idle(client, timeout_s=180)
-    rss_after = _engine_rss()
+    rss_after = _engine_rss(app)
     client.close()
     counts = tally.counts
     return {
@@ -289,35 +298,36 @@ def _malformed(client: Any, rng: random.Random, tally: _Tally) -> None:
         tally.add("refused" if clear else "failed_unclear", f"{exc.code().name}: {exc.details()}")
 
 
-def _killer(config: ChaosConfig, stop_at: float, kills: Counter[str]) -> None:
-    """SIGKILL a replica of the next role in turn every `kill_every_s`."""
+def _killer(config: ChaosConfig, app: str, stop_at: float, kills: Counter[str]) -> None:
+    """SIGKILL a replica of `app`, of the next role in turn, every `kill_every_s`."""
     turn = 0
     while time.monotonic() + config.kill_every_s < stop_at:
         time.sleep(config.kill_every_s)
         role = ROLES[turn % len(ROLES)]
         turn += 1
-        if _kill_one(_DEPLOYMENTS[role], random.Random(turn)):
+        if _kill_one(app, _DEPLOYMENTS[role], random.Random(turn)):
             kills[role] += 1
 
 
-def _replica_pids(deployment: str) -> list[int]:
+def _replica_pids(app: str, deployment: str) -> list[int]:
+    """Pids of the live replicas of one deployment of `app` (not of other apps beside it)."""
     from ray._private import state
 
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
     return [
         int(actor["Pid"])
         for actor in state.actors().values()
         if actor.get("State") == "ALIVE"
-        and f"#{deployment}#" in str(actor.get("Name", ""))
-        and str(actor.get("Name", "")).startswith("SERVE_REPLICA::")
+        and str(actor.get("Name", "")).startswith(prefix)
         and actor.get("Pid")
     ]
 
 
-def _kill_one(deployment: str, rng: random.Random) -> bool:
+def _kill_one(app: str, deployment: str, rng: random.Random) -> bool:
     import os
     import signal
 
-    pids = _replica_pids(deployment)
+    pids = _replica_pids(app, deployment)
     if not pids:
         return False
     with contextlib.suppress(ProcessLookupError):
@@ -327,13 +337,13 @@ def _kill_one(deployment: str, rng: random.Random) -> bool:
     return False
 
 
-def _engine_rss() -> dict[str, float]:
-    """Resident MiB of each engine replica process now (by pid)."""
+def _engine_rss(app: str) -> dict[str, float]:
+    """Resident MiB of each engine replica process of `app` now (by pid)."""
     import psutil
 
     rss = {}
     for deployment in ("PrefillServer", "DecodeServer"):
-        for pid in _replica_pids(deployment):
+        for pid in _replica_pids(app, deployment):
             with contextlib.suppress(psutil.Error):
                 rss[f"{deployment}:{pid}"] = round(psutil.Process(pid).memory_info().rss / 2**20, 1)
     return rss

@@ -5,7 +5,7 @@ A module that serves an app asks for `serve_cluster` and deploys its AppSettings
 of tests/integration/serve_app/). Every such test runs after the integration tests that start
 no Ray here, and those whose proxies speak TLS run last: so Ray and Serve start once for the
 plain proxies and once for TLS, and are stopped as soon as the next test needs neither (the
-chaos bench starts a Ray of its own in this process; the model tests want the cores).
+model tests want the cores).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from tests.integration.serving import ServeCluster
 
 HERE = Path(__file__).parent
 _CLUSTER = pytest.StashKey[ServeCluster]()
-# Modules that start a Ray of their own (the chaos bench in this process; `pdserve serve`).
-_OWN_RAY = {"test_chaos.py", "test_serve_cli.py"}
+# Modules that start a Ray of their own (`pdserve serve`).
+_OWN_RAY = {"test_serve_cli.py"}
 
 
 def pytest_configure(config: pytest.Config) -> None:

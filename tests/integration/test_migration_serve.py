@@ -1,6 +1,7 @@
 """Request migration on real local Ray Serve: decode replicas killed with SIGKILL mid-stream.
 One prefill, two decode and two router replicas; the offline engine in this process is the
-oracle. Also: Abort across router replicas, Health over every replica, admission bounds.
+oracle. Also: Abort across router replicas, Health over every replica, admission bounds, and
+last, `pdserve bench chaos` (short) on the same app.
 (The case of a single decode replica, whose streams move to the prefill replica, is in
 serve_app/test_replica_kills.py.)"""
 
@@ -17,9 +18,11 @@ import pytest
 
 from engine.llm import LLM
 from engine.request import SamplingParams
+from pdserve.bench.chaos import ChaosConfig, run_on
 from pdserve.client import GenerationClient, generate_request
 from protos.pdserve.v1 import generate_pb2 as pb
 from tests.integration.serving import (
+    APP_NAME,
     AppSettings,
     ServeCluster,
     ServedApp,
@@ -207,3 +210,29 @@ def test_over_the_admission_bounds_requests_are_refused_at_once(served: ServedAp
     after = tight.complete(generate_request("Count", max_tokens=4, temperature=0.0))
     assert len(after.token_ids) == 4
     tight.close()
+
+
+def test_a_short_chaos_run_loses_nothing_and_leaks_nothing(served: ServedApp) -> None:
+    """pdserve bench chaos, short, on this module's app (the shape the bench deploys: one
+    prefill, two decode, two router replicas): one replica of each role is killed while
+    clients stream, cancel and send malformed requests. Nothing may be lost, no completed
+    stream may differ from offline generation, no client may read Ray's internals, and
+    afterwards no engine may hold a block."""
+    config = ChaosConfig(
+        engine_args=ENGINE_ARGS,
+        duration_s=36,
+        kill_every_s=10,  # kills at 10, 20 and 30 s: prefill, decode, router
+        concurrency=4,
+        max_tokens=32,
+        seed=3,
+    )
+    report = run_on(config, served.target, APP_NAME)
+    print(report)
+    assert report["kills"] == {"prefill": 1, "decode": 1, "router": 1}
+    assert report["lost"] == 0 and report["timed_out"] == 0
+    assert report["completed_mismatch"] == 0
+    assert report["failed_unclear"] == 0, report["unclear_examples"]
+    assert report["malformed_accepted"] == 0
+    assert report["completed_exact"] > 20 and report["malformed_refused"] >= 1
+    assert report["idle_after_s"] is not None
+    assert report["blocks_held_after"] == 0 and report["requests_held_after"] == 0

@@ -75,7 +75,25 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(PDSERVE + args, capture_output=True, text=True, timeout=300)
 
 
+def _start(args: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        PDSERVE + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _output(process: subprocess.Popen[str]) -> Any:
+    """A `--json` command's output, once it has ended successfully."""
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr
+    return json.loads(stdout)
+
+
 QUESTION = "What is the capital of France?"
+# What `pdserve generate` answers offline, for the served answers to equal.
+OFFLINE = {
+    "chat": ["generate", "--prompt", QUESTION, "--max-tokens", "12", "--json"],
+    "raw": ["generate", "--raw", "--prompt", "Hello", "--max-tokens", "4", "--json"],
+}
 CAPITAL_SCHEMA = {
     "name": "capital",
     "schema": {
@@ -100,6 +118,9 @@ def test_pdserve_serve_then_clients_dashboard_metrics_then_sigterm() -> None:
     Prometheus metrics, then stop it with SIGTERM (what Kubernetes and systemd send): it shuts
     down as Ctrl-C does, leaving no Ray process behind."""
     ports = Ports(free_port(), free_port(), free_port(), free_port())
+    # The offline answers the served ones must equal, computed while the app starts (much of
+    # which is waiting on Ray).
+    offline = {name: _start(args) for name, args in OFFLINE.items()}
     proc = _start_pdserve_serve(ports)
     lines = _Lines(proc)
     ray_processes: list[psutil.Process] = []
@@ -107,11 +128,13 @@ def test_pdserve_serve_then_clients_dashboard_metrics_then_sigterm() -> None:
         lines.wait_for("press Ctrl-C", 300)
         _check_what_it_printed("".join(lines.seen), ports)
         ray_processes = psutil.Process(proc.pid).children(recursive=True)
-        _check_grpc_client(ports.grpc)
+        _check_grpc_client(ports.grpc, {name: _output(p) for name, p in offline.items()})
         _check_openai_sdk(ports.http)
         _check_serve_status(ports.dashboard)
         _check_metrics_scrape(ports.http, ports.metrics)
     finally:
+        for process in offline.values():
+            process.kill()
         _sigterm(proc)
     _check_clean_shutdown(proc, lines, ray_processes)
 
@@ -237,21 +260,21 @@ def _check_metrics_scrape(http_port: int, metrics_port: int) -> None:
     )
 
 
-def _check_grpc_client(grpc_port: int) -> None:
+def _check_grpc_client(grpc_port: int, offline: dict[str, Any]) -> None:
+    """`pdserve client`: the README's question, then the same prompts as `offline` (OFFLINE's
+    answers), which it must answer alike."""
     target = ["--target", f"127.0.0.1:{grpc_port}"]
     # The README's command: a question, answered through the model's chat template.
     answer = _run(["client", *target, "--prompt", QUESTION, "--max-tokens", "24"])
     assert answer.returncode == 0, answer.stderr
     assert "Paris" in answer.stdout
-    served = _run(["client", *target, "--prompt", QUESTION, "--max-tokens", "12", "--json"])
+    served = _run(["client", *target, *OFFLINE["chat"][1:]])
     assert served.returncode == 0, served.stderr
-    offline = _run(["generate", "--prompt", QUESTION, "--max-tokens", "12", "--json"])
-    assert offline.returncode == 0, offline.stderr
-    assert json.loads(served.stdout) == json.loads(offline.stdout)
+    assert json.loads(served.stdout) == offline["chat"]
     # --raw: the text as it is, no template (an instruct model may just end its turn).
-    raw = _run(["client", *target, "--raw", "--prompt", "Hello", "--max-tokens", "4", "--json"])
-    raw_offline = _run(["generate", "--raw", "--prompt", "Hello", "--max-tokens", "4", "--json"])
-    assert json.loads(raw.stdout) == json.loads(raw_offline.stdout)
+    raw = _run(["client", *target, *OFFLINE["raw"][1:]])
+    assert raw.returncode == 0, raw.stderr
+    assert json.loads(raw.stdout) == offline["raw"]
     assert (
         json.loads(raw.stdout)["prompt_token_ids"] != json.loads(served.stdout)["prompt_token_ids"]
     )

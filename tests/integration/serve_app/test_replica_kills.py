@@ -1,6 +1,6 @@
 """Engine replicas killed under traffic: requests in flight and after complete with the right
-tokens (prefill: fallback to decode-only, or a recompute of a failed KV read; decode: streams
-move to the prefill replica, request migration), and Serve brings replacements up.
+tokens (prefill: fallback to decode-only at once, or a recompute of a failed KV read; decode:
+streams move to the prefill replica, request migration), and Serve brings replacements up.
 
 Last in the package (name order): these kill replicas of the app every module here shares, and
 each test waits for the replacement before it ends.
@@ -29,12 +29,16 @@ def test_killing_the_prefill_replica_keeps_requests_completing(
 ) -> None:
     """Under steady traffic, requests in flight at the kill and requests sent after it all
     complete with the right tokens (fallback to decode-only, or recompute of a failed KV
-    read), and Serve brings a new prefill replica up."""
+    read). Requests sent right after the kill complete decode-only (route fallback) at once,
+    not after waiting for Serve's replacement; once it runs they are disaggregated again."""
     import ray
 
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} again {i}" for i in range(40)]
     params = SamplingParams(max_tokens=32, temperature=0.0)
     expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+    after = [f"{PROMPTS[1]} {i}" for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    after_expected = [o.outputs[0].token_ids for o in offline.generate(after, params)]
     (victim,) = replica_actors("PrefillServer")
     results: dict[int, Completion | Exception] = {}
     spans: dict[int, tuple[float, float]] = {}
@@ -53,6 +57,12 @@ def test_killing_the_prefill_replica_keeps_requests_completing(
         assert wait_until(lambda: len(results) >= 6, 60)  # traffic is flowing
         killed_at = time.monotonic()
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        for prompt, want in zip(after, after_expected, strict=True):
+            got = app.client.complete(generate_request(prompt, max_tokens=8, temperature=0.0))
+            assert (got.route, got.token_ids) == ("fallback", want)
+        # Answered before Serve had a replacement running (it first has to notice the death
+        # at a health check, then load an engine): not after waiting for one.
+        assert not prefill_replacement_running(victim)
         for future in futures:
             future.result()
     routes = {i: getattr(r, "route", repr(r)) for i, r in sorted(results.items())}
@@ -63,34 +73,13 @@ def test_killing_the_prefill_replica_keeps_requests_completing(
     in_flight = [i for i, (b, e) in spans.items() if b < killed_at < e]
     started_after = [i for i, (b, _) in spans.items() if b > killed_at]
     assert in_flight and started_after, spans
-    assert wait_until(lambda: replica_actors("PrefillServer") not in ([], [victim]), 120)
     assert wait_until(lambda: disaggregated_again(app), 120)
+    assert prefill_replacement_running(victim)
 
 
 def disaggregated_again(app: ServedApp) -> bool:
     request = generate_request("Hello", max_tokens=4, temperature=0.0)
     return app.client.complete(request).route == "disaggregated"
-
-
-def test_requests_after_a_prefill_kill_go_decode_only_at_once(app: ServedApp, offline: LLM) -> None:
-    """With the only prefill replica killed, requests complete decode-only (route fallback,
-    right tokens) at once, not after waiting for Serve's replacement; once it runs they are
-    disaggregated again."""
-    import ray
-
-    (victim,) = replica_actors("PrefillServer")
-    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-    prompts = [f"{PROMPTS[1]} {i}" for i in range(3)]
-    params = SamplingParams(max_tokens=8, temperature=0.0)
-    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
-    for prompt, want in zip(prompts, expected, strict=True):
-        got = app.client.complete(generate_request(prompt, max_tokens=8, temperature=0.0))
-        assert (got.route, got.token_ids) == ("fallback", want)
-    # Answered before Serve had a replacement running (it first has to notice the death at a
-    # health check, then load an engine): not after waiting for one.
-    assert not prefill_replacement_running(victim)
-    assert wait_until(lambda: disaggregated_again(app), 120)
-    assert prefill_replacement_running(victim)
 
 
 def prefill_replacement_running(victim: str) -> bool:
