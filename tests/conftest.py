@@ -9,8 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-# The tests that start Ray: those on the Serve harness (tests/integration/serving.py) and two
-# that start one of their own. Under `make test`'s two workers they all run on one, in the
+# The tests that start Ray: those on the Serve harness (tests/integration/serving.py) and the one
+# that starts its own (`pdserve serve`). Under `make test`'s two workers they all run on one, in the
 # order tests/integration/conftest.py gives them: one Ray on the machine at a time.
 # tests/integration/conftest.py refuses a test that starts Ray from elsewhere.
 RAY_TESTS = tuple(

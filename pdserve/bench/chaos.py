@@ -116,7 +116,9 @@ def run_on(config: ChaosConfig, target: str, app: str) -> dict[str, Any]:
     """The chaos on app `app` of the Serve that this process is connected to (its gRPC proxy at
     `target`), serving `config.model` with prefill, decode and router replicas: its replicas
     are found and killed through Ray, so the app must run on this machine. The requests
-    carry their own deadline (`config.request_timeout_s`), whatever the app's default."""
+    carry their own deadline (`config.request_timeout_s`), whatever the app's default; the
+    config's app shape (`decode_replicas`, `router_replicas`, `num_cpus`) is `run`'s, not
+    read here."""
     prompts = [f"Chaos request {i} asks about" for i in range(24)]
     expected = _offline(config, prompts)
     return _chaos(config, target, app, prompts, expected)

@@ -81,7 +81,15 @@ def restore_affinity():
 
 
 def task_affinities() -> list[set[int]]:
-    return [os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task")]
+    """The CPU mask of every thread of this process alive now (one that ends between the
+    listing and the read is left out: it no longer runs anywhere)."""
+    masks = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            masks.append(os.sched_getaffinity(int(tid)))
+        except ProcessLookupError:
+            continue
+    return masks
 
 
 def test_pinning_moves_every_thread_and_those_started_after(restore_affinity, tmp_path):

@@ -212,6 +212,16 @@ def test_over_the_admission_bounds_requests_are_refused_at_once(served: ServedAp
     tight.close()
 
 
+SHAPE = {"PrefillServer": 1, "DecodeServer": 2, "Router": 2}
+
+
+def running_replicas() -> dict[str, int]:
+    from ray import serve
+
+    deployments = serve.status().applications[APP_NAME].deployments
+    return {name: deployments[name].replica_states.get("RUNNING", 0) for name in SHAPE}
+
+
 def test_a_short_chaos_run_loses_nothing_and_leaks_nothing(served: ServedApp) -> None:
     """pdserve bench chaos, short, on this module's app (the shape the bench deploys: one
     prefill, two decode, two router replicas): one replica of each role is killed while
@@ -226,6 +236,9 @@ def test_a_short_chaos_run_loses_nothing_and_leaks_nothing(served: ServedApp) ->
         max_tokens=32,
         seed=3,
     )
+    # Every replica the earlier tests killed is back: the kills need a live one of each role.
+    assert wait_until(lambda: running_replicas() == SHAPE, 180), running_replicas()
+    assert wait_until(served.engines_idle, 60)
     report = run_on(config, served.target, APP_NAME)
     print(report)
     assert report["kills"] == {"prefill": 1, "decode": 1, "router": 1}

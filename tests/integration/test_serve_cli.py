@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,15 @@ def _start(args: list[str]) -> subprocess.Popen[str]:
     )
 
 
+def _end(processes: Iterable[subprocess.Popen[str]]) -> None:
+    """Kill and reap those still running or unread (one already read by `_output` is done)."""
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        if process.stdout is not None and not process.stdout.closed:
+            process.communicate()
+
+
 def _output(process: subprocess.Popen[str]) -> Any:
     """A `--json` command's output, once it has ended successfully."""
     stdout, stderr = process.communicate(timeout=300)
@@ -120,7 +130,20 @@ def test_pdserve_serve_then_clients_dashboard_metrics_then_sigterm() -> None:
     ports = Ports(free_port(), free_port(), free_port(), free_port())
     # The offline answers the served ones must equal, computed while the app starts (much of
     # which is waiting on Ray).
-    offline = {name: _start(args) for name, args in OFFLINE.items()}
+    offline: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for name, args in OFFLINE.items():
+            offline[name] = _start(args)
+        proc, lines, ray_processes = _serve_and_check(ports, offline)
+    finally:
+        _end(offline.values())
+    _check_clean_shutdown(proc, lines, ray_processes)
+
+
+def _serve_and_check(
+    ports: Ports, offline: dict[str, subprocess.Popen[str]]
+) -> tuple[subprocess.Popen[str], _Lines, list[psutil.Process]]:
+    """Start `pdserve serve`, check it with every client, then SIGTERM it."""
     proc = _start_pdserve_serve(ports)
     lines = _Lines(proc)
     ray_processes: list[psutil.Process] = []
@@ -133,10 +156,8 @@ def test_pdserve_serve_then_clients_dashboard_metrics_then_sigterm() -> None:
         _check_serve_status(ports.dashboard)
         _check_metrics_scrape(ports.http, ports.metrics)
     finally:
-        for process in offline.values():
-            process.kill()
         _sigterm(proc)
-    _check_clean_shutdown(proc, lines, ray_processes)
+    return proc, lines, ray_processes
 
 
 def _start_pdserve_serve(ports: Ports) -> subprocess.Popen[str]:

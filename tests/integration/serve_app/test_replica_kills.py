@@ -57,6 +57,7 @@ def test_killing_the_prefill_replica_keeps_requests_completing(
         assert wait_until(lambda: len(results) >= 6, 60)  # traffic is flowing
         killed_at = time.monotonic()
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        assert wait_until(lambda: victim not in replica_actors("PrefillServer"), 30)  # dead
         for prompt, want in zip(after, after_expected, strict=True):
             got = app.client.complete(generate_request(prompt, max_tokens=8, temperature=0.0))
             assert (got.route, got.token_ids) == ("fallback", want)
