@@ -34,6 +34,7 @@ __all__ = [
     "free_port",
     "ongoing_requests",
     "replica_actors",
+    "running_replicas",
     "sigkill_replica",
 ]
 
@@ -262,6 +263,15 @@ def _processes_of(apps: list[str]) -> list[Any]:
             with contextlib.suppress(psutil.Error):
                 processes.append(psutil.Process(int(actor["Pid"])))
     return processes
+
+
+def running_replicas(deployment: str, app_name: str = APP_NAME) -> int:
+    """Replicas of a deployment (e.g. "DecodeServer") of `app_name` that Serve reports
+    RUNNING: started and past their first health check."""
+    from ray import serve
+
+    status = serve.status().applications[app_name].deployments[deployment]
+    return int(status.replica_states.get("RUNNING", 0))
 
 
 def replica_actors(deployment: str, app_name: str = APP_NAME) -> list[str]:

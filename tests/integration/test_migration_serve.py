@@ -28,6 +28,7 @@ from tests.integration.serving import (
     ServedApp,
     ongoing_requests,
     replica_actors,
+    running_replicas,
     sigkill_replica,
 )
 from tests.waiting import wait_until
@@ -215,11 +216,8 @@ def test_over_the_admission_bounds_requests_are_refused_at_once(served: ServedAp
 SHAPE = {"PrefillServer": 1, "DecodeServer": 2, "Router": 2}
 
 
-def running_replicas() -> dict[str, int]:
-    from ray import serve
-
-    deployments = serve.status().applications[APP_NAME].deployments
-    return {name: deployments[name].replica_states.get("RUNNING", 0) for name in SHAPE}
+def app_shape() -> dict[str, int]:
+    return {name: running_replicas(name) for name in SHAPE}
 
 
 def test_a_short_chaos_run_loses_nothing_and_leaks_nothing(served: ServedApp) -> None:
@@ -237,7 +235,7 @@ def test_a_short_chaos_run_loses_nothing_and_leaks_nothing(served: ServedApp) ->
         seed=3,
     )
     # Every replica the earlier tests killed is back: the kills need a live one of each role.
-    assert wait_until(lambda: running_replicas() == SHAPE, 180), running_replicas()
+    assert wait_until(lambda: app_shape() == SHAPE, 180), app_shape()
     assert wait_until(served.engines_idle, 60)
     report = run_on(config, served.target, APP_NAME)
     print(report)

@@ -10,9 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from deployments.launch import APP_NAME
 from pdserve.client import GenerationClient, generate_request
-from tests.integration.serving import AppSettings, ServeCluster
+from tests.integration.serving import AppSettings, ServeCluster, running_replicas
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -46,15 +45,8 @@ def client(serve_cluster: ServeCluster) -> Iterator[GenerationClient]:
         yield served.client
 
 
-def decode_replicas() -> int:
-    from ray import serve
-
-    deployment = serve.status().applications[APP_NAME].deployments["DecodeServer"]
-    return int(deployment.replica_states.get("RUNNING", 0))
-
-
 def test_decode_scales_one_to_two_under_load_and_back(client: GenerationClient) -> None:
-    assert decode_replicas() == 1
+    assert running_replicas("DecodeServer") == 1
     done = threading.Event()
 
     def load(i: int) -> int:
@@ -68,8 +60,8 @@ def test_decode_scales_one_to_two_under_load_and_back(client: GenerationClient) 
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(load, i) for i in range(8)]
         try:
-            assert wait_until(lambda: decode_replicas() == 2, 120)
+            assert wait_until(lambda: running_replicas("DecodeServer") == 2, 120)
         finally:
             done.set()
         assert all(f.result() >= 1 for f in futures)
-    assert wait_until(lambda: decode_replicas() == 1, 120)
+    assert wait_until(lambda: running_replicas("DecodeServer") == 1, 120)

@@ -13,12 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from deployments.launch import APP_NAME
 from engine.llm import LLM
 from engine.request import SamplingParams
 from pdserve.client import Completion, generate_request
 from tests.integration.serve_app.shared import COLOCATED, PROMPTS, greedy
-from tests.integration.serving import ServedApp, replica_actors, sigkill_replica
+from tests.integration.serving import (
+    ServedApp,
+    replica_actors,
+    running_replicas,
+    sigkill_replica,
+)
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -84,12 +88,9 @@ def disaggregated_again(app: ServedApp) -> bool:
 
 
 def prefill_replacement_running(victim: str) -> bool:
-    from ray import serve
-
     if replica_actors("PrefillServer") in ([], [victim]):
         return False  # not even started
-    deployment = serve.status().applications[APP_NAME].deployments["PrefillServer"]
-    return deployment.replica_states.get("RUNNING", 0) >= 1
+    return running_replicas("PrefillServer") >= 1
 
 
 def test_killing_the_decode_replica_moves_its_streams_to_the_prefill_replica(
