@@ -6,8 +6,11 @@ import contextlib
 import hashlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 # The tests that start Ray: those on the Serve harness (tests/integration/serving.py) and the one
 # that starts its own (`pdserve serve`). Under `make test`'s two workers they all run on one, in the
@@ -25,6 +28,15 @@ RAY_TESTS = tuple(
         "test_tracing.py",
     )
 )
+
+# pytest-xdist's workers share the machine's cores: each computes on its share, and so do the
+# engines and CLI processes it starts (they inherit the variable; Ray's engine replicas set their
+# own from their CPUs). Two torch thread pools per core spin against each other: tried here, two
+# concurrent 2-thread engines took twice as long as two 1-thread ones. The kernels' own tests
+# take two threads back (`two_threads`), so their work-splitting is still exercised.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 # The default model is built once per test session into a private cache, never into ~/.cache:
 # tests stay hermetic, and subprocesses (CLI tests) inherit the variable. One per checkout: the
@@ -63,6 +75,20 @@ def pytest_sessionstart(session) -> None:
 
     with contextlib.suppress(cpu_kernels.KernelBuildError):
         cpu_kernels.load()
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """Torch's intra-op pool at two threads for the test: the CPU kernels split their work
+    between threads (one thread would leave that code unrun)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:

@@ -20,6 +20,9 @@ from engine.request import SamplingParams
 from tests.model.hf_models import ARCHITECTURES
 from tests.model.test_parity import check_against_hf, make_llm, prompts
 
+# The CPU kernels split their work between threads: run them with two (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("two_threads")
+
 
 class CheckedStep:
     """Stands in for the model's fused step: runs the modules, then the fused step, compares."""

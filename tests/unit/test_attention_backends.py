@@ -16,6 +16,9 @@ from engine.layers.attention import (
 )
 from engine.layers.attention import cpu as cpu_attention
 
+# The CPU kernels split their work between threads: run them with two (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("two_threads")
+
 
 def decode_batch(
     seq_lens: list[int], heads: tuple[int, int], head_dim: int, block_size: int, dtype, seed=0

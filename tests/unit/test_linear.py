@@ -16,6 +16,9 @@ from engine.layers.linear import (
     warm_up,
 )
 
+# The CPU kernels split their work between threads: run them with two (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("two_threads")
+
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 65, 100, 300])
 @pytest.mark.parametrize("bias", [False, True])
@@ -64,6 +67,19 @@ def test_blocked_linear_rows_do_not_change_results(rows):
         alone = torch.cat([blocked(x[i : i + 1]) for i in range(rows)])
     assert torch.equal(together, alone)
     torch.testing.assert_close(together, linear(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (16, 8), (20, 8), (200, 576), (33, 1)])
+def test_pack_blocked_lays_rows_out_in_column_blocks_padded_with_zeros(shape):
+    """W [N, K] -> [ceil(N/16), K, 16]: lane j of block b over k is row 16b + j; lanes past N
+    are zero (the GEMM reads them); a non-contiguous W is packed by its values."""
+    n, k = shape
+    weight = torch.randn(k, n).t()  # non-contiguous
+    blocks = -(-n // 16)
+    expected = torch.zeros(blocks * 16, k)
+    expected[:n] = weight
+    expected = expected.view(blocks, 16, k).transpose(1, 2)
+    assert torch.equal(cpu_kernels.load().pack_blocked(weight), expected)
 
 
 def test_blocked_linear_refuses_mismatched_inputs():
