@@ -9,6 +9,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from connector.checksums import CHECKSUM_SCHEME, parse_checksums
 from engine.kv_connector import KV_CACHE_LAYOUT
 
 if TYPE_CHECKING:
@@ -27,6 +28,9 @@ class RemoteKV:
     lease_id: str
     num_tokens: int  # prompt positions whose KV the remote computed
     tokens_hash: str  # of those tokens: the KV is only good for a prompt that starts with them
+    # One per block, as the producer wrote it (connector/checksums.py): a read is verified
+    # against them before anything is computed from it.
+    block_checksums: list[str]
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> RemoteKV:
@@ -41,10 +45,13 @@ class RemoteKV:
                 lease_id=str(params["lease_id"]),
                 num_tokens=int(params["remote_num_tokens"]),
                 tokens_hash=str(params["remote_tokens_hash"]),
+                block_checksums=parse_checksums(
+                    params.get("remote_block_checksums"), len(block_ids)
+                ),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
-                f"kv_transfer_params with do_remote_prefill lack a field: {exc}"
+                f"kv_transfer_params with do_remote_prefill lack a field or have a bad one: {exc}"
             ) from exc
 
     def to_params(self) -> dict[str, Any]:
@@ -58,6 +65,7 @@ class RemoteKV:
             "lease_id": self.lease_id,
             "remote_num_tokens": self.num_tokens,
             "remote_tokens_hash": self.tokens_hash,
+            "remote_block_checksums": list(self.block_checksums),
         }
 
 
@@ -73,6 +81,7 @@ class LoadSpec:
     remote: RemoteKV
     local_block_ids: list[int]
     remote_block_ids: list[int]
+    checksums: list[str]  # of the remote blocks, as written: each local block must match
 
 
 @dataclass
@@ -105,6 +114,7 @@ def compatibility_hash(
         "head_dim": head_dim,
         "block_size": block_size,
         "layout": layout,
+        "block_checksum": CHECKSUM_SCHEME,  # both sides must compute checksums alike
         **extra,
     }
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))

@@ -104,7 +104,13 @@ class PDConnector(KVConnectorBase):
         last = cdiv(num_local + num_external_tokens, self.block_size)
         local_ids = [b.block_id for b in blocks[first:last]]
         self._meta.loads.append(
-            LoadSpec(request.request_id, remote, local_ids, remote.block_ids[first:last])
+            LoadSpec(
+                request.request_id,
+                remote,
+                local_ids,
+                remote.block_ids[first:last],
+                remote.block_checksums[first:last],
+            )
         )
         self._reading.add(request.request_id)
         self._stats["loads_requested"] += 1

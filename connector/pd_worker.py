@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from connector.checksums import block_checksums
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV, tokens_hash
 from connector.side_channel import Loan, SideChannelServer
 from connector.side_channel_client import SideChannelClient, SideChannelError
@@ -63,11 +64,20 @@ class PDWorker:
         self._active: dict[str, _ActiveRead] = {}
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
-        self.stats = {"blocks_read": 0, "reads_failed": 0, "remote_engines": 0}
+        self._kv_cache: torch.Tensor | None = None
+        self.stats = {
+            "blocks_read": 0,
+            "reads_failed": 0,
+            "remote_engines": 0,
+            "blocks_verified": 0,  # read blocks whose checksum matched
+            "checksum_failures": 0,  # reads with a block that did not match
+            "blocks_corrupted": 0,  # blocks that did not match (handled by the policy)
+        }
 
     # ------------------------------------------------------------------ set-up
 
     def register(self, kv_cache: torch.Tensor) -> None:
+        self._kv_cache = kv_cache
         self.transport.register(kv_cache)
         self.server = SideChannelServer(
             self.config,
@@ -94,7 +104,13 @@ class PDWorker:
             lease_id=lease.lease_id,
             num_tokens=len(token_ids),
             tokens_hash=tokens_hash(token_ids),
+            block_checksums=self.checksums(block_ids),
         )
+
+    def checksums(self, block_ids: list[int]) -> list[str]:
+        """Of our blocks as they are now (the producer's side of the verification)."""
+        assert self._kv_cache is not None, "register() first"
+        return block_checksums(self._kv_cache, block_ids)
 
     def serve_loans(self, lend: Callable[[list[bytes], float], Loan | None]) -> None:
         """Answer LendPrefix calls with `lend` (set once the engine can pin blocks)."""
@@ -105,7 +121,7 @@ class PDWorker:
         """Lent prefix blocks under a lease of their own (`lease_request_id` names it)."""
         assert self.server is not None, "register() first"
         lease = self.server.leases.add(lease_request_id, block_ids, self.config.lease_seconds)
-        return Loan(list(block_ids), lease)
+        return Loan(list(block_ids), lease, self.checksums(block_ids))
 
     def cancel_lease(self, request_id: str) -> None:
         if self.server is not None:
@@ -201,8 +217,7 @@ class PDWorker:
             # The bytes are trustworthy only if the lease was still live when the read ended:
             # otherwise the remote may have reused the blocks while we were reading them.
             if self._release(active.load.remote):
-                self._finished_recving.add(request_id)
-                self.stats["blocks_read"] += len(active.load.local_block_ids)
+                self._verify(active.load)
             else:
                 self._failed(active.load, "the lease ended before the read completed")
         for request_id, reason in results.failed.items():
@@ -214,6 +229,28 @@ class PDWorker:
         done_recving, self._finished_recving = self._finished_recving, set()
         done_sending = self.server.leases.take_finished() if self.server else set()
         return done_sending, done_recving
+
+    def _verify(self, load: LoadSpec) -> None:
+        """A read that ended well is used only if every block it wrote matches the checksum
+        its producer computed; the blocks that do not are invalid (the policy then recomputes
+        from the first of them, or fails the request)."""
+        assert self._kv_cache is not None, "register() first"
+        got = block_checksums(self._kv_cache, load.local_block_ids)
+        pairs = zip(load.local_block_ids, got, load.checksums, strict=True)
+        bad = [block_id for block_id, found, wanted in pairs if found != wanted]
+        self.stats["blocks_read"] += len(load.local_block_ids)
+        self.stats["blocks_verified"] += len(load.local_block_ids) - len(bad)
+        if bad:
+            logger.warning(
+                "KV load for %s: %d of %d blocks failed their checksum",
+                load.request_id,
+                len(bad),
+                len(load.local_block_ids),
+            )
+            self.stats["checksum_failures"] += 1
+            self.stats["blocks_corrupted"] += len(bad)
+            self._invalid_block_ids.update(bad)
+        self._finished_recving.add(load.request_id)
 
     def take_invalid_block_ids(self) -> set[int]:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from connector.block_data import encode_block_data
+from connector.checksums import from_hex
 from connector.leases import (
     Lease,
     LeaseError,
@@ -326,6 +327,7 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
             block_ids=loan.block_ids,
             lease_id=loan.lease.lease_id,
             expires_in_seconds=loan.lease.lease_seconds,
+            block_checksums=[from_hex(c) for c in loan.checksums],
         )
 
     def _stream(
@@ -356,3 +358,4 @@ class Loan:
 
     block_ids: list[int]
     lease: Lease
+    checksums: list[str]  # of the blocks as lent (connector/checksums.py)

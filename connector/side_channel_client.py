@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from connector.block_data import BlockChunk, decode_block_data
+from connector.checksums import to_hex
 from connector.side_channel import (
     CHANNEL_OPTIONS,
     SECRET_METADATA_KEY,
@@ -57,6 +58,7 @@ class LendReply:
     block_ids: list[int]
     lease_id: str
     lease_seconds: float
+    block_checksums: list[str]  # one per block, as lent (connector/checksums.py)
 
 
 class BlockStream:
@@ -173,6 +175,7 @@ class SideChannelClient:
             [int(b) for b in r.block_ids],
             r.lease_id,
             float(r.expires_in_seconds),
+            [to_hex(c) for c in r.block_checksums],
         )
 
     def open_read(

@@ -115,6 +115,7 @@ class PrefixBorrower:
             lease_id=reply.lease_id,
             num_tokens=num_tokens,
             tokens_hash=tokens_hash(prompt[:num_tokens]),
+            block_checksums=reply.block_checksums,
         ).to_params()
 
 

@@ -11,7 +11,10 @@ channel's port and a lease over every block) and keeps time limits, so a stuck t
 the bench instead of hanging it. The reference is `dst.copy_(src)` of the same bytes between
 two pre-touched buffers on one thread. With gRPC in the run, the bench also measures raw TCP
 over loopback between two processes (`tcp_loopback_gbps`): the most any TCP transport can
-carry here, and gRPC's `ratio_to_tcp_loopback`.
+carry here, and gRPC's `ratio_to_tcp_loopback`. After each timed read the decode process
+checksums the blocks it read, as an engine does before computing from them
+(connector/checksums.py): `gbps_verified` is the throughput with that pass, `checksum_overhead`
+its time over the read's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 
+from connector.checksums import block_checksums
 from connector.testing import (
     REMOTE_ENGINE_ID,
     CacheSpec,
@@ -119,16 +123,35 @@ def _decode_reads(conn: Connection, spec: CacheSpec, config: KVBenchConfig) -> d
     t0 = time.perf_counter()
     _read(transport, "warm-up", ([0], [0]), lease, spec.timeout_s)  # pays for the connection
     connect_seconds = time.perf_counter() - t0
-    seconds, intact = [], True
+    seconds, verify_seconds, intact = [], [], True
     for repeat in range(config.repeats):
         cache.zero_()  # untimed: a stale copy from the previous repeat must not pass the check
         t0 = time.perf_counter()
         _read(transport, f"read-{repeat}", (local, remote), lease, spec.timeout_s)
         seconds.append(time.perf_counter() - t0)
+        # What an engine adds before using the blocks: their checksums, to compare.
+        t0 = time.perf_counter()
+        block_checksums(cache, local)
+        verify_seconds.append(time.perf_counter() - t0)
         intact = intact and holds_blocks(cache, local, remote)
     descriptors = getattr(transport, "last_num_descriptors", None)  # NIXL's, per read
     close()
-    return _report(config, seconds, connect_seconds, descriptors, intact)
+    report = _report(config, seconds, connect_seconds, descriptors, intact)
+    return {**report, **_verification(config, seconds, verify_seconds)}
+
+
+def _verification(
+    config: KVBenchConfig, seconds: list[float], verify_seconds: list[float]
+) -> dict[str, Any]:
+    """The reader's checksum pass over the blocks read (the producer makes the same pass once
+    per prefill): its speed, and the transfer's throughput with it added."""
+    read, verify = statistics.median(seconds), statistics.median(verify_seconds)
+    return {
+        "checksum_seconds": round(verify, 6),
+        "checksum_gbps": round(config.total_bytes / verify / 1e9, 3),
+        "gbps_verified": round(config.total_bytes / (read + verify) / 1e9, 3),
+        "checksum_overhead": round(verify / read, 4),
+    }
 
 
 def _read(

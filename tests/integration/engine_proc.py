@@ -8,6 +8,8 @@ import threading
 import traceback
 from typing import Any
 
+import torch
+
 from engine.request import SamplingParams
 
 _START_TIMEOUT_S = 120
@@ -71,6 +73,9 @@ def _serve(conn: Any, model: str, engine_kwargs: dict[str, Any]) -> None:
             elif command == "release_reads":
                 gate.set()
                 reply = None
+            elif command == "corrupt_blocks":
+                _corrupt_blocks(llm, *args)
+                reply = None
             elif command == "abort_during_read":
                 reply = _abort_during_read(llm, *args)
             elif command == "close":
@@ -97,6 +102,26 @@ def _hold_side_channel_reads(connector: Any, gate: threading.Event) -> None:
             yield chunk
 
     server.block_chunks = held
+
+
+def _corrupt_blocks(llm: Any, block_ids: list[int], how: str) -> None:
+    """Change KV blocks of this engine in place, as faulty memory or a reused block would:
+    "flip" one bit in the middle of each; "stale" gives each the bytes of another block that
+    differs from it (as if it had been freed and rewritten with other tokens' KV)."""
+    cache = llm.engine.runner.kv_cache
+    flat = cache.view(cache.shape[0], -1).view(torch.uint8)
+    for block_id in block_ids:
+        if how == "flip":
+            # The top exponent bit of a float32 in the middle of the block: one bit that
+            # changes what the model computes from it (a low mantissa bit might not).
+            flat[block_id, flat.shape[1] // 8 * 4 + 3] ^= 0x40
+        elif how == "stale":
+            other = next(
+                b for b in range(flat.shape[0]) if not torch.equal(flat[b], flat[block_id])
+            )
+            flat[block_id] = flat[other]
+        else:
+            raise ValueError(f"unknown corruption {how!r}")
 
 
 def _abort_during_read(llm: Any, prompts: Any, params: Any, kv: Any) -> dict[str, Any]:

@@ -86,13 +86,57 @@ def test_disaggregated_is_token_identical_to_colocated(pair, colocated):
     _, prefill, decode = pair
     params = [GREEDY, SEEDED, GREEDY, replace(SEEDED, seed=12)]
     expected = reference(colocated, PROMPTS, params)
+    before = decode.drain()["stats"]
     firsts, outs = prefill_then_decode(prefill, decode, PROMPTS, params)
     for first, out, want in zip(firsts, outs, expected, strict=True):
         assert first["token_ids"] == want[:1]  # the prefill's token, streamed first
         assert first["kv_transfer_params"]["do_remote_prefill"] is True
         assert out["token_ids"] == want
         assert out["finish_reason"] == "length"
+    after = decode.drain()["stats"]
+    # Every block read was checked against the checksum its producer computed, and matched.
+    read = after["blocks_read"] - before["blocks_read"]
+    assert read == sum(cdiv(len(p) - 1, BLOCK) for p in PROMPTS)
+    assert after["blocks_verified"] - before["blocks_verified"] == read
+    assert after["checksum_failures"] == before["checksum_failures"] == 0
     assert_idle_and_clean(prefill, decode)
+
+
+def corrupted_hand_off(prefill, decode, how: str) -> tuple[list[int], dict]:
+    """A fresh prompt prefilled, then its second block changed in the prefill engine's memory
+    (`how`: a flipped bit, another block's bytes) after its kv_transfer_params were handed
+    out; the decode engine reads it. (The prompt, the decode engine's output.)"""
+    prompt = [rng.randrange(10, 2000) for _ in range(33)]  # 4 blocks read, the last computed
+    firsts = prefill.generate([prompt], [replace(GREEDY, max_tokens=1)], {"do_remote_decode": True})
+    kv = firsts[0]["kv_transfer_params"]
+    prefill.call("corrupt_blocks", kv["remote_block_ids"][1:2], how)
+    return prompt, decode.generate([prompt], [GREEDY], [kv])[0]
+
+
+def test_kv_changed_after_the_hand_off_is_caught_before_any_token(pair, colocated):
+    """Never a wrong token: a block that changed after it was handed out (faulty memory, a
+    block freed and reused) fails its checksum on the decode engine before anything is
+    computed from it. Under policy recompute the decode engine recomputes from that block and
+    answers as colocated does; under policy fail the request ends with a clear error."""
+    transport, prefill, decode = pair
+    decode_fail = engine(transport, kv={"kv_load_failure_policy": "fail"})
+    try:
+        for how in ("flip", "stale"):
+            before = decode.drain()["stats"]
+            prompt, out = corrupted_hand_off(prefill, decode, how)
+            after = decode.drain()["stats"]
+            assert out["token_ids"] == reference(colocated, [prompt], [GREEDY])[0], how
+            assert after["checksum_failures"] - before["checksum_failures"] == 1, how
+            assert after["blocks_corrupted"] - before["blocks_corrupted"] == 1, how
+            assert after["blocks_verified"] - before["blocks_verified"] == 3, how
+            _, out = corrupted_hand_off(prefill, decode_fail, how)
+            assert out["finish_reason"] == "error", how
+            assert "loading remote KV failed" in out["error"], how
+        stats = decode_fail.drain()["stats"]
+        assert stats["checksum_failures"] == 2 and stats["reads_failed"] == 0
+        assert_idle_and_clean(prefill, decode, decode_fail)
+    finally:
+        decode_fail.close()
 
 
 def test_partial_local_hit_reads_only_the_missing_tail(pair, colocated):

@@ -302,6 +302,10 @@ def test_bench_kv_tiny_nixl_run() -> None:
     assert nixl["bytes"] == 32 * (64 << 10) and nixl["blocks"] == 32
     assert nixl["descriptors"] == 1 and nixl["descriptors_per_block"] == 1 / 32
     assert nixl["gbps"] > 0 and nixl["seconds"] > 0 and nixl["ratio_to_memcpy"] > 0
+    # The reader's checksum pass, timed: the verified throughput is the read's with it added.
+    assert nixl["checksum_seconds"] > 0 and nixl["checksum_gbps"] > 0
+    verified = nixl["bytes"] / (nixl["seconds"] + nixl["checksum_seconds"]) / 1e9
+    assert nixl["gbps_verified"] == pytest.approx(verified, abs=0.0015)
 
 
 @pytest.mark.integration

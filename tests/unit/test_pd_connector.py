@@ -31,6 +31,7 @@ def remote(num_tokens: int = 20, prompt=PROMPT, block_ids=None) -> dict:
         "lease-1",
         num_tokens,
         tokens_hash(prompt[:num_tokens]),
+        [f"{b:016x}" for b in ids],  # checksums: only their form is checked here
     ).to_params()
 
 
@@ -48,6 +49,10 @@ def test_params_made_for_this_prompt_are_accepted(connector):
         (remote(prompt=[1] * 21), "made for another prompt"),
         (remote(num_tokens=30), "made for another prompt"),
         ({"do_remote_prefill": True, "remote_engine_id": "x"}, "lack a field"),
+        ({**remote(), "remote_block_checksums": None}, "one checksum per remote block"),
+        ({**remote(), "remote_block_checksums": ["0" * 16]}, "one checksum per remote block"),
+        ({**remote(), "remote_block_checksums": ["xyz"] * 5}, "16-digit hex"),
+        ({**remote(), "remote_block_checksums": ["g" * 16] * 5}, "16-digit hex"),
     ],
 )
 def test_unusable_params_are_refused_at_admission(connector, params, message):
@@ -67,6 +72,7 @@ def test_reads_only_the_blocks_after_the_local_hits(connector):
     (load,) = meta.loads
     assert load.local_block_ids == [32, 33, 34]
     assert load.remote_block_ids == [9, 10, 11]
+    assert load.checksums == [f"{b:016x}" for b in (9, 10, 11)]  # the remote blocks' own
     assert connector.stats["blocks_requested"] == 3
 
 

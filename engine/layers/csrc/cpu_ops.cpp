@@ -1,10 +1,12 @@
 // The CPU kernel module (one build, cached per machine by engine/layers/cpu_kernels.py):
 // paged decode attention and K/V writes (paged_attention.h), float32 linears over column-blocked
 // weights (blocked_gemm.h), the fused decode step of the Llama family (fused_decode.h), its
-// vectorized SiLU (vec_math.h), and a read-bandwidth probe.
+// vectorized SiLU (vec_math.h), KV block checksums (block_checksum.h), and a read-bandwidth
+// probe.
 
 #include <torch/extension.h>
 
+#include "block_checksum.h"
 #include "blocked_gemm.h"
 #include "fused_decode.h"
 #include "paged_attention.h"
@@ -85,6 +87,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none(),
         NoGil());
   pdserve::fused::bind(m);
+  m.def("block_checksums", &pdserve::checksum::block_checksums,
+        "Checksums of KV cache blocks (connector/checksums.py)", NoGil());
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:], float32", NoGil());
   m.def("stream_sum", &stream_sum, "Sum of a float32 buffer at full read bandwidth",
         pybind11::arg("buffer"), pybind11::arg("streams") = 1, NoGil());

@@ -13,18 +13,20 @@ class LendPrefixRequest(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LendPrefixResponse(_message.Message):
-    __slots__ = ("engine_id", "request_id", "block_ids", "lease_id", "expires_in_seconds")
+    __slots__ = ("engine_id", "request_id", "block_ids", "lease_id", "expires_in_seconds", "block_checksums")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_id: str
     expires_in_seconds: float
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
+    block_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., expires_in_seconds: _Optional[float] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("engine_id", "compatibility_hash", "transport", "expected_engine_id")

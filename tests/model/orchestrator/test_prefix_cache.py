@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
+import torch
 
 from deployments.cluster.kv_scoring import CacheSurvey, survey
 from deployments.protocol import EngineRequest
@@ -122,14 +123,58 @@ def test_a_prefill_engine_borrows_the_prefix_a_decode_engine_holds(servers, offl
         expected = offline.generate([follow_up], SamplingParams(**params))[0]
         assert tokens(second) == expected.outputs[0].token_ids
         assert {c.route for c in second} == {"disaggregated"}  # 40 new tokens > 16
-        read = fresh.engine.core.connector.stats["blocks_read"]
+        stats = fresh.engine.core.connector.stats
         if min_loan:
-            # Turn one's KV but its last answer token: 63 tokens, 3 whole blocks, read.
-            assert read == 3
+            # Turn one's KV but its last answer token: 63 tokens, 3 whole blocks, read, and
+            # each checked against the checksum its lender computed.
+            assert stats["blocks_read"] == stats["blocks_verified"] == 3
         else:
-            assert read == 0
+            assert stats["blocks_read"] == 0
+        assert stats["checksum_failures"] == 0
         assert idle(servers[0]) and idle(decode) and idle(fresh)
         assert decode.engine.core.scheduler.kv_cache_manager.num_lent_blocks == 0
+    finally:
+        decode.__del__()
+        fresh.__del__()
+
+
+def test_a_lent_block_that_changed_before_the_read_is_recomputed(servers, offline):
+    """A lender's block changes after it was lent (a bit flipped in its memory): the
+    borrowing prefill engine's checksum catches it before computing from it, recomputes from
+    that block, and the answer is still offline generation's."""
+    kv = {"connector": "grpc", "secret": SECRET, "lease_seconds": 30}
+    decode = EngineServer("tiny", ENGINE_ARGS, kv)
+    fresh = EngineServer("tiny", ENGINE_ARGS, kv)
+    params = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+
+    class CorruptingBorrower(PrefixBorrower):
+        async def borrow(self, prompt, survey):
+            loan = await super().borrow(prompt, survey)
+            assert loan is not None  # the test is about a loan
+            cache = decode.engine.core.runner.kv_cache
+            flat = cache.view(cache.shape[0], -1).view(torch.uint8)
+            flat[loan["remote_block_ids"][1], 3] ^= 0x40  # a float32's top exponent bit
+            return loan
+
+    try:
+        loans = {"max_local_prefill_tokens": 16, "min_prefix_loan_tokens": 32}
+        first_prompt = list(range(600, 640))
+        first = run(make_flow((servers[0], decode), **loans), first_prompt, **params)
+        follow_up = first_prompt + tokens(first) + list(range(300, 340))
+        # The decode leg runs elsewhere: the lender's own copy stays changed (faulty memory
+        # of an engine is beyond what a transfer check can see).
+        flow = make_flow((fresh, servers[1]), **loans)
+        flow.cluster_cache = IndexOf(
+            {"decode-0": ("decode", decode), "prefill-1": ("prefill", fresh)}
+        )
+        flow.borrower = CorruptingBorrower(SECRET, 16, 32)
+        second = run(flow, follow_up, **params)
+        expected = offline.generate([follow_up], SamplingParams(**params))[0]
+        assert tokens(second) == expected.outputs[0].token_ids
+        stats = fresh.engine.core.connector.stats
+        assert stats["blocks_read"] == 3 and stats["blocks_verified"] == 2
+        assert stats["checksum_failures"] == stats["blocks_corrupted"] == 1
+        assert all(idle(e) for e in (*servers, decode, fresh))
     finally:
         decode.__del__()
         fresh.__del__()
@@ -138,6 +183,7 @@ def test_a_prefill_engine_borrows_the_prefix_a_decode_engine_holds(servers, offl
 def test_a_loan_nobody_reads_is_released_and_an_engine_lends_nothing_it_lacks(servers):
     """The lender's side: blocks are lent only for hashes it holds, stay out of eviction
     while lent, and come back when the lease is released."""
+    from connector.checksums import block_checksums
     from connector.side_channel_client import SideChannelClient, SideChannelError
     from engine.core.kv_cache_utils import prompt_block_hashes
 
@@ -156,6 +202,8 @@ def test_a_loan_nobody_reads_is_released_and_an_engine_lends_nothing_it_lacks(se
             client.lend_prefix([])
         reply = client.lend_prefix(hashes)
         assert len(reply.block_ids) == 3 and reply.lease_id
+        # With the checksums of the lent blocks as they are (the borrower verifies its read).
+        assert reply.block_checksums == block_checksums(core.runner.kv_cache, reply.block_ids)
         # Held for the borrower, as the engine's stats say once it has stepped (they are as
         # of its last step).
         stats = engine.stats()
@@ -213,6 +261,7 @@ def test_a_loan_the_prefill_engine_refuses_falls_back_instead_of_failing(servers
                 "lease_id": "l",
                 "remote_num_tokens": 16,
                 "remote_tokens_hash": "not these tokens",
+                "remote_block_checksums": ["0" * 16],
             }
 
     flow = make_flow(servers)

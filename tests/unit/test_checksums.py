@@ -1,0 +1,99 @@
+"""KV block checksums (connector/checksums.py): the CPU kernel, torch's ops and the definition
+written out in Python agree; every single-bit change is caught; bad input is refused."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+import torch
+
+from connector import checksums
+from connector.checksums import block_checksums, parse_checksums
+
+_MASK = (1 << 64) - 1
+
+
+def _weight(i: int) -> int:
+    """The definition's w_i, in plain integers: splitmix64(i) | 1, low 32 bits."""
+    z = (i + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return ((z ^ (z >> 31)) | 1) & 0xFFFFFFFF
+
+
+def _by_definition(block: torch.Tensor) -> str:
+    data = block.contiguous().view(torch.uint8).numpy().tobytes()
+    words = struct.unpack(f"<{len(data) // 4}I", data)
+    return f"{sum(_weight(i) * w for i, w in enumerate(words)) & _MASK:016x}"
+
+
+@pytest.fixture
+def cache() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.randn(9, 2, 3, 8, 4)  # [blocks, K/V, heads, slots, head_dim], float32
+
+
+def test_kernel_torch_and_the_definition_agree(cache):
+    ids = [0, 4, 8, 4]
+    want = [_by_definition(cache[b]) for b in ids]
+    assert block_checksums(cache, ids) == want  # the CPU kernel (built for the suite)
+    blocks = cache.view(9, -1).view(torch.uint8)
+    weights = checksums._weights(blocks.shape[1] // 4, blocks.device)
+    sums = checksums._torch_sums(blocks, torch.tensor(ids), weights)  # other devices' path
+    assert [checksums.to_hex(s) for s in sums.tolist()] == want
+
+
+def test_a_half_precision_cache_is_summed_by_its_bytes():
+    cache = torch.randn(4, 2, 16, 6).to(torch.bfloat16)
+    assert block_checksums(cache, [1, 3]) == [_by_definition(cache[1]), _by_definition(cache[3])]
+
+
+def test_every_single_bit_change_is_caught(cache):
+    reference = block_checksums(cache, [5])
+    flat = cache.view(9, -1).view(torch.uint8)
+    rng = random.Random(3)
+    for offset in rng.sample(range(flat.shape[1]), 64):
+        for bit in (0, 3, 7):
+            flat[5, offset] ^= 1 << bit
+            assert block_checksums(cache, [5]) != reference, (offset, bit)
+            flat[5, offset] ^= 1 << bit
+    assert block_checksums(cache, [5]) == reference
+
+
+def test_swapped_words_and_another_blocks_bytes_are_caught(cache):
+    reference = block_checksums(cache, [2])
+    words = cache.view(9, -1)
+    words[2, [10, 11]] = words[2, [11, 10]]
+    assert block_checksums(cache, [2]) != reference
+    words[2] = words[3]
+    assert block_checksums(cache, [2]) == block_checksums(cache, [3]) != reference
+
+
+def test_bad_input_is_refused(cache):
+    with pytest.raises(ValueError, match="outside"):
+        block_checksums(cache, [9])
+    with pytest.raises(ValueError, match="contiguous"):
+        block_checksums(cache.transpose(1, 2), [0])
+    with pytest.raises(ValueError, match="32-bit words"):
+        block_checksums(torch.zeros(3, 6, dtype=torch.uint8), [0])
+    assert block_checksums(cache, []) == []
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (None, "one checksum per remote block"),
+        (["0" * 16], "one checksum per remote block"),
+        (["0" * 15, "0" * 16], "16-digit hex"),
+        (["z" * 16, "0" * 16], "16-digit hex"),
+        ([7, "0" * 16], "16-digit hex"),
+        (["0x" + "0" * 14, "0" * 16], "16-digit hex"),  # int(..., 16) would take these
+        (["0000_00000000000", "0" * 16], "16-digit hex"),
+    ],
+)
+def test_params_checksums_are_checked(values, message):
+    with pytest.raises(ValueError, match=message):
+        parse_checksums(values, 2)
+    assert parse_checksums(["ABCDEF0123456789", "0" * 16], 2) == ["abcdef0123456789", "0" * 16]
