@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from connector.checksums import block_checksums
+from connector.faults import FaultInjector
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV, tokens_hash
 from connector.side_channel import Loan, SideChannelServer
 from connector.side_channel_client import SideChannelClient, SideChannelError
@@ -65,6 +66,8 @@ class PDWorker:
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         self._kv_cache: torch.Tensor | None = None
+        faults = config.fault_injection
+        self._faults = FaultInjector(faults) if faults is not None and faults.rate > 0 else None
         self.stats = {
             "blocks_read": 0,
             "reads_failed": 0,
@@ -72,6 +75,7 @@ class PDWorker:
             "blocks_verified": 0,  # read blocks whose checksum matched
             "checksum_failures": 0,  # reads with a block that did not match
             "blocks_corrupted": 0,  # blocks that did not match (handled by the policy)
+            "faults_injected": 0,  # kv_transfer_config.fault_injection's, each to be caught
         }
 
     # ------------------------------------------------------------------ set-up
@@ -235,6 +239,10 @@ class PDWorker:
         its producer computed; the blocks that do not are invalid (the policy then recomputes
         from the first of them, or fails the request)."""
         assert self._kv_cache is not None, "register() first"
+        if self._faults is not None and self._faults.maybe_inject(
+            self._kv_cache, load.local_block_ids
+        ):
+            self.stats["faults_injected"] += 1
         got = block_checksums(self._kv_cache, load.local_block_ids)
         pairs = zip(load.local_block_ids, got, load.checksums, strict=True)
         bad = [block_id for block_id, found, wanted in pairs if found != wanted]

@@ -19,6 +19,7 @@ from deployments.protocol import RequestLimits
 from deployments.router.migration import MigrationPolicy
 from deployments.router.orchestrator import FlowConfig
 from engine.config import (
+    KVFaultInjection,
     SideChannelTLS,
     check_known_keys,
     check_load_failure_policy,
@@ -96,6 +97,9 @@ class AppConfig:
     side_channel_tls: dict[str, str] | None = None
     """mutual TLS on the engines' side channel, JSON: {certfile, keyfile, ca_certs,
     server_name} (PEM paths on every node, e.g. a mounted Secret)"""
+    kv_fault_injection: dict[str, Any] | None = None
+    """faults injected into the engines' KV reads, to prove the checksums catch them (bench
+    chaos), JSON: {rate, faults, seed}; none by default"""
     min_remote_prefill_tokens: int = FlowConfig.min_remote_prefill_tokens
     """shorter prompts skip the prefill replica"""
     max_local_prefill_tokens: int = FlowConfig.max_local_prefill_tokens
@@ -160,6 +164,8 @@ class AppConfig:
             raise ValueError("request_timeout_s and prefill_timeout_s must be > 0")
         configured_keys(self.api_key, {})
         self.tls()
+        if self.kv_fault_injection is not None:
+            config_from_dict("kv_fault_injection", self.kv_fault_injection, KVFaultInjection)
         if "kv_transfer_config" in self.engine_args:
             raise ValueError("engine_args may not set kv_transfer_config: the app builds it")
         if self.sla_autoscaling is not None:
@@ -195,6 +201,7 @@ class AppConfig:
             "lease_seconds": self.lease_seconds,
             "kv_load_failure_policy": self.kv_load_failure_policy,
             "tls": self.side_channel_tls,
+            "fault_injection": self.kv_fault_injection,
         }
 
     def tls(self) -> SideChannelTLS | None:

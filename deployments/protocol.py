@@ -149,6 +149,7 @@ class ResponseChunk:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     route: str = ""
+    migrations: int = 0  # last chunk only: times the generating leg moved to another engine
 
 
 # Optional proto fields copied as they are when set (the names match SamplingParams).
@@ -231,6 +232,7 @@ def chunk_to_proto(chunk: ResponseChunk) -> pb.GenerateResponse:
         text=chunk.text,
         finish_reason=chunk.finish_reason or "",
         route=chunk.route,
+        migrations=chunk.migrations,
     )
     if chunk.prompt_token_ids is not None:
         response.prompt_token_ids.extend(chunk.prompt_token_ids)

@@ -180,6 +180,32 @@ class SideChannelTLS:
         return pems[0], pems[1], pems[2]
 
 
+KV_DATA_FAULTS = ("flip", "truncate", "stale")
+
+
+@dataclass(frozen=True)
+class KVFaultInjection:
+    """Faults injected into this engine's KV reads, to prove they are caught (tests, `pdserve
+    bench chaos`; off by default): with probability `rate` per read, after the read lands and
+    before it is verified, one of `faults` is done to one of its blocks — "flip": a bit
+    flipped; "truncate": the block's second half lost (zeroed); "stale": another block's bytes
+    in its place (a reused block). Only changes that alter the bytes are made and counted
+    (`faults_injected`), so every one must show up as a checksum failure."""
+
+    rate: float = 0.0
+    faults: tuple[str, ...] = KV_DATA_FAULTS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        rate = self.rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+            raise ValueError(f"fault_injection.rate must be in [0, 1], got {self.rate!r}")
+        faults = self.faults
+        if not isinstance(faults, (list, tuple)) or not faults or set(faults) - set(KV_DATA_FAULTS):
+            raise ValueError(f"fault_injection.faults must be some of {KV_DATA_FAULTS}")
+        object.__setattr__(self, "faults", tuple(faults))
+
+
 @dataclass(frozen=True)
 class KVTransferConfig:
     """How an engine takes part in KV transfer (the `kv_transfer_config` engine argument).
@@ -199,11 +225,18 @@ class KVTransferConfig:
     # Mutual TLS on the side channel (a SideChannelTLS or its dict); None: plain text, the
     # shared secret alone.
     tls: SideChannelTLS | None = None
+    # Faults injected into this engine's reads (a KVFaultInjection or its dict); None: none.
+    fault_injection: KVFaultInjection | None = None
 
     def __post_init__(self) -> None:
         if self.tls is not None:
             tls = config_from_dict("kv_transfer_config.tls", self.tls, SideChannelTLS)
             object.__setattr__(self, "tls", tls)
+        if self.fault_injection is not None:
+            faults = config_from_dict(
+                "kv_transfer_config.fault_injection", self.fault_injection, KVFaultInjection
+            )
+            object.__setattr__(self, "fault_injection", faults)
         check_transport(self.connector, "connector")
         port = self.side_channel_port
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:

@@ -31,6 +31,9 @@ class EngineStats:
     prefix_cache_queries: int = 0  # counter: prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # counter: prompt tokens found there
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # counters
+    # The KV connector's counters (KVConnectorBase.stats: loads, blocks read and verified,
+    # checksum failures...); empty without KV transfer.
+    kv_transfer: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -56,4 +59,6 @@ class EngineStats:
             "num_waiting": self.num_waiting,
             "num_held_requests": self.num_held_requests,
             "kv_cache_usage": self.kv_cache_usage,
+            "kv_checksum_failures": self.kv_transfer.get("checksum_failures", 0),
+            "kv_faults_injected": self.kv_transfer.get("faults_injected", 0),
         }

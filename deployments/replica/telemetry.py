@@ -120,6 +120,17 @@ class EngineMetrics:
             "KV transfers that failed",
             tags("transport", "outcome"),
         )
+        # What the reader's checks found in the KV it read (connector/checksums.py): blocks
+        # that matched their producer's checksum, blocks that did not (never used: recomputed
+        # or failed by kv_load_failure_policy), and the reads they were in.
+        self.kv_counters = {
+            field: metrics.Counter(f"pdserve_kv_{field}", help_text)
+            for field, help_text in (
+                ("blocks_verified", "KV blocks read that matched their checksum"),
+                ("blocks_corrupted", "KV blocks read that failed their checksum"),
+                ("checksum_failures", "KV reads with a block that failed its checksum"),
+            )
+        }
         # Speculative decoding (vLLM's spec_decode counters): acceptance rate = accepted / draft
         # tokens, mean accepted length = 1 + accepted / drafts.
         self.spec_counters = {
@@ -159,6 +170,11 @@ class EngineMetrics:
                 if delta > 0:
                     counter.inc(delta)
             self.spec_acceptance.set(spec.acceptance_rate)
+        kv_seen = seen.kv_transfer if seen else {}
+        for field, counter in self.kv_counters.items():
+            delta = stats.kv_transfer.get(field, 0) - kv_seen.get(field, 0)
+            if delta > 0:
+                counter.inc(delta)
         self._seen = stats
 
     def observe_transfer(self, timing: RequestTiming, transport: str, block_bytes: int) -> None:

@@ -167,6 +167,8 @@ class Orchestrator:
             prepared.trace_context = observed.carrier() or None
             async with aclosing(self._generate(prepared, observed.migrated)) as chunks:
                 async for chunk in chunks:
+                    if chunk.finish_reason is not None:
+                        chunk.migrations = observed.migrations  # the client may see it
                     observed.chunk(chunk)
                     yield chunk
         except ValueError as exc:

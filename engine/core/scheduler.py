@@ -168,6 +168,7 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             spec_decode=replace(speculator.stats) if speculator else SpecDecodeStats(),
+            kv_transfer=dict(self.connector.stats) if self.connector is not None else {},
         )
 
     # ---------------------------------------------------------------- schedule

@@ -3,13 +3,24 @@
 Loopback only, bounded in time and in requests. Clients send greedy requests whose answers are
 known (offline generation on the same weights), cancel some streams part-way, and send some
 malformed requests; every `kill_every_s` a replica of the next role in turn (prefill, decode,
-router) is killed with SIGKILL. Every request must end with its output or a clear error:
+router) is killed with SIGKILL. Every request sent lands in exactly one outcome, and the
+outcomes add up to the requests sent (`outcomes_add_up`):
 
 - completed: exact (the offline tokens) or mismatched (must be 0);
+- cancelled by the client, or malformed and refused (INVALID_ARGUMENT) or accepted (must be 0);
 - failed with a clear error: a gRPC status whose message carries nothing of Ray's (a stream cut
   by its router replica's death is one: the request was in that process);
-- failed unclearly: a message with actor ids, colour codes or a traceback (must be 0);
-- lost: no answer by the client's own deadline, past the server's (must be 0).
+- failed unclearly: a message with actor ids, colour codes or a traceback, or any exception
+  that is not a gRPC status (must be 0);
+- timed out (the server's deadline) or lost: no answer by the client's own deadline, past the
+  server's (must be 0).
+
+The report counts the migrations the completed requests went through (each response's last
+chunk says how many times its generation moved to another engine): with decode replicas
+killed under load, some must have moved. With `kv_fault_rate`, that share of the engines' KV
+reads gets a flipped bit, a lost tail or a stale block after it lands: the live engines'
+checksum failures must equal the faults they injected (`kv_checksum_failures`,
+`kv_faults_injected`), and no completed request may differ.
 
 Afterwards every engine must hold no block and no request (`blocks_held_after`), and the
 engine replicas' resident memory is compared with what it was after the warm-up (growth for
@@ -64,6 +75,9 @@ class ChaosConfig:
     """the engines' arguments (JSON)"""
     seed: int = 0
     """the load's random choices"""
+    kv_fault_rate: float = 0.0
+    """share of the engines' KV reads given a flipped bit, a lost tail or a stale block after
+    they land (each must be caught by its checksum and recomputed)"""
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0 or self.max_requests < 1 or self.concurrency < 1:
@@ -71,17 +85,37 @@ class ChaosConfig:
         for name in ("cancel_fraction", "malformed_fraction"):
             if not 0 <= getattr(self, name) < 0.5:
                 raise ValueError(f"{name} must be in [0, 0.5)")
+        if not 0 <= self.kv_fault_rate <= 1:
+            raise ValueError("kv_fault_rate must be in [0, 1]")
+
+
+OUTCOMES = (
+    "exact",
+    "mismatch",
+    "cancelled",
+    "refused",
+    "accepted_malformed",
+    "failed_clear",
+    "failed_unclear",
+    "timed_out",
+    "lost",
+)
 
 
 @dataclass
 class _Tally:
     counts: Counter[str] = field(default_factory=Counter)
     unclear: list[str] = field(default_factory=list)
+    migrations: int = 0  # over the completed requests
+    migrated_requests: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, outcome: str, message: str = "") -> None:
+    def add(self, outcome: str, message: str = "", migrations: int = 0) -> None:
+        assert outcome in OUTCOMES, outcome
         with self.lock:
             self.counts[outcome] += 1
+            self.migrations += migrations
+            self.migrated_requests += migrations > 0
             if outcome == "failed_unclear" and len(self.unclear) < 5:
                 self.unclear.append(message[:300])
 
@@ -99,6 +133,7 @@ def run(config: ChaosConfig) -> dict[str, Any]:
             "router_replicas": config.router_replicas,
             "num_cpus_per_engine": 0.5,
             "request_timeout_s": config.request_timeout_s,
+            "kv_fault_injection": _fault_injection(config),
         }
     )
     grpc_port = free_port()
@@ -112,13 +147,20 @@ def run(config: ChaosConfig) -> dict[str, Any]:
             stop()
 
 
+def _fault_injection(config: ChaosConfig) -> dict[str, Any] | None:
+    """The app's kv_fault_injection for `config.kv_fault_rate` (None: none)."""
+    if not config.kv_fault_rate:
+        return None
+    return {"rate": config.kv_fault_rate, "seed": config.seed}
+
+
 def run_on(config: ChaosConfig, target: str, app: str) -> dict[str, Any]:
     """The chaos on app `app` of the Serve that this process is connected to (its gRPC proxy at
     `target`), serving `config.model` with prefill, decode and router replicas: its replicas
     are found and killed through Ray, so the app must run on this machine. The requests
     carry their own deadline (`config.request_timeout_s`), whatever the app's default; the
     config's app shape (`decode_replicas`, `router_replicas`, `num_cpus`) is `run`'s, not
-    read here."""
+    read here, nor is `kv_fault_rate` (the app's kv_fault_injection sets it)."""
     prompts = [f"Chaos request {i} asks about" for i in range(24)]
     expected = _offline(config, prompts)
     return _chaos(config, target, app, prompts, expected)
@@ -142,10 +184,9 @@ def _chaos(
     from pdserve.client import GenerationClient
 
     client = GenerationClient(target, app)
+    _warm_up(_Load(client, config, prompts, expected, _Tally()))
     tally = _Tally()
     load = _Load(client, config, prompts, expected, tally)
-    for i in range(3):  # warm-up: every engine has run, memory is what steady state holds
-        _one(load, random.Random(i), plain=True)
     rss_before = _engine_rss(app)
     stop_at = time.monotonic() + config.duration_s
     issued = _Issued(config.max_requests)
@@ -168,11 +209,32 @@ def _chaos(
     idle_s, leftovers = _wait_idle(client, timeout_s=180)
     rss_after = _engine_rss(app)
     client.close()
-    counts = tally.counts
     return {
         "config": asdict(config),
         "duration_s": round(elapsed, 1),
-        "requests": issued.count,
+        **_outcomes(tally, issued.count),
+        "kills": dict(kills),
+        "idle_after_s": idle_s,
+        **leftovers,
+        "engine_rss_mb": {"after_warmup": rss_before, "after": rss_after},
+        # Processes alive at both samples (a killed replica's replacement is a new one).
+        "engine_rss_growth_mb": {
+            key: round(rss_after[key] - rss_before[key], 1)
+            for key in rss_before.keys() & rss_after.keys()
+        },
+    }
+
+
+def _outcomes(tally: _Tally, requests: int) -> dict[str, Any]:
+    """The requests sent, each in its one outcome, whether those add up; the migrations."""
+    counts = tally.counts
+    outcomes = sum(counts[outcome] for outcome in OUTCOMES)
+    return {
+        "requests": requests,
+        "outcomes_total": outcomes,
+        "outcomes_add_up": outcomes == requests,
+        "migrations": tally.migrations,
+        "migrated_requests": tally.migrated_requests,
         "completed": counts["exact"] + counts["mismatch"],
         "completed_exact": counts["exact"],
         "completed_mismatch": counts["mismatch"],
@@ -184,15 +246,6 @@ def _chaos(
         "unclear_examples": tally.unclear,
         "timed_out": counts["timed_out"],
         "lost": counts["lost"],
-        "kills": dict(kills),
-        "idle_after_s": idle_s,
-        **leftovers,
-        "engine_rss_mb": {"after_warmup": rss_before, "after": rss_after},
-        # Processes alive at both samples (a killed replica's replacement is a new one).
-        "engine_rss_growth_mb": {
-            key: round(rss_after[key] - rss_before[key], 1)
-            for key in rss_before.keys() & rss_after.keys()
-        },
     }
 
 
@@ -221,6 +274,15 @@ class _Load:
     prompts: list[str]
     expected: list[list[int]]
     tally: _Tally
+
+
+def _warm_up(load: _Load) -> None:
+    """Three plain requests before the clock starts: every engine has run, memory is what
+    steady state holds. They must complete exactly (else the app is broken before any kill)."""
+    for i in range(3):
+        _one(load, random.Random(i), plain=True)
+    if load.tally.counts["exact"] != 3:
+        raise RuntimeError(f"the warm-up requests did not complete exactly: {load.tally}")
 
 
 def _worker(load: _Load, rng: random.Random, stop_at: float, issued: _Issued) -> None:
@@ -252,15 +314,19 @@ def _one(load: _Load, rng: random.Random, plain: bool = False) -> None:
     try:
         call = client.stream(request, timeout=client_deadline)
         tokens: list[int] = []
+        migrations = 0
         for n, chunk in enumerate(call):
             tokens.extend(chunk.token_ids)
+            migrations = chunk.migrations  # set on the last chunk
             if cancel and n == 2:
                 call.cancel()
                 tally.add("cancelled")
                 return
-        tally.add("exact" if tokens == expected[i] else "mismatch")
+        tally.add("exact" if tokens == expected[i] else "mismatch", migrations=migrations)
     except grpc.RpcError as exc:
         _failed(exc, tally, cancelled=cancel)
+    except Exception as exc:  # anything else is counted too, never dropped
+        tally.add("failed_unclear", f"{type(exc).__name__}: {exc}")
 
 
 def _failed(exc: Any, tally: _Tally, cancelled: bool) -> None:
@@ -298,6 +364,8 @@ def _malformed(client: Any, rng: random.Random, tally: _Tally) -> None:
     except grpc.RpcError as exc:
         clear = exc.code() == grpc.StatusCode.INVALID_ARGUMENT
         tally.add("refused" if clear else "failed_unclear", f"{exc.code().name}: {exc.details()}")
+    except Exception as exc:
+        tally.add("failed_unclear", f"{type(exc).__name__}: {exc}")
 
 
 def _killer(config: ChaosConfig, app: str, stop_at: float, kills: Counter[str]) -> None:
@@ -353,23 +421,30 @@ def _engine_rss(app: str) -> dict[str, float]:
 
 def _wait_idle(client: Any, timeout_s: float) -> tuple[float | None, dict[str, int]]:
     """Seconds until every replica runs and holds nothing (None: not within `timeout_s`), and
-    what the engines hold at that point."""
+    what the engines hold at that point; with the KV faults the live engines had injected into
+    their reads and the checksum failures they found (a killed engine's counts go with it)."""
     began = time.monotonic()
     leftovers = {"blocks_held_after": -1, "requests_held_after": -1, "unreachable_after": -1}
+    kv = {"kv_faults_injected": -1, "kv_checksum_failures": -1}
     while time.monotonic() - began < timeout_s:
         with contextlib.suppress(Exception):
             health = client.health()
+            engines = health.engines
             leftovers = {
-                "blocks_held_after": sum(e.num_blocks - e.num_free_blocks for e in health.engines),
+                "blocks_held_after": sum(e.num_blocks - e.num_free_blocks for e in engines),
                 "requests_held_after": sum(
-                    e.num_running + e.num_waiting + e.num_held_requests for e in health.engines
+                    e.num_running + e.num_waiting + e.num_held_requests for e in engines
                 ),
-                "unreachable_after": sum(e.state != "running" for e in health.engines),
+                "unreachable_after": sum(e.state != "running" for e in engines),
+            }
+            kv = {
+                "kv_faults_injected": sum(e.kv_faults_injected for e in engines),
+                "kv_checksum_failures": sum(e.kv_checksum_failures for e in engines),
             }
             if health.status == "SERVING" and not any(leftovers.values()):
-                return round(time.monotonic() - began, 1), leftovers
+                return round(time.monotonic() - began, 1), {**leftovers, **kv}
         time.sleep(1.0)
-    return None, leftovers
+    return None, {**leftovers, **kv}
 
 
 CONFIG = ChaosConfig

@@ -166,6 +166,27 @@ def test_partial_local_hit_reads_only_the_missing_tail(pair, colocated):
     assert_idle_and_clean(prefill, decode)
 
 
+def test_every_injected_data_fault_is_caught(pair, colocated):
+    """kv_transfer_config.fault_injection at rate 1: every read has a flipped bit, a lost
+    tail or a stale block put into it after it lands. Each is caught by its checksum (as many
+    detections as injections) and recomputed: the outputs are colocated's."""
+    transport, prefill, _ = pair
+    faults = {"rate": 1.0, "seed": 5}
+    decode = engine(transport, kv={"fault_injection": faults})
+    prompts = [[rng.randrange(10, 2000) for _ in range(n)] for n in (33, 20, 47, 12, 40, 25)]
+    params = [GREEDY, SEEDED] * 3
+    try:
+        _, outs = prefill_then_decode(prefill, decode, prompts, params)
+        assert [o["token_ids"] for o in outs] == reference(colocated, prompts, params)
+        stats = decode.drain()["stats"]
+        assert stats["faults_injected"] >= 4  # one per read, unless it would change nothing
+        assert stats["checksum_failures"] == stats["faults_injected"]
+        assert stats["blocks_corrupted"] == stats["faults_injected"]  # one block each
+        assert_idle_and_clean(prefill, decode)
+    finally:
+        decode.close()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_faults_recover_or_fail_cleanly(transport, colocated):
     prompts, params = PROMPTS[:2], [GREEDY, SEEDED]

@@ -54,6 +54,9 @@ SETTINGS = AppSettings(
         "num_cpus_per_engine": 0.5,
         "transport": "nixl",
         "lease_seconds": 20,
+        # A fifth of the KV reads are corrupted after they land: every test here must still
+        # get offline's tokens (each fault caught by its checksum, the blocks recomputed).
+        "kv_fault_injection": {"rate": 0.2, "seed": 1},
     },
     # "tight": one colocated engine taking one request at a time, one more waiting at each
     # caller: the admission bounds are reached with a handful of requests.
@@ -98,8 +101,13 @@ def start_streams(client: GenerationClient, texts: list[str]) -> list[tuple[list
     return streams
 
 
-def finish(streams: list[tuple[list[Any], Any]]) -> list[list[int]]:
-    return [[t for c in head + list(call) for t in c.token_ids] for head, call in streams]
+def finish(streams: list[tuple[list[Any], Any]]) -> tuple[list[list[int]], list[int]]:
+    """Each stream's tokens, and how many times each moved to another engine (its last
+    chunk says)."""
+    chunks = [head + list(call) for head, call in streams]
+    return [[t for c in cs for t in c.token_ids] for cs in chunks], [
+        cs[-1].migrations for cs in chunks
+    ]
 
 
 def decode_engines(health: pb.HealthResponse) -> list[pb.EngineStats]:
@@ -145,7 +153,9 @@ def test_sigkill_of_a_decode_replica_loses_no_stream(served, client, offline) ->
     busiest = max(decode_engines(client.health()), key=lambda e: e.num_running)
     assert busiest.num_running >= 1
     sigkill_replica(actor_name(busiest.replica_id))
-    assert finish(streams) == expected(offline, texts)
+    tokens, migrations = finish(streams)
+    assert tokens == expected(offline, texts)
+    assert sum(m > 0 for m in migrations) >= 1, migrations  # the killed replica's streams moved
     # Serve replaces the dead replica; then nothing is held on any engine.
     assert wait_until(served.engines_idle, 180), client.health()
 
@@ -157,7 +167,9 @@ def test_with_no_decode_replica_left_the_prefill_replica_takes_over(
     streams = start_streams(client, texts)
     for engine in decode_engines(client.health()):
         sigkill_replica(actor_name(engine.replica_id))
-    assert finish(streams) == expected(offline, texts)
+    tokens, migrations = finish(streams)
+    assert tokens == expected(offline, texts)
+    assert all(m >= 1 for m in migrations), migrations  # every stream moved, to the prefill
     # A new request does not wait for Serve to bring a decode replica back.
     (late,) = expected(offline, ["A late request"])
     request = generate_request(
@@ -240,6 +252,13 @@ def test_a_short_chaos_run_loses_nothing_and_leaks_nothing(served: ServedApp) ->
     report = run_on(config, served.target, APP_NAME)
     print(report)
     assert report["kills"] == {"prefill": 1, "decode": 1, "router": 1}
+    # Every request sent has exactly one outcome; with a decode replica killed under load,
+    # streams moved (migration switched off would fail here, not pass as clear failures).
+    assert report["outcomes_add_up"] and report["outcomes_total"] == report["requests"]
+    assert report["migrations"] >= report["migrated_requests"] >= 1
+    # Every KV fault injected into a live engine's reads was caught by a checksum.
+    assert report["kv_faults_injected"] >= 1
+    assert report["kv_checksum_failures"] == report["kv_faults_injected"]
     assert report["lost"] == 0 and report["timed_out"] == 0
     assert report["completed_mismatch"] == 0
     assert report["failed_unclear"] == 0, report["unclear_examples"]

@@ -135,6 +135,8 @@ def test_a_failed_decode_leg_continues_token_exact(servers, offline, after):
     assert carried == want[: len(carried)] and len(carried) >= max(after, 0)
     assert (after <= 0) == (not carried)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
+    assert [c.migrations for c in chunks[-1:]] == [1]  # the last chunk tells the client
+    assert all(c.migrations == 0 for c in chunks[:-1])
     assert {c.route for c in chunks} == {"disaggregated"}
     assert all(idle(s) for s in servers)
 
@@ -274,7 +276,8 @@ def test_the_trace_shows_each_move(servers):
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     telemetry = RouterTelemetry(provider.get_tracer("test"))
     flow = make_flow(servers, Dying(servers[1], after=3, failures=2), telemetry=telemetry)
-    run(flow, PROMPT, max_tokens=16, temperature=0.0, ignore_eos=True)
+    chunks = run(flow, PROMPT, max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert chunks[-1].migrations == 2
     (span,) = [s for s in exporter.get_finished_spans() if s.name == "router.request"]
     moves = [e for e in span.events if e.name == "pdserve.migration"]
     assert [e.attributes["pdserve.migration.attempt"] for e in moves] == [1, 2]

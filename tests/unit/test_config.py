@@ -76,3 +76,22 @@ def test_config_from_dict_takes_the_dataclass_itself_and_refuses_other_types() -
     assert config_from_dict("kv", {"secret": "t"}, KVTransferConfig).secret == "t"
     with pytest.raises(ValueError, match="kv_transfer_config must be a dict, got list"):
         config_from_dict("kv_transfer_config", ["nixl"], KVTransferConfig)
+
+
+@pytest.mark.parametrize(
+    ("faults", "message"),
+    [
+        ({"rate": 1.5}, r"rate must be in \[0, 1\]"),
+        ({"rate": True}, r"rate must be in \[0, 1\]"),
+        ({"faults": "flip"}, "faults must be some of"),  # a string, not a list
+        ({"faults": []}, "faults must be some of"),
+        ({"faults": ["flip", "melt"]}, "faults must be some of"),
+        ({"rates": 0.1}, r"unknown kv_transfer_config.fault_injection keys \['rates'\]"),
+        ("often", "fault_injection must be a dict"),
+    ],
+)
+def test_fault_injection_settings_are_checked(faults, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        KVTransferConfig(fault_injection=faults)  # type: ignore[arg-type]
+    config = KVTransferConfig(fault_injection={"rate": 0.5, "faults": ["stale"], "seed": 3})
+    assert config.fault_injection is not None and config.fault_injection.faults == ("stale",)

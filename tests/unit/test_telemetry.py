@@ -147,3 +147,34 @@ def test_engine_metrics_sample_a_prefix_cache_with_lookups_and_no_hits() -> None
     metrics.sample(reading(64, 16, SpecDecodeStats(2, 6, 0)))
     metrics.sample(reading(64, 16, SpecDecodeStats(3, 9, 4)))
     assert metrics._seen is not None and metrics._seen.spec_decode == SpecDecodeStats(3, 9, 4)
+
+
+def test_engine_metrics_count_what_the_kv_checks_found() -> None:
+    """The KV checksum counters (blocks verified, blocks corrupted, failed reads) reach
+    Prometheus as the deltas of the engine's counters, never as `inc(0)`."""
+    from deployments.replica.telemetry import EngineMetrics
+    from engine.stats import EngineStats
+
+    class Recording:
+        def __init__(self) -> None:
+            self.increments: list[float] = []
+
+        def inc(self, value: float, tags: dict[str, str] | None = None) -> None:
+            assert value > 0  # Ray's counters refuse anything else
+            self.increments.append(value)
+
+    def reading(**kv: int) -> EngineStats:
+        return EngineStats(10, 8, 1, 0, 0, 0, kv_transfer={"blocks_read": 99, **kv})
+
+    metrics = EngineMetrics()
+    recorded = {name: Recording() for name in metrics.kv_counters}
+    metrics.kv_counters = recorded  # type: ignore[assignment]
+    metrics.sample(reading(blocks_verified=3))
+    metrics.sample(reading(blocks_verified=3))  # nothing new
+    metrics.sample(reading(blocks_verified=5, blocks_corrupted=1, checksum_failures=1))
+    metrics.sample(EngineStats(10, 8, 1, 0, 0, 0))  # an engine without KV transfer
+    assert {name: r.increments for name, r in recorded.items()} == {
+        "blocks_verified": [3, 2],
+        "blocks_corrupted": [1],
+        "checksum_failures": [1],
+    }

@@ -142,7 +142,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., sampled_rank: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timing", "logprobs", "prompt_token_ids", "route")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timing", "logprobs", "prompt_token_ids", "route", "migrations")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class GenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -161,7 +162,8 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     route: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., route: _Optional[str] = ...) -> None: ...
+    migrations: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., route: _Optional[str] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -180,7 +182,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("role", "replica_id", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_held_requests", "kv_cache_usage", "state")
+    __slots__ = ("role", "replica_id", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_held_requests", "kv_cache_usage", "state", "kv_checksum_failures", "kv_faults_injected")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +192,8 @@ class EngineStats(_message.Message):
     NUM_HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    KV_CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_FAULTS_INJECTED_FIELD_NUMBER: _ClassVar[int]
     role: str
     replica_id: str
     num_blocks: int
@@ -199,7 +203,9 @@ class EngineStats(_message.Message):
     num_held_requests: int
     kv_cache_usage: float
     state: str
-    def __init__(self, role: _Optional[str] = ..., replica_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
+    kv_checksum_failures: int
+    kv_faults_injected: int
+    def __init__(self, role: _Optional[str] = ..., replica_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[str] = ..., kv_checksum_failures: _Optional[int] = ..., kv_faults_injected: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
     __slots__ = ("status", "engines")

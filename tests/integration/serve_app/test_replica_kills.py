@@ -127,6 +127,7 @@ def test_killing_the_decode_replica_moves_its_streams_to_the_prefill_replica(
     ]
     assert streamed == [list(greedy_ids), list(seeded_ids)]
     assert [rest[-1].finish_reason for rest in rests] == ["length", "length"]
+    assert [rest[-1].migrations for rest in rests] == [1, 1]  # each moved once, as its end says
     assert not [e for e in sse if isinstance(e, dict) and "error" in e], sse[-3:]
     assert "".join(e["choices"][0]["text"] for e in sse if isinstance(e, dict)) == sse_text
     health = app.client.health()
