@@ -87,6 +87,26 @@ def _record_kv_transfer(
     span.end(end_time=_ns(timing.kv_load_end))
 
 
+def _kv_check_counters() -> dict[str, Any]:
+    """What the reader's checks found in the KV it read (connector/checksums.py), by the
+    connector counter each follows: blocks that matched their producer's checksum, blocks that
+    did not (never used: recomputed or failed by kv_load_failure_policy), and the reads they
+    were in. (The names are written out: the dashboard's test finds them in this file.)"""
+    from ray.serve import metrics
+
+    return {
+        "blocks_verified": metrics.Counter(
+            "pdserve_kv_blocks_verified", "KV blocks read that matched their checksum"
+        ),
+        "blocks_corrupted": metrics.Counter(
+            "pdserve_kv_blocks_corrupted", "KV blocks read that failed their checksum"
+        ),
+        "checksum_failures": metrics.Counter(
+            "pdserve_kv_checksum_failures", "KV reads with a block that failed its checksum"
+        ),
+    }
+
+
 class EngineMetrics:
     """An engine replica's metrics: queues, KV cache, prefix cache, preemptions, transfers."""
 
@@ -120,17 +140,7 @@ class EngineMetrics:
             "KV transfers that failed",
             tags("transport", "outcome"),
         )
-        # What the reader's checks found in the KV it read (connector/checksums.py): blocks
-        # that matched their producer's checksum, blocks that did not (never used: recomputed
-        # or failed by kv_load_failure_policy), and the reads they were in.
-        self.kv_counters = {
-            field: metrics.Counter(f"pdserve_kv_{field}", help_text)
-            for field, help_text in (
-                ("blocks_verified", "KV blocks read that matched their checksum"),
-                ("blocks_corrupted", "KV blocks read that failed their checksum"),
-                ("checksum_failures", "KV reads with a block that failed its checksum"),
-            )
-        }
+        self.kv_counters = _kv_check_counters()
         # Speculative decoding (vLLM's spec_decode counters): acceptance rate = accepted / draft
         # tokens, mean accepted length = 1 + accepted / drafts.
         self.spec_counters = {
