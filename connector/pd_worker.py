@@ -24,6 +24,7 @@ from connector.side_channel import Loan, SideChannelServer
 from connector.side_channel_client import SideChannelClient, SideChannelError
 from connector.transport import BlockRead, KVTransport
 from engine.config import KVTransferConfig
+from engine.core.block_pool import NULL_BLOCK_ID
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class PDWorker:
     def lease_blocks(self, request_id: str, block_ids: list[int], token_ids: list[int]) -> RemoteKV:
         """Hold the blocks for a reader; `token_ids` are those whose KV the blocks hold."""
         assert self.server is not None, "register() first"
+        checksums = self.checksums(block_ids)  # first: a lease is never left without its owner
         lease = self.server.leases.add(request_id, block_ids, self.config.lease_seconds)
         return RemoteKV(
             engine_id=self.engine_id,
@@ -108,7 +110,7 @@ class PDWorker:
             lease_id=lease.lease_id,
             num_tokens=len(token_ids),
             tokens_hash=tokens_hash(token_ids),
-            block_checksums=self.checksums(block_ids),
+            block_checksums=checksums,
         )
 
     def checksums(self, block_ids: list[int]) -> list[str]:
@@ -124,8 +126,9 @@ class PDWorker:
     def lease_lent_blocks(self, lease_request_id: str, block_ids: list[int]) -> Loan:
         """Lent prefix blocks under a lease of their own (`lease_request_id` names it)."""
         assert self.server is not None, "register() first"
+        checksums = self.checksums(block_ids)
         lease = self.server.leases.add(lease_request_id, block_ids, self.config.lease_seconds)
-        return Loan(list(block_ids), lease, self.checksums(block_ids))
+        return Loan(list(block_ids), lease, checksums)
 
     def cancel_lease(self, request_id: str) -> None:
         if self.server is not None:
@@ -243,11 +246,21 @@ class PDWorker:
             self._kv_cache, load.local_block_ids
         ):
             self.stats["faults_injected"] += 1
-        got = block_checksums(self._kv_cache, load.local_block_ids)
-        pairs = zip(load.local_block_ids, got, load.checksums, strict=True)
-        bad = [block_id for block_id, found, wanted in pairs if found != wanted]
+        # A remote null block stands for positions its attention never reads (left of a
+        # sliding window): its bytes are anyone's scratch, so neither side's are checked.
+        checked = [
+            (local, wanted)
+            for local, remote, wanted in zip(
+                load.local_block_ids, load.remote_block_ids, load.checksums, strict=True
+            )
+            if remote != NULL_BLOCK_ID
+        ]
+        got = block_checksums(self._kv_cache, [local for local, _ in checked])
+        bad = [
+            local for (local, wanted), found in zip(checked, got, strict=True) if found != wanted
+        ]
         self.stats["blocks_read"] += len(load.local_block_ids)
-        self.stats["blocks_verified"] += len(load.local_block_ids) - len(bad)
+        self.stats["blocks_verified"] += len(checked) - len(bad)
         if bad:
             logger.warning(
                 "KV load for %s: %d of %d blocks failed their checksum",

@@ -57,6 +57,11 @@ class BlockHashToBlockMap:
         return len(self._cache)
 
 
+# The null block's id: a block table's entry for positions its attention type never reads
+# (left of a sliding window), and what padding slots write to; never holds anyone's KV.
+NULL_BLOCK_ID = 0
+
+
 class BlockPool:
     """All KV blocks of one engine. Block 0 is the null block: never allocated, never freed."""
 
@@ -71,6 +76,7 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.null_block = self.free_block_queue.popleft()
+        assert self.null_block.block_id == NULL_BLOCK_ID
         self.null_block.is_null = True
         self.enable_kv_cache_events = enable_kv_cache_events
         self._events: list[KVCacheEvent] = []

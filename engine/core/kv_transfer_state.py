@@ -53,6 +53,9 @@ class KVTransferState:
         self._failed_recving: set[str] = set()
         # Requests whose external KV is loaded inside this very step (synchronous loads).
         self._sync_loads: set[str] = set()
+        # Unfinished requests that hand their KV on (do_remote_decode): their blocks are
+        # checksummed as they finish, so no step may be writing into them then.
+        self._handoffs: set[str] = set()
 
     def start_async_load(self, request: Request, num_local_computed_tokens: int) -> None:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -122,6 +125,22 @@ class KVTransferState:
 
     def has_sync_loads(self) -> bool:
         return bool(self._sync_loads)
+
+    def note_handoff(self, request: Request) -> None:
+        """A request that will hand its KV to another engine (see `holds_steps`)."""
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode"):
+            self._handoffs.add(request.request_id)
+
+    def end_handoff(self, req_id: str) -> None:
+        self._handoffs.discard(req_id)
+
+    def holds_steps(self) -> bool:
+        """Whether the next step must wait for the one in flight (async scheduling): a load
+        inside that step may fail and rewind its request, and a request that hands its KV
+        on is checksummed when it finishes — a step scheduled ahead of its last sample
+        would write its next token's K/V into a leased block after the checksum."""
+        return bool(self._sync_loads or self._handoffs)
 
     def update_from_xfer_finished(self, kv_output: KVConnectorOutput) -> list[Request]:
         """Note the loads that ended; returns the finished requests whose blocks no transfer

@@ -120,6 +120,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
         self.queued_prompts.add(request)
+        self.kv_transfers.note_handoff(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """End requests from outside (abort, error). Unknown or finished ids are ignored."""
@@ -261,11 +262,10 @@ class Scheduler:
 
     def may_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the outputs of the one in flight are
-        back (async scheduling). Not while a step in flight loads KV synchronously (a failed
-        load rewinds its requests), nor while a running request speculates: its drafts are
-        proposed from its newest token, which is only known once the step is back. Nor when
-        nothing is left to run."""
-        if not self.has_unfinished_requests() or self.kv_transfers.has_sync_loads():
+        back (async scheduling). Not while KV transfers hold steps back (`holds_steps`),
+        nor while a running request speculates: its drafts are proposed from its newest
+        token, which is only known once the step is back. Nor when nothing is left to run."""
+        if not self.has_unfinished_requests() or self.kv_transfers.holds_steps():
             return False
         speculator = self.speculator
         return speculator is None or not any(map(speculator.wants_drafts, self.running))
@@ -422,6 +422,7 @@ class Scheduler:
         request.timing.finished = time.time()
         self.finished_req_ids.add(request.request_id)
         self.queued_prompts.forget(request)
+        self.kv_transfers.end_handoff(request.request_id)
         kv_transfer_params = None
         delay_free = False
         if self.connector is not None:

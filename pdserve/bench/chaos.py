@@ -38,9 +38,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pdserve.bench.chaos_outcomes import Tally, classify_rpc_error, outcomes, rpc_status
+
 ROLES = ("prefill", "decode", "router")
 _DEPLOYMENTS = {"prefill": "PrefillServer", "decode": "DecodeServer", "router": "Router"}
-_INTERNALS = ("actor", "Traceback", "\x1b[", "ray.", "RayTaskError")
 
 
 @dataclass
@@ -87,37 +88,6 @@ class ChaosConfig:
                 raise ValueError(f"{name} must be in [0, 0.5)")
         if not 0 <= self.kv_fault_rate <= 1:
             raise ValueError("kv_fault_rate must be in [0, 1]")
-
-
-OUTCOMES = (
-    "exact",
-    "mismatch",
-    "cancelled",
-    "refused",
-    "accepted_malformed",
-    "failed_clear",
-    "failed_unclear",
-    "timed_out",
-    "lost",
-)
-
-
-@dataclass
-class _Tally:
-    counts: Counter[str] = field(default_factory=Counter)
-    unclear: list[str] = field(default_factory=list)
-    migrations: int = 0  # over the completed requests
-    migrated_requests: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, outcome: str, message: str = "", migrations: int = 0) -> None:
-        assert outcome in OUTCOMES, outcome
-        with self.lock:
-            self.counts[outcome] += 1
-            self.migrations += migrations
-            self.migrated_requests += migrations > 0
-            if outcome == "failed_unclear" and len(self.unclear) < 5:
-                self.unclear.append(message[:300])
 
 
 def run(config: ChaosConfig) -> dict[str, Any]:
@@ -184,8 +154,8 @@ def _chaos(
     from pdserve.client import GenerationClient
 
     client = GenerationClient(target, app)
-    _warm_up(_Load(client, config, prompts, expected, _Tally()))
-    tally = _Tally()
+    _warm_up(_Load(client, config, prompts, expected, Tally()))
+    tally = Tally()
     load = _Load(client, config, prompts, expected, tally)
     rss_before = _engine_rss(app)
     stop_at = time.monotonic() + config.duration_s
@@ -212,7 +182,7 @@ def _chaos(
     return {
         "config": asdict(config),
         "duration_s": round(elapsed, 1),
-        **_outcomes(tally, issued.count),
+        **outcomes(tally, issued.count),
         "kills": dict(kills),
         "idle_after_s": idle_s,
         **leftovers,
@@ -222,30 +192,6 @@ def _chaos(
             key: round(rss_after[key] - rss_before[key], 1)
             for key in rss_before.keys() & rss_after.keys()
         },
-    }
-
-
-def _outcomes(tally: _Tally, requests: int) -> dict[str, Any]:
-    """The requests sent, each in its one outcome, whether those add up; the migrations."""
-    counts = tally.counts
-    outcomes = sum(counts[outcome] for outcome in OUTCOMES)
-    return {
-        "requests": requests,
-        "outcomes_total": outcomes,
-        "outcomes_add_up": outcomes == requests,
-        "migrations": tally.migrations,
-        "migrated_requests": tally.migrated_requests,
-        "completed": counts["exact"] + counts["mismatch"],
-        "completed_exact": counts["exact"],
-        "completed_mismatch": counts["mismatch"],
-        "cancelled": counts["cancelled"],
-        "malformed_refused": counts["refused"],
-        "malformed_accepted": counts["accepted_malformed"],
-        "failed_clear": counts["failed_clear"],
-        "failed_unclear": counts["failed_unclear"],
-        "unclear_examples": tally.unclear,
-        "timed_out": counts["timed_out"],
-        "lost": counts["lost"],
     }
 
 
@@ -273,7 +219,7 @@ class _Load:
     config: ChaosConfig
     prompts: list[str]
     expected: list[list[int]]
-    tally: _Tally
+    tally: Tally
 
 
 def _warm_up(load: _Load) -> None:
@@ -324,28 +270,12 @@ def _one(load: _Load, rng: random.Random, plain: bool = False) -> None:
                 return
         tally.add("exact" if tokens == expected[i] else "mismatch", migrations=migrations)
     except grpc.RpcError as exc:
-        _failed(exc, tally, cancelled=cancel)
+        classify_rpc_error(exc, tally, cancelled=cancel)
     except Exception as exc:  # anything else is counted too, never dropped
         tally.add("failed_unclear", f"{type(exc).__name__}: {exc}")
 
 
-def _failed(exc: Any, tally: _Tally, cancelled: bool) -> None:
-    import grpc
-
-    code, details = exc.code(), exc.details() or ""
-    if code == grpc.StatusCode.CANCELLED and cancelled:
-        tally.add("cancelled")
-    elif code == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
-        tally.add("lost")  # grpc's own deadline: the server never answered
-    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        tally.add("timed_out")  # the server's deadline: answered, but a hang would show here
-    elif any(mark in details for mark in _INTERNALS):
-        tally.add("failed_unclear", f"{code.name}: {details}")
-    else:
-        tally.add("failed_clear")
-
-
-def _malformed(client: Any, rng: random.Random, tally: _Tally) -> None:
+def _malformed(client: Any, rng: random.Random, tally: Tally) -> None:
     import grpc
 
     from pdserve.client import generate_request
@@ -362,8 +292,9 @@ def _malformed(client: Any, rng: random.Random, tally: _Tally) -> None:
         client.complete(bad, timeout=30)
         tally.add("accepted_malformed")
     except grpc.RpcError as exc:
-        clear = exc.code() == grpc.StatusCode.INVALID_ARGUMENT
-        tally.add("refused" if clear else "failed_unclear", f"{exc.code().name}: {exc.details()}")
+        code, details = rpc_status(exc)
+        clear = code == grpc.StatusCode.INVALID_ARGUMENT
+        tally.add("refused" if clear else "failed_unclear", f"{code}: {details}")
     except Exception as exc:
         tally.add("failed_unclear", f"{type(exc).__name__}: {exc}")
 

@@ -87,6 +87,21 @@ def test_no_step_is_scheduled_ahead_for_speculation_sync_loads_or_nothing_to_run
     assert loading.may_schedule_ahead()
 
 
+def test_no_step_is_scheduled_ahead_while_a_request_hands_its_kv_on():
+    # Its blocks are checksummed when it finishes (on EOS, say): a step ahead of its last
+    # sample would write the next token's K/V into a leased block after the checksum.
+    scheduler = make_scheduler()
+    producer = make_request("p", 4, max_tokens=8)
+    producer.kv_transfer_params = {"do_remote_decode": True}
+    scheduler.add_request(producer)
+    scheduler.add_request(make_request("plain", 4, max_tokens=8))
+    first = scheduler.schedule()
+    assert not scheduler.may_schedule_ahead()
+    scheduler.finish_requests("p", RequestStatus.FINISHED_ABORTED)
+    scheduler.update_from_output(first, sampled_output(first, {"plain": [1]}))
+    assert scheduler.may_schedule_ahead()  # only the plain request is left
+
+
 def outgrowing_pair(second_max_tokens: int, eos_token_id: int | None = None):
     """4 usable blocks of 4 tokens: two prompts of 8 tokens fit, their next tokens do not.
     Both prompts are scheduled, then the step after them ahead of their samples."""

@@ -1,14 +1,18 @@
-"""PDConnector's admission checks and block arithmetic (no transfer: gRPC transport, idle)."""
+"""PDConnector's admission checks and block arithmetic (gRPC transport, idle), and what a
+read checks in the blocks it landed (a real gRPC read from the engine to itself)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from connector.metadata import RemoteKV, tokens_hash
 from connector.pd_connector import PDConnector
 from engine.config import KVTransferConfig
+from engine.core.block_pool import NULL_BLOCK_ID
 from engine.core.kv_cache_utils import KVCacheBlock
 from engine.request import Request, RequestStatus, SamplingParams
+from tests.waiting import wait_until
 
 PROMPT = list(range(100, 121))  # 21 tokens
 
@@ -91,3 +95,32 @@ def test_a_request_aborted_before_allocation_leaves_nothing_behind(connector):
     assert connector.request_finished(req, []) == (False, None)
     assert connector._matched == {}
     assert not connector.has_pending_transfers()
+
+
+def _read_back(conn: PDConnector, remote_kv, local_ids: list[int]) -> set[int]:
+    """Read `remote_kv`'s blocks into `local_ids` over the connector's own side channel (a
+    real gRPC read, from this engine to itself); the local blocks found invalid."""
+    from connector.metadata import ConnectorMetadata, LoadSpec
+
+    load = LoadSpec("reader", remote_kv, local_ids, remote_kv.block_ids, remote_kv.block_checksums)
+    conn.start_load_kv(ConnectorMetadata(loads=[load]))
+    assert wait_until(lambda: "reader" in conn.get_finished()[1], 30, 0.01), "never ended"
+    return conn.get_block_ids_with_load_errors()
+
+
+def test_a_remote_null_block_is_read_but_never_checked(connector):
+    # A sliding-window prompt's table holds the null block left of its window: padding rows
+    # write their K/V there, so its bytes may change after the checksums were taken.
+    cache = torch.randn(8, 2, 4, 16)
+    connector.register_kv_caches(cache)
+    tokens = list(range(12))
+    leased = connector.worker.lease_blocks("window", [NULL_BLOCK_ID, 5, 6], tokens)
+    cache[NULL_BLOCK_ID].add_(1.0)  # scratch written after the hand-off
+    assert _read_back(connector, leased, [2, 3, 4]) == set()
+    stats = connector.stats
+    assert stats["blocks_verified"] == 2 and stats["checksum_failures"] == 0
+    # A real block changed after its hand-off is still caught.
+    leased = connector.worker.lease_blocks("window-2", [NULL_BLOCK_ID, 5, 6], tokens)
+    cache[6, 1, 3, 0] += 1.0
+    assert _read_back(connector, leased, [2, 3, 4]) == {4}
+    assert connector.stats["blocks_corrupted"] == 1
