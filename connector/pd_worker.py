@@ -20,6 +20,7 @@ import torch
 from connector.checksums import block_checksums
 from connector.faults import FaultInjector
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV, tokens_hash
+from connector.read_watch import HEARTBEAT_TIMEOUT_S, ReadWatch
 from connector.side_channel import Loan, SideChannelServer
 from connector.side_channel_client import SideChannelClient, SideChannelError
 from connector.transport import BlockRead, KVTransport
@@ -29,6 +30,8 @@ from engine.core.block_pool import NULL_BLOCK_ID
 logger = logging.getLogger(__name__)
 
 _CLIENT_TIMEOUT_S = 10.0
+# The engine thread waits this long for a first answer from a remote (a frozen one stalls it).
+_HANDSHAKE_TIMEOUT_S = 2.0
 # A read still running after this long is cancelled (and fails): no request waits forever.
 READ_TIMEOUT_S = 60.0
 
@@ -47,9 +50,10 @@ def make_transport(name: str, engine_id: str) -> KVTransport:
 class _ActiveRead:
     load: LoadSpec
     client: SideChannelClient
-    renewed_at: float
     started_at: float
     cancelled: bool = False
+    doomed: str | None = None  # why the read watch gave up on it
+    unreachable: bool = False  # the remote stopped answering (no release is tried)
 
 
 class PDWorker:
@@ -64,6 +68,7 @@ class PDWorker:
         self._peers: set[str] = set()
         self._engine_at: dict[tuple[str, int], str] = {}  # the engine a side channel serves
         self._active: dict[str, _ActiveRead] = {}
+        self._watch = ReadWatch()  # leases renewed, silent remotes found, off the engine thread
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         self._kv_cache: torch.Tensor | None = None
@@ -77,6 +82,8 @@ class PDWorker:
             "checksum_failures": 0,  # reads with a block that did not match
             "blocks_corrupted": 0,  # blocks that did not match (handled by the policy)
             "faults_injected": 0,  # kv_transfer_config.fault_injection's, each to be caught
+            "fenced_reads": 0,  # the remote no longer held the blocks: never used
+            "unanswered_reads": 0,  # the remote stopped answering mid-read
         }
 
     # ------------------------------------------------------------------ set-up
@@ -151,7 +158,7 @@ class PDWorker:
             self._handshake(client, load.remote)
             # One-sided transports (NIXL) read without asking the remote: make sure the lease
             # is live before reading (a refused renewal fails the load, nothing is read).
-            client.renew_lease(load.remote.lease_id)
+            client.renew_lease(load.remote.lease_id, HEARTBEAT_TIMEOUT_S)
             self.transport.start_read(
                 BlockRead(
                     transfer_id=load.request_id,
@@ -169,8 +176,8 @@ class PDWorker:
                 self._release(load.remote)
             self._failed(load, str(exc))
             return
-        now = time.monotonic()
-        self._active[load.request_id] = _ActiveRead(load, client, now, now)
+        self._active[load.request_id] = _ActiveRead(load, client, time.monotonic())
+        self._watch.add(load.request_id, client, load.remote.lease_id)
 
     def _client(self, remote: RemoteKV) -> SideChannelClient:
         key = (remote.host, remote.port)
@@ -184,7 +191,9 @@ class PDWorker:
         """Once per remote engine: check compatibility, learn how to read from it."""
         if remote.engine_id in self._peers:
             return
-        reply = client.handshake(self.engine_id, self.compat_hash, self.transport.name)
+        reply = client.handshake(
+            self.engine_id, self.compat_hash, self.transport.name, timeout_s=_HANDSHAKE_TIMEOUT_S
+        )
         if reply.engine_id != remote.engine_id:
             raise ValueError(
                 f"side channel {remote.host}:{remote.port} is engine {reply.engine_id!r}, "
@@ -214,28 +223,39 @@ class PDWorker:
             forget(old)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        self._renew_leases()
+        self._cancel_doomed()
         self._cancel_overdue()
         results = self.transport.poll()
         for request_id in results.done:
-            active = self._active.pop(request_id, None)
-            if active is None:
-                continue
-            # The bytes are trustworthy only if the lease was still live when the read ended:
-            # otherwise the remote may have reused the blocks while we were reading them.
-            if self._release(active.load.remote):
-                self._verify(active.load)
-            else:
-                self._failed(active.load, "the lease ended before the read completed")
-        for request_id, reason in results.failed.items():
-            active = self._active.pop(request_id, None)
+            active = self._pop_active(request_id)
             if active is not None:
-                logger.warning("KV load for %s failed: %s", request_id, reason)
-                self._release(active.load.remote)
-                self._failed(active.load, reason)
+                self._read_done(active)
+        for request_id, reason in results.failed.items():
+            active = self._pop_active(request_id)
+            if active is not None:
+                logger.warning("KV load for %s failed: %s", request_id, active.doomed or reason)
+                if not active.unreachable:
+                    self._release(active.load.remote)
+                self._failed(active.load, active.doomed or reason)
         done_recving, self._finished_recving = self._finished_recving, set()
         done_sending = self.server.leases.take_finished() if self.server else set()
         return done_sending, done_recving
+
+    def _pop_active(self, request_id: str) -> _ActiveRead | None:
+        self._watch.remove(request_id)
+        return self._active.pop(request_id, None)
+
+    def _read_done(self, active: _ActiveRead) -> None:
+        """The transport wrote every block. They are used only if the remote still held them
+        when the read ended (else they may have been rewritten while we read: fenced) and
+        each matches its checksum. A remote that does not answer the release cannot say:
+        then the checksums alone decide (they are of the blocks as handed off)."""
+        live = None if active.unreachable else self._release(active.load.remote)
+        if live is False or (active.doomed is not None and not active.unreachable):
+            self.stats["fenced_reads"] += 1
+            self._failed(active.load, "the remote no longer held the blocks when the read ended")
+        else:
+            self._verify(active.load)
 
     def _verify(self, load: LoadSpec) -> None:
         """A read that ended well is used only if every block it wrote matches the checksum
@@ -286,6 +306,20 @@ class PDWorker:
         self._invalid_block_ids.update(load.local_block_ids)
         self._finished_recving.add(load.request_id)
 
+    def _cancel_doomed(self) -> None:
+        """Cancel the reads the watch gave up on; the transport reports each once stopped."""
+        for request_id, doom in self._watch.take_doomed().items():
+            active = self._active.get(request_id)
+            if active is None or active.cancelled:
+                continue
+            active.cancelled, active.doomed, active.unreachable = (
+                True,
+                doom.reason,
+                doom.unreachable,
+            )
+            self.stats["unanswered_reads"] += doom.unreachable
+            self.transport.cancel(request_id)
+
     def _cancel_overdue(self) -> None:
         now = time.monotonic()
         for request_id, active in self._active.items():
@@ -294,28 +328,17 @@ class PDWorker:
                 active.cancelled = True
                 self.transport.cancel(request_id)
 
-    def _renew_leases(self) -> None:
-        """Keep the remote holding our blocks while the read runs (every lease/3 seconds)."""
-        now = time.monotonic()
-        period = self.config.lease_seconds / 3
-        for active in self._active.values():
-            if now - active.renewed_at < period:
-                continue
-            try:
-                active.client.renew_lease(active.load.remote.lease_id)
-                active.renewed_at = now
-            except SideChannelError as exc:
-                logger.warning("renewing lease %s: %s", active.load.remote.lease_id, exc)
-
-    def _release(self, remote: RemoteKV) -> bool:
-        """Give the lease back; True when it was still live (False also when unreachable)."""
+    def _release(self, remote: RemoteKV) -> bool | None:
+        """Give the lease back: True when it was still live, False when it had ended, None
+        when the remote did not answer (it frees the blocks when the lease runs out)."""
         try:
-            return self._client(remote).release(remote.lease_id)
-        except SideChannelError as exc:  # gone or expired: the remote frees them anyway
+            return self._client(remote).release(remote.lease_id, HEARTBEAT_TIMEOUT_S)
+        except SideChannelError as exc:
             logger.info("releasing lease %s: %s", remote.lease_id, exc)
-            return False
+            return None if _unreachable(exc) else False
 
     def close(self) -> None:
+        self._watch.close()
         for client in self._clients.values():
             client.close()
         if self.server is not None:

@@ -139,6 +139,7 @@ class SideChannelClient:
         compat_hash: str,
         transport: str,
         expected_engine_id: str = "",
+        timeout_s: float | None = None,
     ) -> HandshakeReply:
         request = pb.HandshakeRequest(
             engine_id=engine_id,
@@ -146,7 +147,7 @@ class SideChannelClient:
             transport=transport,
             expected_engine_id=expected_engine_id,
         )
-        r = self._unary(self._stub.Handshake, request)
+        r = self._unary(self._stub.Handshake, request, timeout_s)
         self.remote = HandshakeReply(
             r.engine_id,
             r.compatibility_hash,
@@ -157,14 +158,15 @@ class SideChannelClient:
         )
         return self.remote
 
-    def renew_lease(self, lease_id: str) -> float:
+    def renew_lease(self, lease_id: str, timeout_s: float | None = None) -> float:
         """Seconds until the renewed lease expires."""
-        reply = self._unary(self._stub.RenewLease, pb.LeaseRequest(lease_id=lease_id))
-        return float(reply.expires_in_seconds)
+        request = pb.LeaseRequest(lease_id=lease_id)
+        return float(self._unary(self._stub.RenewLease, request, timeout_s).expires_in_seconds)
 
-    def release(self, lease_id: str) -> bool:
+    def release(self, lease_id: str, timeout_s: float | None = None) -> bool:
         """True when this call ended a live lease (False: already ended or unknown)."""
-        return bool(self._unary(self._stub.Release, pb.LeaseRequest(lease_id=lease_id)).released)
+        request = pb.LeaseRequest(lease_id=lease_id)
+        return bool(self._unary(self._stub.Release, request, timeout_s).released)
 
     def lend_prefix(self, block_hashes: list[bytes]) -> LendReply:
         """Borrow the engine's cached blocks for the leading run of `block_hashes`."""
@@ -202,8 +204,8 @@ class SideChannelClient:
     def close(self) -> None:
         self._channel.close()
 
-    def _unary(self, method: Any, request: Any) -> Any:
+    def _unary(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
         try:
-            return method(request, metadata=self._metadata, timeout=self.timeout_s)
+            return method(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as exc:
             raise SideChannelError(exc.code(), exc.details() or "", self.target) from None

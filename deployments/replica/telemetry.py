@@ -91,7 +91,8 @@ def _kv_check_counters() -> dict[str, Any]:
     """What the reader's checks found in the KV it read (connector/checksums.py), by the
     connector counter each follows: blocks that matched their producer's checksum, blocks that
     did not (never used: recomputed or failed by kv_load_failure_policy), and the reads they
-    were in. (The names are written out: the dashboard's test finds them in this file.)"""
+    were in; reads fenced (the lease had ended) or given up on (connector/read_watch.py).
+    (The names are written out: the dashboard's test finds them in this file.)"""
     from ray.serve import metrics
 
     return {
@@ -103,6 +104,12 @@ def _kv_check_counters() -> dict[str, Any]:
         ),
         "checksum_failures": metrics.Counter(
             "pdserve_kv_checksum_failures", "KV reads with a block that failed its checksum"
+        ),
+        "fenced_reads": metrics.Counter(
+            "pdserve_kv_fenced_reads", "KV reads whose remote no longer held the blocks"
+        ),
+        "unanswered_reads": metrics.Counter(
+            "pdserve_kv_unanswered_reads", "KV reads given up on: the remote stopped answering"
         ),
     }
 

@@ -51,6 +51,7 @@ def _serve(conn: Any, model: str, engine_kwargs: dict[str, Any]) -> None:
     llm = LLM(model, **engine_kwargs)
     connector = llm.engine.connector
     gate = threading.Event()  # held ReadBlocks streams go on once it is set
+    held: list[int] = []  # block ids of the chunks waiting on the gate
     conn.send(("ready", llm.engine.side_channel_port))
     while True:
         command, args = conn.recv()
@@ -68,8 +69,10 @@ def _serve(conn: Any, model: str, engine_kwargs: dict[str, Any]) -> None:
                 llm.engine.inject_kv_load_failure(args[0])
                 reply = None
             elif command == "hold_reads":
-                _hold_side_channel_reads(connector, gate)
+                _hold_side_channel_reads(connector, gate, held)
                 reply = None
+            elif command == "held_reads":
+                reply = len(held)
             elif command == "release_reads":
                 gate.set()
                 reply = None
@@ -90,18 +93,20 @@ def _serve(conn: Any, model: str, engine_kwargs: dict[str, Any]) -> None:
             conn.send(("error", traceback.format_exc()))
 
 
-def _hold_side_channel_reads(connector: Any, gate: threading.Event) -> None:
-    """This engine's ReadBlocks streams wait for `gate` ("release_reads") before each chunk:
-    an abort elsewhere lands while a read is in flight."""
+def _hold_side_channel_reads(connector: Any, gate: threading.Event, held: list[int]) -> None:
+    """This engine's ReadBlocks streams wait for `gate` ("release_reads") before each chunk
+    (noted in `held` while they wait): an abort elsewhere lands while a read is in flight."""
     server = connector.worker.server
     original = server.block_chunks
 
-    def held(block_ids: list[int]) -> Any:
+    def holding(block_ids: list[int]) -> Any:
         for chunk in original(block_ids):
+            held.append(chunk[0])
             gate.wait(_HOLD_TIMEOUT_S)
+            held.remove(chunk[0])
             yield chunk
 
-    server.block_chunks = held
+    server.block_chunks = holding
 
 
 def _corrupt_blocks(llm: Any, block_ids: list[int], how: str) -> None:

@@ -6,7 +6,10 @@ them over pipes. After each scenario both engines must be idle with every block 
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -15,6 +18,7 @@ from engine.core.kv_cache_utils import cdiv
 from engine.llm import LLM
 from engine.request import SamplingParams
 from tests.integration.engine_proc import EngineProcess
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -256,6 +260,59 @@ def test_refused_peers_and_lease_expiry(transport, colocated):
     finally:
         for proc in (decode, wrong_secret, other_layout):
             proc.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_prefill_engine_that_stops_answering_fails_its_reads_at_once(transport, colocated):
+    """A prefill engine frozen (SIGSTOP: alive, silent) after handing out its params, and
+    over gRPC in the middle of the reads: the decode engine gives up on them within about a
+    second (connector/read_watch.py), not at the read's deadline or the lease's end, and
+    recomputes (or, under policy fail, ends the requests with a clear error)."""
+    params = [GREEDY, SEEDED]
+    decode, decode_fail, prefill = engine(transport), engine(transport, kv=_FAIL), None
+    cases = [(decode, False, PROMPTS[:2]), (decode_fail, False, PROMPTS[:2])]
+    if transport == "grpc":  # a NIXL read is one-sided: it needs nothing of the frozen engine
+        cases.append((decode, True, PROMPTS[2:]))  # not cached here yet: both are read
+    try:
+        for reader, mid_read, prompts in cases:
+            prefill = engine(transport)
+            if mid_read:
+                prefill.call("hold_reads")
+            firsts = prefill.generate(
+                prompts, [replace(p, max_tokens=1) for p in params], {"do_remote_decode": True}
+            )
+            kv = [f["kv_transfer_params"] for f in firsts]
+            if not mid_read:
+                os.kill(prefill.process.pid, signal.SIGSTOP)
+            outs = _generate_freezing(reader, prefill if mid_read else None, prompts, params, kv)
+            if reader is decode:
+                assert [o["token_ids"] for o in outs] == reference(colocated, prompts, params)
+            else:
+                assert all(o["finish_reason"] == "error" and o["error"] for o in outs)
+            prefill.kill()
+        stats = decode.drain()["stats"]
+        assert stats["reads_failed"] == (4 if transport == "grpc" else 2)
+        # Mid-read, only the watch's heartbeat could tell: the stream itself says nothing.
+        assert stats["unanswered_reads"] == (2 if transport == "grpc" else 0)
+        assert_idle_and_clean(decode, decode_fail)
+    finally:
+        for proc in (decode, decode_fail, prefill):
+            if proc is not None:
+                proc.close()
+
+
+_FAIL = {"kv_load_failure_policy": "fail"}
+
+
+def _generate_freezing(reader, frozen, prompts, params, kv) -> list[dict]:
+    """reader.generate; with `frozen`, that engine is stopped once a read from it is held."""
+    if frozen is None:
+        return reader.generate(prompts, params, kv)
+    with ThreadPoolExecutor(1) as pool:
+        outs = pool.submit(reader.generate, prompts, params, kv)
+        assert wait_until(lambda: frozen.call("held_reads") > 0, 60)
+        os.kill(frozen.process.pid, signal.SIGSTOP)
+        return outs.result(timeout=120)
 
 
 def test_decode_abort_during_a_read_frees_blocks_only_after_the_read_stopped(colocated):
