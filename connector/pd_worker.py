@@ -18,7 +18,7 @@ import grpc
 import torch
 
 from connector.checksums import block_checksums
-from connector.faults import FaultInjector
+from connector.faults import FaultyTransport
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV, tokens_hash
 from connector.read_watch import HEARTBEAT_TIMEOUT_S, ReadWatch
 from connector.side_channel import Loan, SideChannelServer
@@ -32,8 +32,10 @@ logger = logging.getLogger(__name__)
 _CLIENT_TIMEOUT_S = 10.0
 # The engine thread waits this long for a first answer from a remote (a frozen one stalls it).
 _HANDSHAKE_TIMEOUT_S = 2.0
-# A read still running after this long is cancelled (and fails): no request waits forever.
-READ_TIMEOUT_S = 60.0
+# A read not reported done by 1 s plus its bytes at 100 MB/s (a slow link's pace) is
+# cancelled and fails: a lost completion, a stuck transfer costs a request about a second.
+READ_TIMEOUT_BASE_S = 1.0
+READ_MIN_BYTES_PER_S = 100e6
 
 
 def make_transport(name: str, engine_id: str) -> KVTransport:
@@ -50,7 +52,7 @@ def make_transport(name: str, engine_id: str) -> KVTransport:
 class _ActiveRead:
     load: LoadSpec
     client: SideChannelClient
-    started_at: float
+    deadline: float  # time.monotonic() by which the read is to have ended
     cancelled: bool = False
     doomed: str | None = None  # why the read watch gave up on it
     unreachable: bool = False  # the remote stopped answering (no release is tried)
@@ -61,7 +63,12 @@ class PDWorker:
         self.config = config
         self.engine_id = engine_id
         self.compat_hash = compat_hash
+        faults = config.fault_injection
         self.transport = make_transport(config.connector, engine_id)
+        if faults is not None and faults.rate > 0:
+            self.transport = self._faulty = FaultyTransport(self.transport, faults)
+        else:
+            self._faulty = None
         self.server: SideChannelServer | None = None
         self.port = 0
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
@@ -72,8 +79,7 @@ class PDWorker:
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         self._kv_cache: torch.Tensor | None = None
-        faults = config.fault_injection
-        self._faults = FaultInjector(faults) if faults is not None and faults.rate > 0 else None
+        self._block_bytes = 0
         self.stats = {
             "blocks_read": 0,
             "reads_failed": 0,
@@ -81,15 +87,22 @@ class PDWorker:
             "blocks_verified": 0,  # read blocks whose checksum matched
             "checksum_failures": 0,  # reads with a block that did not match
             "blocks_corrupted": 0,  # blocks that did not match (handled by the policy)
-            "faults_injected": 0,  # kv_transfer_config.fault_injection's, each to be caught
+            # kv_transfer_config.fault_injection's: data faults (each to be caught by its
+            # checksum); completions delayed, lost (to be timed out), remotes died mid-read.
+            "faults_injected": 0,
+            "faults_delayed": 0,
+            "faults_lost": 0,
+            "faults_died": 0,
             "fenced_reads": 0,  # the remote no longer held the blocks: never used
             "unanswered_reads": 0,  # the remote stopped answering mid-read
+            "timed_out_reads": 0,  # not reported done by their deadline
         }
 
     # ------------------------------------------------------------------ set-up
 
     def register(self, kv_cache: torch.Tensor) -> None:
         self._kv_cache = kv_cache
+        self._block_bytes = kv_cache[0].numel() * kv_cache.element_size()
         self.transport.register(kv_cache)
         self.server = SideChannelServer(
             self.config,
@@ -176,7 +189,9 @@ class PDWorker:
                 self._release(load.remote)
             self._failed(load, str(exc))
             return
-        self._active[load.request_id] = _ActiveRead(load, client, time.monotonic())
+        num_bytes = len(load.local_block_ids) * self._block_bytes
+        deadline = time.monotonic() + READ_TIMEOUT_BASE_S + num_bytes / READ_MIN_BYTES_PER_S
+        self._active[load.request_id] = _ActiveRead(load, client, deadline)
         self._watch.add(load.request_id, client, load.remote.lease_id)
 
     def _client(self, remote: RemoteKV) -> SideChannelClient:
@@ -226,6 +241,8 @@ class PDWorker:
         self._cancel_doomed()
         self._cancel_overdue()
         results = self.transport.poll()
+        if self._faulty is not None:
+            self.stats.update(self._faulty.counts())
         for request_id in results.done:
             active = self._pop_active(request_id)
             if active is not None:
@@ -262,10 +279,6 @@ class PDWorker:
         its producer computed; the blocks that do not are invalid (the policy then recomputes
         from the first of them, or fails the request)."""
         assert self._kv_cache is not None, "register() first"
-        if self._faults is not None and self._faults.maybe_inject(
-            self._kv_cache, load.local_block_ids
-        ):
-            self.stats["faults_injected"] += 1
         # A remote null block stands for positions its attention never reads (left of a
         # sliding window): its bytes are anyone's scratch, so neither side's are checked.
         checked = [
@@ -323,9 +336,10 @@ class PDWorker:
     def _cancel_overdue(self) -> None:
         now = time.monotonic()
         for request_id, active in self._active.items():
-            if not active.cancelled and now - active.started_at > READ_TIMEOUT_S:
+            if not active.cancelled and now > active.deadline:
                 logger.warning("KV load for %s timed out; cancelling", request_id)
                 active.cancelled = True
+                self.stats["timed_out_reads"] += 1
                 self.transport.cancel(request_id)
 
     def _release(self, remote: RemoteKV) -> bool | None:

@@ -181,29 +181,36 @@ class SideChannelTLS:
 
 
 KV_DATA_FAULTS = ("flip", "truncate", "stale")
+KV_FAULTS = (*KV_DATA_FAULTS, "delay", "lose", "die")
 
 
 @dataclass(frozen=True)
 class KVFaultInjection:
     """Faults injected into this engine's KV reads, to prove they are caught (tests, `pdserve
-    bench chaos`; off by default): with probability `rate` per read, after the read lands and
-    before it is verified, one of `faults` is done to one of its blocks — "flip": a bit
+    bench chaos`; off by default): with probability `rate` per read, as it completes, one of
+    `faults` is done to it (connector/faults.py) — to one of its blocks, "flip": a bit
     flipped; "truncate": the block's second half lost (zeroed); "stale": another block's bytes
-    in its place (a reused block). Only changes that alter the bytes are made and counted
-    (`faults_injected`), so every one must show up as a checksum failure."""
+    in its place (a reused block); to the read, "delay": its completion reported `delay_s`
+    late; "lose": never reported; "die": the remote dies mid-read. Only block changes that
+    alter the bytes are made and counted (`faults_injected`), so every one must show up as a
+    checksum failure."""
 
     rate: float = 0.0
-    faults: tuple[str, ...] = KV_DATA_FAULTS
+    faults: tuple[str, ...] = KV_FAULTS
     seed: int = 0
+    delay_s: float = 0.3
 
     def __post_init__(self) -> None:
         rate = self.rate
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
             raise ValueError(f"fault_injection.rate must be in [0, 1], got {self.rate!r}")
         faults = self.faults
-        if not isinstance(faults, (list, tuple)) or not faults or set(faults) - set(KV_DATA_FAULTS):
-            raise ValueError(f"fault_injection.faults must be some of {KV_DATA_FAULTS}")
+        if not isinstance(faults, (list, tuple)) or not faults or set(faults) - set(KV_FAULTS):
+            raise ValueError(f"fault_injection.faults must be some of {KV_FAULTS}")
         object.__setattr__(self, "faults", tuple(faults))
+        delay = self.delay_s
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
+            raise ValueError(f"fault_injection.delay_s must be >= 0, got {delay!r}")
 
 
 @dataclass(frozen=True)

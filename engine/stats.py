@@ -18,6 +18,9 @@ from typing import Any
 from engine.core.kv_events import EngineLoad
 from engine.spec_decode.ngram import SpecDecodeStats
 
+# Connector counters Health carries as kv_<name> (protos/pdserve/v1/generate.proto).
+_KV_HEALTH = ("reads_failed", "fenced_reads", "unanswered_reads", "faults_lost", "faults_died")
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -61,4 +64,5 @@ class EngineStats:
             "kv_cache_usage": self.kv_cache_usage,
             "kv_checksum_failures": self.kv_transfer.get("checksum_failures", 0),
             "kv_faults_injected": self.kv_transfer.get("faults_injected", 0),
+            **{f"kv_{name}": self.kv_transfer.get(name, 0) for name in _KV_HEALTH},
         }

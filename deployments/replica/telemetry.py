@@ -91,7 +91,8 @@ def _kv_check_counters() -> dict[str, Any]:
     """What the reader's checks found in the KV it read (connector/checksums.py), by the
     connector counter each follows: blocks that matched their producer's checksum, blocks that
     did not (never used: recomputed or failed by kv_load_failure_policy), and the reads they
-    were in; reads fenced (the lease had ended) or given up on (connector/read_watch.py).
+    were in; reads fenced (the lease had ended), given up on (connector/read_watch.py) or
+    timed out.
     (The names are written out: the dashboard's test finds them in this file.)"""
     from ray.serve import metrics
 
@@ -110,6 +111,9 @@ def _kv_check_counters() -> dict[str, Any]:
         ),
         "unanswered_reads": metrics.Counter(
             "pdserve_kv_unanswered_reads", "KV reads given up on: the remote stopped answering"
+        ),
+        "timed_out_reads": metrics.Counter(
+            "pdserve_kv_timed_out_reads", "KV reads not reported done by their deadline"
         ),
     }
 

@@ -18,9 +18,11 @@ outcomes add up to the requests sent (`outcomes_add_up`):
 The report counts the migrations the completed requests went through (each response's last
 chunk says how many times its generation moved to another engine): with decode replicas
 killed under load, some must have moved. With `kv_fault_rate`, that share of the engines' KV
-reads gets a flipped bit, a lost tail or a stale block after it lands: the live engines'
-checksum failures must equal the faults they injected (`kv_checksum_failures`,
-`kv_faults_injected`), and no completed request may differ.
+reads gets a fault as it completes (connector/faults.py): a flipped bit, a lost tail or a
+stale block — the live engines' checksum failures must equal those faults
+(`kv_checksum_failures`, `kv_faults_injected`) — or a delayed or lost completion, or a remote
+dying mid-read (`kv_faults_lost`, `kv_faults_died`: failed reads, recomputed); no completed
+request may differ. The report also counts the reads failed, fenced and given up on.
 
 Afterwards every engine must hold no block and no request (`blocks_held_after`), and the
 engine replicas' resident memory is compared with what it was after the warm-up (growth for
@@ -77,8 +79,9 @@ class ChaosConfig:
     seed: int = 0
     """the load's random choices"""
     kv_fault_rate: float = 0.0
-    """share of the engines' KV reads given a flipped bit, a lost tail or a stale block after
-    they land (each must be caught by its checksum and recomputed)"""
+    """share of the engines' KV reads given a fault as they complete: a flipped bit, a lost
+    tail or a stale block (each must be caught by its checksum), a delayed or lost
+    completion, a remote dying mid-read (each failed read is recomputed)"""
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0 or self.max_requests < 1 or self.concurrency < 1:
@@ -350,13 +353,26 @@ def _engine_rss(app: str) -> dict[str, float]:
     return rss
 
 
+# The live engines' KV transfer counters (Health), summed: faults injected into their reads
+# and what caught them — checksum failures (recomputed), failed, fenced, unanswered reads.
+_KV_COUNTS = (
+    "kv_faults_injected",
+    "kv_checksum_failures",
+    "kv_faults_lost",
+    "kv_faults_died",
+    "kv_reads_failed",
+    "kv_fenced_reads",
+    "kv_unanswered_reads",
+)
+
+
 def _wait_idle(client: Any, timeout_s: float) -> tuple[float | None, dict[str, int]]:
     """Seconds until every replica runs and holds nothing (None: not within `timeout_s`), and
     what the engines hold at that point; with the KV faults the live engines had injected into
     their reads and the checksum failures they found (a killed engine's counts go with it)."""
     began = time.monotonic()
     leftovers = {"blocks_held_after": -1, "requests_held_after": -1, "unreachable_after": -1}
-    kv = {"kv_faults_injected": -1, "kv_checksum_failures": -1}
+    kv = dict.fromkeys(_KV_COUNTS, -1)
     while time.monotonic() - began < timeout_s:
         with contextlib.suppress(Exception):
             health = client.health()
@@ -368,10 +384,7 @@ def _wait_idle(client: Any, timeout_s: float) -> tuple[float | None, dict[str, i
                 ),
                 "unreachable_after": sum(e.state != "running" for e in engines),
             }
-            kv = {
-                "kv_faults_injected": sum(e.kv_faults_injected for e in engines),
-                "kv_checksum_failures": sum(e.kv_checksum_failures for e in engines),
-            }
+            kv = {name: sum(getattr(e, name) for e in engines) for name in _KV_COUNTS}
             if health.status == "SERVING" and not any(leftovers.values()):
                 return round(time.monotonic() - began, 1), {**leftovers, **kv}
         time.sleep(1.0)

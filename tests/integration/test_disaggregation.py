@@ -175,7 +175,7 @@ def test_every_injected_data_fault_is_caught(pair, colocated):
     tail or a stale block put into it after it lands. Each is caught by its checksum (as many
     detections as injections) and recomputed: the outputs are colocated's."""
     transport, prefill, _ = pair
-    faults = {"rate": 1.0, "seed": 5}
+    faults = {"rate": 1.0, "seed": 5, "faults": ["flip", "truncate", "stale"]}
     decode = engine(transport, kv={"fault_injection": faults})
     prompts = [[rng.randrange(10, 2000) for _ in range(n)] for n in (33, 20, 47, 12, 40, 25)]
     params = [GREEDY, SEEDED] * 3
@@ -186,6 +186,28 @@ def test_every_injected_data_fault_is_caught(pair, colocated):
         assert stats["faults_injected"] >= 4  # one per read, unless it would change nothing
         assert stats["checksum_failures"] == stats["faults_injected"]
         assert stats["blocks_corrupted"] == stats["faults_injected"]  # one block each
+        assert_idle_and_clean(prefill, decode)
+    finally:
+        decode.close()
+
+
+def test_every_injected_transport_fault_ends_well(pair, colocated):
+    """fault_injection at rate 1 with the transport's faults: completions delayed (the read
+    is used), lost (the reader's deadline ends the read) and remotes dying mid-read. Lost and
+    dead reads are recomputed: the outputs are colocated's, and no block is held after."""
+    transport, prefill, _ = pair
+    faults = {"rate": 1.0, "seed": 3, "faults": ["delay", "lose", "die"], "delay_s": 0.2}
+    decode = engine(transport, kv={"fault_injection": faults})
+    prompts = [[rng.randrange(10, 2000) for _ in range(n)] for n in (30, 21, 45, 14, 38, 26)]
+    params = [GREEDY, SEEDED] * 3
+    try:
+        _, outs = prefill_then_decode(prefill, decode, prompts, params)
+        assert [o["token_ids"] for o in outs] == reference(colocated, prompts, params)
+        stats = decode.drain()["stats"]
+        injected = [stats[f"faults_{kind}"] for kind in ("delayed", "lost", "died")]
+        assert all(injected) and sum(injected) == stats["loads_requested"]  # one per read
+        assert stats["reads_failed"] == stats["faults_lost"] + stats["faults_died"]
+        assert stats["blocks_verified"] > 0 and stats["checksum_failures"] == 0
         assert_idle_and_clean(prefill, decode)
     finally:
         decode.close()
@@ -266,7 +288,8 @@ def test_refused_peers_and_lease_expiry(transport, colocated):
 def test_a_prefill_engine_that_stops_answering_fails_its_reads_at_once(transport, colocated):
     """A prefill engine frozen (SIGSTOP: alive, silent) after handing out its params, and
     over gRPC in the middle of the reads: the decode engine gives up on them within about a
-    second (connector/read_watch.py), not at the read's deadline or the lease's end, and
+    second (connector/read_watch.py, or the read's own deadline), not at the transport's
+    deadline or the lease's end, and
     recomputes (or, under policy fail, ends the requests with a clear error)."""
     params = [GREEDY, SEEDED]
     decode, decode_fail, prefill = engine(transport), engine(transport, kv=_FAIL), None
@@ -292,8 +315,10 @@ def test_a_prefill_engine_that_stops_answering_fails_its_reads_at_once(transport
             prefill.kill()
         stats = decode.drain()["stats"]
         assert stats["reads_failed"] == (4 if transport == "grpc" else 2)
-        # Mid-read, only the watch's heartbeat could tell: the stream itself says nothing.
-        assert stats["unanswered_reads"] == (2 if transport == "grpc" else 0)
+        # Mid-read, the stream itself says nothing: the watch's heartbeat or the reader's
+        # own deadline (1 s and the bytes at 100 MB/s) ended both reads, whichever came first.
+        given_up = stats["unanswered_reads"] + stats["timed_out_reads"]
+        assert given_up == (2 if transport == "grpc" else 0)
         assert_idle_and_clean(decode, decode_fail)
     finally:
         for proc in (decode, decode_fail, prefill):

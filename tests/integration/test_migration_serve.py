@@ -54,9 +54,10 @@ SETTINGS = AppSettings(
         "num_cpus_per_engine": 0.5,
         "transport": "nixl",
         "lease_seconds": 20,
-        # A fifth of the KV reads are corrupted after they land: every test here must still
-        # get offline's tokens (each fault caught by its checksum, the blocks recomputed).
-        "kv_fault_injection": {"rate": 0.2, "seed": 1},
+        # Half the KV reads get a fault as they complete (corrupted, delayed, lost, their
+        # remote dying mid-read; connector/faults.py): every test here must still get
+        # offline's tokens (each caught by its checksum or its deadline, then recomputed).
+        "kv_fault_injection": {"rate": 0.5, "seed": 3},
     },
     # "tight": one colocated engine taking one request at a time, one more waiting at each
     # caller: the admission bounds are reached with a handful of requests.
@@ -256,9 +257,12 @@ def test_a_short_chaos_run_loses_nothing_and_leaks_nothing(served: ServedApp) ->
     # streams moved (migration switched off would fail here, not pass as clear failures).
     assert report["outcomes_add_up"] and report["outcomes_total"] == report["requests"]
     assert report["migrations"] >= report["migrated_requests"] >= 1
-    # Every KV fault injected into a live engine's reads was caught by a checksum.
+    # Every KV data fault injected into a live engine's reads was caught by a checksum;
+    # every lost completion and remote dying mid-read failed its read (then recomputed).
     assert report["kv_faults_injected"] >= 1
     assert report["kv_checksum_failures"] == report["kv_faults_injected"]
+    transport_faults = report["kv_faults_lost"] + report["kv_faults_died"]
+    assert report["kv_reads_failed"] >= transport_faults >= 1
     assert report["lost"] == 0 and report["timed_out"] == 0
     assert report["completed_mismatch"] == 0
     assert report["failed_unclear"] == 0, report["unclear_examples"]

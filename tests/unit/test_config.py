@@ -86,6 +86,7 @@ def test_config_from_dict_takes_the_dataclass_itself_and_refuses_other_types() -
         ({"faults": "flip"}, "faults must be some of"),  # a string, not a list
         ({"faults": []}, "faults must be some of"),
         ({"faults": ["flip", "melt"]}, "faults must be some of"),
+        ({"delay_s": -1}, "delay_s must be >= 0"),
         ({"rates": 0.1}, r"unknown kv_transfer_config.fault_injection keys \['rates'\]"),
         ("often", "fault_injection must be a dict"),
     ],
