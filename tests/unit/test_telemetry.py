@@ -150,8 +150,8 @@ def test_engine_metrics_sample_a_prefix_cache_with_lookups_and_no_hits() -> None
 
 
 def test_engine_metrics_count_what_the_kv_checks_found() -> None:
-    """The KV check counters (blocks verified, blocks corrupted, failed, fenced and
-    unanswered reads) reach
+    """The KV check counters (blocks verified, blocks corrupted, failed, fenced, unanswered
+    and timed-out reads) reach
     Prometheus as the deltas of the engine's counters, never as `inc(0)`."""
     from deployments.replica.telemetry import EngineMetrics
     from engine.stats import EngineStats
@@ -173,7 +173,9 @@ def test_engine_metrics_count_what_the_kv_checks_found() -> None:
     metrics.sample(reading(blocks_verified=3))
     metrics.sample(reading(blocks_verified=3))  # nothing new
     metrics.sample(reading(blocks_verified=5, blocks_corrupted=1, checksum_failures=1))
-    metrics.sample(reading(blocks_verified=5, fenced_reads=2, unanswered_reads=1))
+    metrics.sample(
+        reading(blocks_verified=5, fenced_reads=2, unanswered_reads=1, timed_out_reads=1)
+    )
     metrics.sample(EngineStats(10, 8, 1, 0, 0, 0))  # an engine without KV transfer
     assert {name: r.increments for name, r in recorded.items()} == {
         "blocks_verified": [3, 2],
@@ -181,4 +183,5 @@ def test_engine_metrics_count_what_the_kv_checks_found() -> None:
         "checksum_failures": [1],
         "fenced_reads": [2],
         "unanswered_reads": [1],
+        "timed_out_reads": [1],
     }
