@@ -28,6 +28,7 @@ from engine.core.kv_cache_utils import KVCacheBlock, cdiv
 from engine.core.sched_output import SchedulerOutput
 from engine.kv_connector import KVConnectorBase, PinPrefix, RunOnEngineThread
 from engine.models import ModelArchConfig
+from engine.models.fingerprint import weights_fingerprint
 from engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,10 @@ class PDConnector(KVConnectorBase):
             num_kv_heads=arch.num_key_value_heads,
             head_dim=arch.head_dim,
             block_size=config.cache.block_size,
+            # Same architecture, other weights (a revision, a fine-tune, a quantization):
+            # other KV for the same tokens. Speculation is not here: its drafts' KV (n-gram:
+            # none; a draft model's: its own cache) never travels.
+            weights=weights_fingerprint(config.model.model),
         )
         engine_id = kv.engine_id or f"engine-{uuid.uuid4().hex[:12]}"
         return cls(kv, engine_id, compat, config.cache.block_size)

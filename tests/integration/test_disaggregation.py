@@ -16,6 +16,7 @@ import pytest
 
 from engine.core.kv_cache_utils import cdiv
 from engine.llm import LLM
+from engine.models.default_model import make_default_model
 from engine.request import SamplingParams
 from tests.integration.engine_proc import EngineProcess
 from tests.waiting import wait_until
@@ -265,22 +266,31 @@ def test_faults_recover_or_fail_cleanly(transport, colocated):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_refused_peers_and_lease_expiry(transport, colocated):
+def test_refused_peers_and_lease_expiry(transport, colocated, tmp_path):
+    """Peers the handshake refuses: a wrong secret, another block layout, other weights of
+    the same architecture (the weights fingerprint in the compatibility hash). The decode
+    engine recomputes: its outputs are its own weights' (colocated's)."""
     prompts, params = PROMPTS[2:], [GREEDY, SEEDED]
     expected = reference(colocated, prompts, params)
     decode = engine(transport)
     wrong_secret = engine(transport, kv={"secret": "not-the-secret", "lease_seconds": 0.5})
     other_layout = engine(transport, block_size=16)
+    other_weights = EngineProcess(
+        str(make_default_model(tmp_path / "other", seed=7)),
+        **ENGINE,
+        kv_transfer_config=kv_config(transport),
+    )
+    refused = (wrong_secret, other_layout, other_weights)
     try:
-        for prefill in (wrong_secret, other_layout):
+        for prefill in refused:
             _, outs = prefill_then_decode(prefill, decode, prompts, params)
             assert [o["token_ids"] for o in outs] == expected
         stats = decode.drain()["stats"]
-        assert stats["blocks_read"] == 0 and stats["reads_failed"] == 4  # all refused
+        assert stats["blocks_read"] == 0 and stats["reads_failed"] == 6  # all refused
         # Nobody read the wrong-secret engine's blocks: its 0.5 s leases expired.
-        assert_idle_and_clean(wrong_secret, other_layout, decode)
+        assert_idle_and_clean(*refused, decode)
     finally:
-        for proc in (decode, wrong_secret, other_layout):
+        for proc in (decode, *refused):
             proc.close()
 
 
