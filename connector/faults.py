@@ -25,6 +25,7 @@ import torch
 
 from connector.transport import BlockRead, KVTransport, TransferResults
 from engine.config import KV_DATA_FAULTS, KVFaultInjection
+from engine.core.block_pool import NULL_BLOCK_ID
 
 _DIED = "injected fault: the remote engine died mid-read"
 _KINDS = {"delay": "delayed", "lose": "lost", "die": "died"}
@@ -77,6 +78,7 @@ class FaultyTransport(KVTransport):
         self._delayed: dict[str, float] = {}  # transfer id -> when to report it done
         self._lost: set[str] = set()  # done, never reported (until cancelled)
         self._cancelled: set[str] = set()  # held here, reported failed at the next poll
+        self._cancel_asked: set[str] = set()  # asked of the inner transport: no notice fault
 
     def register(self, kv_cache: torch.Tensor) -> None:
         self._cache = kv_cache
@@ -97,6 +99,7 @@ class FaultyTransport(KVTransport):
         results = TransferResults(failed=dict(found.failed))
         for transfer_id in found.failed:
             self._reads.pop(transfer_id, None)
+            self._cancel_asked.discard(transfer_id)
         for transfer_id in found.done:
             self._completed(self._reads.pop(transfer_id), results)
         now = time.monotonic()
@@ -115,6 +118,9 @@ class FaultyTransport(KVTransport):
             self._delayed.pop(transfer_id, None)
             self._cancelled.add(transfer_id)
         else:
+            # It may have ended already (then it is reported done): a lost or delayed notice
+            # of it would leave a read its reader no longer watches the deadline of.
+            self._cancel_asked.add(transfer_id)
             self.inner.cancel(transfer_id)
 
     def inject_failure(self, after: int) -> None:
@@ -138,8 +144,14 @@ class FaultyTransport(KVTransport):
 
     def _completed(self, read: BlockRead, results: TransferResults) -> None:
         assert self._cache is not None, "register() first"
-        transfer_id, block_ids = read.transfer_id, read.local_block_ids
+        transfer_id = read.transfer_id
+        # Blocks read from the remote's null block are never checked: no fault goes there.
+        pairs = zip(read.local_block_ids, read.remote_block_ids, strict=True)
+        block_ids = [local for local, remote in pairs if remote != NULL_BLOCK_ID]
         fault = self._faults.draw() if block_ids else None
+        if transfer_id in self._cancel_asked:
+            self._cancel_asked.discard(transfer_id)
+            fault = fault if fault in KV_DATA_FAULTS else None
         if fault in KV_DATA_FAULTS:
             if self._faults.corrupt(self._cache, block_ids, fault):
                 self.injected[fault] += 1

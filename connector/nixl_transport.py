@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 FAIL_AFTER_DESCRIPTORS_ENV = "PDSERVE_NIXL_FAIL_AFTER_DESCRIPTORS"
 METADATA_VERSION = 1
 DEFAULT_READ_TIMEOUT_S = 60.0
+_CANCEL_GRACE_S = 5.0  # a cancelled read still in flight this long is released, reported
 # Idle wait of NIXL's UCX progress thread, in microseconds. The thread wakes on UCX events, so
 # this only bounds how late it notices one it missed. NIXL's Python wrapper pins it to 0, which
 # makes the thread busy-poll: a whole core per engine, measured at 100% CPU with no transfer.
@@ -333,14 +334,14 @@ class NixlTransport(KVTransport):
         return results
 
     def cancel(self, transfer_id: str) -> None:
+        """Fail the read; reported once NIXL says it ended, or released (NIXL's abort, which
+        UCX may not honour at once) after a grace: its blocks are not reused mid-write."""
         with self._lock:
             read = self._reads.get(transfer_id)
             if read is None:
                 return  # unknown, or already reported
-            read.failure = "cancelled"
-            if read.handle is not None:
-                # Releasing an active request aborts it; if NIXL cannot, poll waits for its end.
-                self._release(read)
+            read.failure = read.failure or "cancelled"
+            read.deadline = min(read.deadline, time.monotonic() + _CANCEL_GRACE_S)
 
     def close(self) -> None:
         with self._lock:

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 _CLIENT_TIMEOUT_S = 10.0
 # The engine thread waits this long for a first answer from a remote (a frozen one stalls it).
 _HANDSHAKE_TIMEOUT_S = 2.0
+# A remote that did not answer is not called again for this long (its loads fail at once).
+_SILENT_S = 5.0
 # A read not reported done by 1 s plus its bytes at 100 MB/s (a slow link's pace) is
 # cancelled and fails: a lost completion, a stuck transfer costs a request about a second.
 READ_TIMEOUT_BASE_S = 1.0
@@ -74,6 +76,7 @@ class PDWorker:
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
         self._peers: set[str] = set()
         self._engine_at: dict[tuple[str, int], str] = {}  # the engine a side channel serves
+        self._silent_until: dict[tuple[str, int], float] = {}  # remotes not to call for now
         self._active: dict[str, _ActiveRead] = {}
         self._watch = ReadWatch()  # leases renewed, silent remotes found, off the engine thread
         self._finished_recving: set[str] = set()
@@ -160,12 +163,18 @@ class PDWorker:
         for remote in meta.releases:
             self._release(remote)
         for request_id in meta.cancels:
-            if request_id in self._active:
+            active = self._active.get(request_id)
+            if active is not None and not active.cancelled:
+                active.cancelled = True
                 self.transport.cancel(request_id)
         for load in meta.loads:
             self._start_load(load)
 
     def _start_load(self, load: LoadSpec) -> None:
+        if self._is_silent(load.remote):
+            # It did not answer a moment ago: no call to wait on, the policy takes over.
+            self._failed(load, "the remote engine stopped answering")
+            return
         try:
             client = self._client(load.remote)
             self._handshake(client, load.remote)
@@ -183,7 +192,9 @@ class PDWorker:
             )
         except (SideChannelError, ValueError, RuntimeError) as exc:
             logger.warning("KV load for %s failed to start: %s", load.request_id, exc)
-            if not _unreachable(exc):
+            if _unreachable(exc):
+                self._mark_silent(load.remote)
+            else:
                 # Refused (layout mismatch, bad engine id, a read that could not be posted):
                 # the remote holds the blocks for nobody now, so hand them back at once.
                 self._release(load.remote)
@@ -238,8 +249,7 @@ class PDWorker:
             forget(old)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        self._cancel_doomed()
-        self._cancel_overdue()
+        # Reads that ended are taken first: only those still in flight may be cancelled.
         results = self.transport.poll()
         if self._faulty is not None:
             self.stats.update(self._faulty.counts())
@@ -253,7 +263,10 @@ class PDWorker:
                 logger.warning("KV load for %s failed: %s", request_id, active.doomed or reason)
                 if not active.unreachable:
                     self._release(active.load.remote)
+                self.stats["fenced_reads"] += active.doomed is not None and not active.unreachable
                 self._failed(active.load, active.doomed or reason)
+        self._cancel_doomed()
+        self._cancel_overdue()
         done_recving, self._finished_recving = self._finished_recving, set()
         done_sending = self.server.leases.take_finished() if self.server else set()
         return done_sending, done_recving
@@ -331,6 +344,8 @@ class PDWorker:
                 doom.unreachable,
             )
             self.stats["unanswered_reads"] += doom.unreachable
+            if doom.unreachable:
+                self._mark_silent(active.load.remote)
             self.transport.cancel(request_id)
 
     def _cancel_overdue(self) -> None:
@@ -345,11 +360,24 @@ class PDWorker:
     def _release(self, remote: RemoteKV) -> bool | None:
         """Give the lease back: True when it was still live, False when it had ended, None
         when the remote did not answer (it frees the blocks when the lease runs out)."""
+        if self._is_silent(remote):
+            return None
         try:
             return self._client(remote).release(remote.lease_id, HEARTBEAT_TIMEOUT_S)
         except SideChannelError as exc:
             logger.info("releasing lease %s: %s", remote.lease_id, exc)
-            return None if _unreachable(exc) else False
+            if _unreachable(exc):
+                self._mark_silent(remote)
+                return None
+            return False
+
+    def _mark_silent(self, remote: RemoteKV) -> None:
+        """No call to this remote for a while: the engine thread never waits on a silent
+        remote once per load or release (each wait is up to a deadline)."""
+        self._silent_until[(remote.host, remote.port)] = time.monotonic() + _SILENT_S
+
+    def _is_silent(self, remote: RemoteKV) -> bool:
+        return self._silent_until.get((remote.host, remote.port), 0.0) > time.monotonic()
 
     def close(self) -> None:
         self._watch.close()

@@ -32,7 +32,13 @@ HEARTBEAT_PERIOD_S = 0.25
 # A remote that does not answer a renewal in this long is taken for gone.
 HEARTBEAT_TIMEOUT_S = 0.75
 
-_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# The answers of a remote that no longer holds the lease (expired, released, cancelled);
+# any other failure is taken for a remote that cannot answer.
+_LEASE_GONE = (
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+)
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,10 @@ class ReadWatch:
 
     def _run(self) -> None:
         while not self._closed.wait(self.period_s):
-            self.beat()
+            try:
+                self.beat()
+            except Exception:  # the watch must outlive any one failure, or nothing is doomed
+                logger.exception("KV read watch: a heartbeat failed")
 
     def beat(self, now: float | None = None) -> None:
         """Renew every read that has run for a period (by `now`, default the clock's); doom
@@ -113,21 +122,24 @@ class ReadWatch:
             if doom is not None:
                 if doom.unreachable:
                     gone.add(watched.client)
-                self._doom(watched.request_id, doom)
+                self._doom(watched, doom)
 
     def _renew(self, watched: _Watched) -> Doom | None:
         """None when renewed; else why the read cannot complete."""
         try:
             watched.client.renew_lease(watched.lease_id, self.timeout_s)
         except SideChannelError as exc:
-            if exc.code in _UNREACHABLE:
-                return Doom(f"the remote engine stopped answering ({exc.code.name})", True)
-            return Doom(f"the remote engine no longer holds the blocks ({exc.message})", False)
+            if exc.code in _LEASE_GONE:
+                return Doom(f"the remote engine no longer holds the blocks ({exc.message})", False)
+            return Doom(f"the remote engine stopped answering ({exc.code.name})", True)
         self.renewals += 1
         return None
 
-    def _doom(self, request_id: str, doom: Doom) -> None:
+    def _doom(self, watched: _Watched, doom: Doom) -> None:
+        request_id = watched.request_id
         with self._lock:
-            if self._reads.pop(request_id, None) is not None:
+            # The read renewed, not a later one of the same request id.
+            if self._reads.get(request_id) is watched:
+                del self._reads[request_id]
                 logger.warning("KV read for %s cannot complete: %s", request_id, doom.reason)
                 self._doomed[request_id] = doom

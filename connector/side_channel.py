@@ -130,7 +130,10 @@ class SideChannelServer:
         transport_metadata: bytes,
         transport_name: str,
         *,
-        max_workers: int = 8,
+        # Each ReadBlocks stream holds a thread for its whole length (a reader runs up to 4):
+        # room for several readers' streams and the short calls beside them (lease renewals
+        # are reads' heartbeats, with a 0.75 s deadline — they must not queue behind streams).
+        max_workers: int = 32,
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         if not 0 < chunk_bytes <= CHUNK_BYTES:

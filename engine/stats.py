@@ -19,7 +19,14 @@ from engine.core.kv_events import EngineLoad
 from engine.spec_decode.ngram import SpecDecodeStats
 
 # Connector counters Health carries as kv_<name> (protos/pdserve/v1/generate.proto).
-_KV_HEALTH = ("reads_failed", "fenced_reads", "unanswered_reads", "faults_lost", "faults_died")
+_KV_HEALTH = (
+    "reads_failed",
+    "fenced_reads",
+    "unanswered_reads",
+    "faults_lost",
+    "faults_died",
+    "timed_out_reads",
+)
 
 
 @dataclass(frozen=True)

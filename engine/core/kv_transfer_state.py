@@ -127,9 +127,10 @@ class KVTransferState:
         return bool(self._sync_loads)
 
     def note_handoff(self, request: Request) -> None:
-        """A request that will hand its KV to another engine (see `holds_steps`)."""
+        """A request that will hand its KV to another engine (see `holds_steps`) and may be
+        scheduled after its last sample: with max_tokens 1 (a prefill leg) it never is."""
         params = request.kv_transfer_params
-        if params and params.get("do_remote_decode"):
+        if params and params.get("do_remote_decode") and request.sampling_params.max_tokens > 1:
             self._handoffs.add(request.request_id)
 
     def end_handoff(self, req_id: str) -> None:

@@ -363,6 +363,7 @@ _KV_COUNTS = (
     "kv_reads_failed",
     "kv_fenced_reads",
     "kv_unanswered_reads",
+    "kv_timed_out_reads",
 )
 
 

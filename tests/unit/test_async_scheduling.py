@@ -100,6 +100,11 @@ def test_no_step_is_scheduled_ahead_while_a_request_hands_its_kv_on():
     scheduler.finish_requests("p", RequestStatus.FINISHED_ABORTED)
     scheduler.update_from_output(first, sampled_output(first, {"plain": [1]}))
     assert scheduler.may_schedule_ahead()  # only the plain request is left
+    # A prefill leg (max_tokens 1) is never scheduled after its sample: nothing to hold.
+    leg = make_request("leg", 4, max_tokens=1)
+    leg.kv_transfer_params = {"do_remote_decode": True}
+    scheduler.add_request(leg)
+    assert scheduler.may_schedule_ahead()
 
 
 def outgrowing_pair(second_max_tokens: int, eos_token_id: int | None = None):

@@ -1,6 +1,7 @@
 """Injected KV read faults (connector/faults.py): a data fault changes one block of the read
 and is reported only when it changed a byte — so that every one reported must be caught; a
-transport fault delays, loses or fails the read's completion (over a real gRPC transport)."""
+transport fault delays, loses or fails the read's completion (over a stand-in transport whose
+reads are done at once: the faults act on what a completion reports)."""
 
 from __future__ import annotations
 
