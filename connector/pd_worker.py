@@ -67,10 +67,9 @@ class PDWorker:
         self.compat_hash = compat_hash
         faults = config.fault_injection
         self.transport = make_transport(config.connector, engine_id)
+        self._faulty: FaultyTransport | None = None
         if faults is not None and faults.rate > 0:
             self.transport = self._faulty = FaultyTransport(self.transport, faults)
-        else:
-            self._faulty = None
         self.server: SideChannelServer | None = None
         self.port = 0
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
