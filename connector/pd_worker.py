@@ -34,8 +34,9 @@ _CLIENT_TIMEOUT_S = 10.0
 _HANDSHAKE_TIMEOUT_S = 2.0
 # A remote that did not answer is not called again for this long (its loads fail at once).
 _SILENT_S = 5.0
-# A read not reported done by 1 s plus its bytes at 100 MB/s (a slow link's pace) is
-# cancelled and fails: a lost completion, a stuck transfer costs a request about a second.
+# A read not reported done by 1 s plus its bytes (and those of the reads in flight before
+# it) at 100 MB/s, a slow link's pace, is cancelled and fails: a lost completion, a stuck
+# transfer costs a request about a second.
 READ_TIMEOUT_BASE_S = 1.0
 READ_MIN_BYTES_PER_S = 100e6
 
@@ -55,6 +56,7 @@ class _ActiveRead:
     load: LoadSpec
     client: SideChannelClient
     deadline: float  # time.monotonic() by which the read is to have ended
+    num_bytes: int
     cancelled: bool = False
     doomed: str | None = None  # why the read watch gave up on it
     unreachable: bool = False  # the remote stopped answering (no release is tried)
@@ -200,8 +202,13 @@ class PDWorker:
             self._failed(load, str(exc))
             return
         num_bytes = len(load.local_block_ids) * self._block_bytes
-        deadline = time.monotonic() + READ_TIMEOUT_BASE_S + num_bytes / READ_MIN_BYTES_PER_S
-        self._active[load.request_id] = _ActiveRead(load, client, deadline)
+        # Reads in flight share the link (and may be queued ahead in the transport): the
+        # budget covers their bytes too.
+        ahead = sum(a.num_bytes for a in self._active.values())
+        budget = READ_TIMEOUT_BASE_S + (ahead + num_bytes) / READ_MIN_BYTES_PER_S
+        self._active[load.request_id] = _ActiveRead(
+            load, client, time.monotonic() + budget, num_bytes
+        )
         self._watch.add(load.request_id, client, load.remote.lease_id)
 
     def _client(self, remote: RemoteKV) -> SideChannelClient:

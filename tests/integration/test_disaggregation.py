@@ -197,7 +197,7 @@ def test_every_injected_transport_fault_ends_well(pair, colocated):
     is used), lost (the reader's deadline ends the read) and remotes dying mid-read. Lost and
     dead reads are recomputed: the outputs are colocated's, and no block is held after."""
     transport, prefill, _ = pair
-    faults = {"rate": 1.0, "seed": 3, "faults": ["delay", "lose", "die"], "delay_s": 0.2}
+    faults = {"rate": 1.0, "seed": 3, "faults": ["delay", "lose", "die"], "delay_s": 0.1}
     decode = engine(transport, kv={"fault_injection": faults})
     prompts = [[rng.randrange(10, 2000) for _ in range(n)] for n in (30, 21, 45, 14, 38, 26)]
     params = [GREEDY, SEEDED] * 3
@@ -207,7 +207,10 @@ def test_every_injected_transport_fault_ends_well(pair, colocated):
         stats = decode.drain()["stats"]
         injected = [stats[f"faults_{kind}"] for kind in ("delayed", "lost", "died")]
         assert all(injected) and sum(injected) == stats["loads_requested"]  # one per read
-        assert stats["reads_failed"] == stats["faults_lost"] + stats["faults_died"]
+        # A lost completion ends at the read's deadline (a delayed one too, on a machine
+        # slow enough to pass it); a remote dying fails its read at once.
+        assert stats["timed_out_reads"] >= stats["faults_lost"]
+        assert stats["reads_failed"] == stats["timed_out_reads"] + stats["faults_died"]
         assert stats["blocks_verified"] > 0 and stats["checksum_failures"] == 0
         assert_idle_and_clean(prefill, decode)
     finally:
