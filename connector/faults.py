@@ -151,20 +151,17 @@ class FaultyTransport(KVTransport):
         fault = self._faults.draw() if block_ids else None
         if transfer_id in self._cancel_asked:
             self._cancel_asked.discard(transfer_id)
-            fault = fault if fault in KV_DATA_FAULTS else None
-        if fault in KV_DATA_FAULTS:
-            if self._faults.corrupt(self._cache, block_ids, fault):
+            fault = None if fault in _KINDS else fault
+        if fault not in _KINDS:  # none, or a data fault: the read is reported done
+            if fault is not None and self._faults.corrupt(self._cache, block_ids, fault):
                 self.injected[fault] += 1
-        elif fault == "delay":
+            results.done.add(transfer_id)
+            return
+        self.injected[fault] += 1
+        if fault == "delay":
             self._delayed[transfer_id] = time.monotonic() + self._delay_s
         elif fault == "lose":
             self._lost.add(transfer_id)
-        elif fault == "die":
-            # Its tail blocks never arrived: zeroed, as a fresh allocation would hold them.
-            tail = block_ids[len(block_ids) // 2 :]
-            self._cache[tail] = 0
+        else:  # die: its tail blocks never arrived, zeroed as a fresh allocation holds them
+            self._cache[block_ids[len(block_ids) // 2 :]] = 0
             results.failed[transfer_id] = _DIED
-        if fault is not None and fault not in KV_DATA_FAULTS:
-            self.injected[fault] += 1
-        if fault not in _KINDS:
-            results.done.add(transfer_id)

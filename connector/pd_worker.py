@@ -20,7 +20,7 @@ import torch
 from connector.checksums import block_checksums
 from connector.faults import FaultyTransport
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV, tokens_hash
-from connector.read_watch import HEARTBEAT_TIMEOUT_S, ReadWatch
+from connector.read_watch import HEARTBEAT_TIMEOUT_S, Doom, ReadWatch
 from connector.side_channel import Loan, SideChannelServer
 from connector.side_channel_client import SideChannelClient, SideChannelError
 from connector.transport import BlockRead, KVTransport
@@ -58,8 +58,17 @@ class _ActiveRead:
     deadline: float  # time.monotonic() by which the read is to have ended
     num_bytes: int
     cancelled: bool = False
-    doomed: str | None = None  # why the read watch gave up on it
-    unreachable: bool = False  # the remote stopped answering (no release is tried)
+    doom: Doom | None = None  # why the read watch gave up on it
+
+    @property
+    def unreachable(self) -> bool:
+        """The remote stopped answering: no release is tried, the checksums decide."""
+        return self.doom is not None and self.doom.unreachable
+
+    @property
+    def fenced(self) -> bool:
+        """The remote answered that it no longer holds the blocks."""
+        return self.doom is not None and not self.doom.unreachable
 
 
 class PDWorker:
@@ -266,11 +275,12 @@ class PDWorker:
         for request_id, reason in results.failed.items():
             active = self._pop_active(request_id)
             if active is not None:
-                logger.warning("KV load for %s failed: %s", request_id, active.doomed or reason)
+                reason = active.doom.reason if active.doom is not None else reason
+                logger.warning("KV load for %s failed: %s", request_id, reason)
                 if not active.unreachable:
                     self._release(active.load.remote)
-                self.stats["fenced_reads"] += active.doomed is not None and not active.unreachable
-                self._failed(active.load, active.doomed or reason)
+                self.stats["fenced_reads"] += active.fenced
+                self._failed(active.load, reason)
         self._cancel_doomed()
         self._cancel_overdue()
         done_recving, self._finished_recving = self._finished_recving, set()
@@ -287,7 +297,7 @@ class PDWorker:
         each matches its checksum. A remote that does not answer the release cannot say:
         then the checksums alone decide (they are of the blocks as handed off)."""
         live = None if active.unreachable else self._release(active.load.remote)
-        if live is False or (active.doomed is not None and not active.unreachable):
+        if live is False or active.fenced:
             self.stats["fenced_reads"] += 1
             self._failed(active.load, "the remote no longer held the blocks when the read ended")
         else:
@@ -344,11 +354,7 @@ class PDWorker:
             active = self._active.get(request_id)
             if active is None or active.cancelled:
                 continue
-            active.cancelled, active.doomed, active.unreachable = (
-                True,
-                doom.reason,
-                doom.unreachable,
-            )
+            active.cancelled, active.doom = True, doom
             self.stats["unanswered_reads"] += doom.unreachable
             if doom.unreachable:
                 self._mark_silent(active.load.remote)

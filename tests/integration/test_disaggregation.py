@@ -175,44 +175,42 @@ def test_every_injected_data_fault_is_caught(pair, colocated):
     """kv_transfer_config.fault_injection at rate 1: every read has a flipped bit, a lost
     tail or a stale block put into it after it lands. Each is caught by its checksum (as many
     detections as injections) and recomputed: the outputs are colocated's."""
-    transport, prefill, _ = pair
     faults = {"rate": 1.0, "seed": 5, "faults": ["flip", "truncate", "stale"]}
-    decode = engine(transport, kv={"fault_injection": faults})
-    prompts = [[rng.randrange(10, 2000) for _ in range(n)] for n in (33, 20, 47, 12, 40, 25)]
-    params = [GREEDY, SEEDED] * 3
-    try:
-        _, outs = prefill_then_decode(prefill, decode, prompts, params)
-        assert [o["token_ids"] for o in outs] == reference(colocated, prompts, params)
-        stats = decode.drain()["stats"]
-        assert stats["faults_injected"] >= 4  # one per read, unless it would change nothing
-        assert stats["checksum_failures"] == stats["faults_injected"]
-        assert stats["blocks_corrupted"] == stats["faults_injected"]  # one block each
-        assert_idle_and_clean(prefill, decode)
-    finally:
-        decode.close()
+    stats = decode_with_faults(pair, colocated, faults, (33, 20, 47, 12, 40, 25))
+    assert stats["faults_injected"] >= 4  # one per read, unless it would change nothing
+    assert stats["checksum_failures"] == stats["faults_injected"]
+    assert stats["blocks_corrupted"] == stats["faults_injected"]  # one block each
 
 
 def test_every_injected_transport_fault_ends_well(pair, colocated):
     """fault_injection at rate 1 with the transport's faults: completions delayed (the read
     is used), lost (the reader's deadline ends the read) and remotes dying mid-read. Lost and
     dead reads are recomputed: the outputs are colocated's, and no block is held after."""
-    transport, prefill, _ = pair
     faults = {"rate": 1.0, "seed": 3, "faults": ["delay", "lose", "die"], "delay_s": 0.1}
+    stats = decode_with_faults(pair, colocated, faults, (30, 21, 45, 14, 38, 26))
+    injected = [stats[f"faults_{kind}"] for kind in ("delayed", "lost", "died")]
+    assert all(injected) and sum(injected) == stats["loads_requested"]  # one per read
+    # A lost completion ends at the read's deadline (a delayed one too, on a machine slow
+    # enough to pass it); a remote dying fails its read at once.
+    assert stats["timed_out_reads"] >= stats["faults_lost"]
+    assert stats["reads_failed"] == stats["timed_out_reads"] + stats["faults_died"]
+    assert stats["blocks_verified"] > 0 and stats["checksum_failures"] == 0
+
+
+def decode_with_faults(pair, colocated, faults: dict, lengths: tuple[int, ...]) -> dict:
+    """Prompts of `lengths` through the pair's prefill engine and a decode engine with
+    `faults` injected into its reads: outputs must be colocated's and both engines idle and
+    clean after; the decode engine's connector counters."""
+    transport, prefill, _ = pair
     decode = engine(transport, kv={"fault_injection": faults})
-    prompts = [[rng.randrange(10, 2000) for _ in range(n)] for n in (30, 21, 45, 14, 38, 26)]
-    params = [GREEDY, SEEDED] * 3
+    prompts = [[rng.randrange(10, 2000) for _ in range(n)] for n in lengths]
+    params = [GREEDY, SEEDED] * (len(prompts) // 2)
     try:
         _, outs = prefill_then_decode(prefill, decode, prompts, params)
         assert [o["token_ids"] for o in outs] == reference(colocated, prompts, params)
         stats = decode.drain()["stats"]
-        injected = [stats[f"faults_{kind}"] for kind in ("delayed", "lost", "died")]
-        assert all(injected) and sum(injected) == stats["loads_requested"]  # one per read
-        # A lost completion ends at the read's deadline (a delayed one too, on a machine
-        # slow enough to pass it); a remote dying fails its read at once.
-        assert stats["timed_out_reads"] >= stats["faults_lost"]
-        assert stats["reads_failed"] == stats["timed_out_reads"] + stats["faults_died"]
-        assert stats["blocks_verified"] > 0 and stats["checksum_failures"] == 0
         assert_idle_and_clean(prefill, decode)
+        return stats
     finally:
         decode.close()
 
