@@ -96,7 +96,7 @@ class FaultyTransport(KVTransport):
 
     def poll(self) -> TransferResults:
         found = self.inner.poll()
-        results = TransferResults(failed=dict(found.failed))
+        results = TransferResults(failed=dict(found.failed), fenced=set(found.fenced))
         for transfer_id in found.failed:
             self._reads.pop(transfer_id, None)
             self._cancel_asked.discard(transfer_id)

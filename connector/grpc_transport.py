@@ -160,7 +160,12 @@ class GrpcTransport(KVTransport):
         try:
             return self._write_stream(state, stream, cache)
         except SideChannelError as exc:
-            return CANCELLED if state.cancelled.is_set() else str(exc)
+            if state.cancelled.is_set():
+                return CANCELLED
+            if exc.lease_gone:
+                with self._lock:
+                    self._results.fenced.add(state.read.transfer_id)
+            return str(exc)
 
     def _write_stream(self, state: _Read, stream: BlockStream, cache: torch.Tensor) -> str | None:
         local_ids, fail_after = state.read.local_block_ids, state.fail_after_blocks

@@ -3,6 +3,12 @@
 A lease is live until released, cancelled (the request was aborted) or expired (nobody
 renewed it). The engine frees the blocks of every lease reported by `take_finished`, exactly
 once; a lease whose blocks are being streamed is reported only once the stream has stopped.
+
+Fencing: a lease records each block's generation (KVCacheBlock.generation) when it is made.
+A block whose generation moved since was freed or rewritten under the lease — whatever the
+lease's bookkeeping says, its bytes are not the ones lent — and reads of it are refused
+(BlocksRewritten), also after the bytes were copied: a read is good only if the generations
+are unchanged once it has ended (a renewal, the last chunk's check, the release say so).
 """
 
 from __future__ import annotations
@@ -35,6 +41,16 @@ class BlocksNotLeased(LeaseError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class BlocksRewritten(LeaseError):
+    """A leased block's generation moved: what a reader has of it may not be what was lent."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _no_generations(block_id: int) -> int:
+    return 0
+
+
 @dataclass(frozen=True)
 class Lease:
     lease_id: str
@@ -47,6 +63,7 @@ class Lease:
 @dataclass
 class _Entry:
     lease: Lease
+    generations: dict[int, int]  # block id -> its generation when the lease was made
     ended: str | None = None  # "released" | "expired" | "cancelled"
     readers: int = 0  # ReadBlocks streams copying from these blocks right now
 
@@ -60,8 +77,15 @@ class LeaseTable:
     block while it is being read.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        generation_of: Callable[[int], int] = _no_generations,
+    ) -> None:
         self._clock = clock
+        self._generation_of = generation_of
+        # Calls answered "rewritten" (renewals, reads, releases): each fenced a read.
+        self.fences = 0
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._by_request: dict[str, str] = {}  # request id -> lease id
@@ -80,25 +104,29 @@ class LeaseTable:
                 self._clock() + lease_seconds,
                 lease_seconds,
             )
-            self._entries[lease.lease_id] = _Entry(lease)
+            generations = {b: self._generation_of(b) for b in lease.block_ids}
+            self._entries[lease.lease_id] = _Entry(lease, generations)
             self._by_request[request_id] = lease.lease_id
             return lease
 
     def renew(self, lease_id: str) -> Lease:
-        """Extend a live lease by its lease period; raises LeaseNotFound / LeaseExpired."""
+        """Extend a live lease by its lease period; raises LeaseNotFound / LeaseExpired, and
+        BlocksRewritten when a block moved (a read in flight must not be used)."""
         with self._lock:
             entry = self._live(lease_id)
+            self._check_unmoved(entry, entry.generations)
             entry.lease = replace(entry.lease, expires_at=self._clock() + entry.lease.lease_seconds)
             return entry.lease
 
     def release(self, lease_id: str) -> bool:
-        """End a lease; True when it was live. Idempotent."""
+        """End a lease; True when it was live and every block still held what was lent (a
+        read that ended before this call may be used). Idempotent."""
         with self._lock:
             entry = self._entries.get(lease_id)
             if entry is None or self._ended(entry) is not None:
                 return False
             entry.ended = "released"
-            return True
+            return not self._moved(entry, entry.generations)
 
     def cancel_request(self, request_id: str) -> bool:
         """End the request's lease (the request was aborted); it is reported by take_finished."""
@@ -134,9 +162,11 @@ class LeaseTable:
             entry.readers += 1
             return entry.lease
 
-    def check_live(self, lease_id: str) -> None:
+    def check_live(self, lease_id: str, block_ids: Iterable[int] = ()) -> None:
+        """The lease is live and `block_ids` (under it) still hold what was lent; raises."""
         with self._lock:
-            self._live(lease_id)
+            entry = self._live(lease_id)
+            self._check_unmoved(entry, block_ids)
 
     def close_read(self, lease_id: str) -> None:
         with self._lock:
@@ -152,6 +182,20 @@ class LeaseTable:
         if entry is None or ended is not None:
             raise LeaseNotFound(f"lease {lease_id!r} is {ended or 'unknown'}")
         return entry
+
+    def _moved(self, entry: _Entry, block_ids: Iterable[int]) -> list[int]:
+        generation_of, generations = self._generation_of, entry.generations
+        moved = [b for b in block_ids if generation_of(b) != generations[b]]
+        self.fences += bool(moved)
+        return moved
+
+    def _check_unmoved(self, entry: _Entry, block_ids: Iterable[int]) -> None:
+        moved = self._moved(entry, block_ids)
+        if moved:
+            raise BlocksRewritten(
+                f"blocks {moved[:8]} under lease {entry.lease.lease_id} were freed or "
+                "rewritten since they were lent"
+            )
 
     def _ended(self, entry: _Entry) -> str | None:
         """How the lease ended, None while live; expiry is checked here, on every access."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -180,6 +181,9 @@ class PDConnector(KVConnectorBase):
 
     def cancel_request(self, request_id: str) -> None:
         self.worker.cancel_lease(request_id)
+
+    def watch_block_generations(self, generation_of: Callable[[int], int]) -> None:
+        self.worker.watch_generations(generation_of)
 
     def enable_prefix_lending(
         self, pin: PinPrefix, run_on_engine_thread: RunOnEngineThread

@@ -93,6 +93,8 @@ class PDWorker:
         self._invalid_block_ids: set[int] = set()
         self._kv_cache: torch.Tensor | None = None
         self._block_bytes = 0
+        # The engine's block generations (set by watch_generations): leases fence on them.
+        self._generation_of: Callable[[int], int] = lambda block_id: 0
         self.stats = {
             "blocks_read": 0,
             "reads_failed": 0,
@@ -109,6 +111,9 @@ class PDWorker:
             "fenced_reads": 0,  # the remote no longer held the blocks: never used
             "unanswered_reads": 0,  # the remote stopped answering mid-read
             "timed_out_reads": 0,  # not reported done by their deadline
+            # Producer side: renewals, reads and releases of our leases answered "a block
+            # was freed or rewritten since it was lent" (each fenced a reader's read).
+            "generation_fences": 0,
         }
 
     # ------------------------------------------------------------------ set-up
@@ -124,8 +129,12 @@ class PDWorker:
             kv_cache,
             self.transport.local_metadata(),
             self.transport.name,
+            generation_of=lambda block_id: self._generation_of(block_id),
         )
         self.port = self.server.start()
+
+    def watch_generations(self, generation_of: Callable[[int], int]) -> None:
+        self._generation_of = generation_of
 
     # ------------------------------------------------------------------ producing side
 
@@ -190,7 +199,11 @@ class PDWorker:
             self._handshake(client, load.remote)
             # One-sided transports (NIXL) read without asking the remote: make sure the lease
             # is live before reading (a refused renewal fails the load, nothing is read).
-            client.renew_lease(load.remote.lease_id, HEARTBEAT_TIMEOUT_S)
+            try:
+                client.renew_lease(load.remote.lease_id, HEARTBEAT_TIMEOUT_S)
+            except SideChannelError as exc:
+                self.stats["fenced_reads"] += exc.lease_gone
+                raise
             self.transport.start_read(
                 BlockRead(
                     transfer_id=load.request_id,
@@ -268,6 +281,8 @@ class PDWorker:
         results = self.transport.poll()
         if self._faulty is not None:
             self.stats.update(self._faulty.counts())
+        if self.server is not None:
+            self.stats["generation_fences"] = self.server.leases.fences
         for request_id in results.done:
             active = self._pop_active(request_id)
             if active is not None:
@@ -279,7 +294,7 @@ class PDWorker:
                 logger.warning("KV load for %s failed: %s", request_id, reason)
                 if not active.unreachable:
                     self._release(active.load.remote)
-                self.stats["fenced_reads"] += active.fenced
+                self.stats["fenced_reads"] += active.fenced or request_id in results.fenced
                 self._failed(active.load, reason)
         self._cancel_doomed()
         self._cancel_overdue()

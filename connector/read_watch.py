@@ -21,8 +21,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import grpc
-
 from connector.side_channel_client import SideChannelClient, SideChannelError
 
 logger = logging.getLogger(__name__)
@@ -31,14 +29,6 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_PERIOD_S = 0.25
 # A remote that does not answer a renewal in this long is taken for gone.
 HEARTBEAT_TIMEOUT_S = 0.75
-
-# The answers of a remote that no longer holds the lease (expired, released, cancelled);
-# any other failure is taken for a remote that cannot answer.
-_LEASE_GONE = (
-    grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.PERMISSION_DENIED,
-)
 
 
 @dataclass(frozen=True)
@@ -129,7 +119,7 @@ class ReadWatch:
         try:
             watched.client.renew_lease(watched.lease_id, self.timeout_s)
         except SideChannelError as exc:
-            if exc.code in _LEASE_GONE:
+            if exc.lease_gone:
                 return Doom(f"the remote engine no longer holds the blocks ({exc.message})", False)
             return Doom(f"the remote engine stopped answering ({exc.code.name})", True)
         self.renewals += 1

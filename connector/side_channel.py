@@ -13,13 +13,15 @@ shared CA signed does not get through the handshake). Refusals:
   expected_engine_id is not this engine             NOT_FOUND
   unknown or released lease (renew, read)           NOT_FOUND
   expired lease (renew, read; also mid-stream)      FAILED_PRECONDITION "lease ... expired"
+  a leased block freed or rewritten (renew, read)   FAILED_PRECONDITION "... rewritten ..."
   block id outside [0, num_blocks)                  OUT_OF_RANGE
   block id not under the lease                      PERMISSION_DENIED
   duplicate block ids                               INVALID_ARGUMENT
   LendPrefix on an engine that does not lend        FAILED_PRECONDITION
   LendPrefix without hashes                         INVALID_ARGUMENT
   LendPrefix on an engine whose loop has stopped    UNAVAILABLE
-`Release` is idempotent: a released, expired or unknown lease is answered OK (released=False).
+`Release` is idempotent: a released, expired or unknown lease is answered OK (released=False);
+so is a lease with a block that was rewritten (a read that ended before is not to be used).
 `LendPrefix` lends the blocks of a prompt's leading cached hashes under a new lease
 (PDConnector.enable_prefix_lending); the reader then reads them like handed-off KV.
 
@@ -135,6 +137,7 @@ class SideChannelServer:
         # are reads' heartbeats, with a 0.75 s deadline — they must not queue behind streams).
         max_workers: int = 32,
         chunk_bytes: int = CHUNK_BYTES,
+        generation_of: Callable[[int], int] | None = None,
     ) -> None:
         if not 0 < chunk_bytes <= CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes}")
@@ -148,7 +151,8 @@ class SideChannelServer:
         self.transport_metadata = transport_metadata
         self.transport_name = transport_name
         self.chunk_bytes = chunk_bytes
-        self.leases = LeaseTable()
+        # Leases fence reads on the engine's block generations (connector/leases.py).
+        self.leases = LeaseTable(generation_of=generation_of) if generation_of else LeaseTable()
         # Lends prefix-cache blocks ((block hashes, seconds to answer in) -> a loan, or None
         # when none are held); set by the engine that can (PDConnector.enable_prefix_lending).
         self.lender: Callable[[list[bytes], float], Loan | None] | None = None
@@ -345,9 +349,11 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
             context.abort(exc.code, str(exc))
         try:
             for block_id, offset, data in self.s.block_chunks(block_ids):
-                if offset == 0:
-                    leases.check_live(lease_id)
-                yield encode_block_data(block_id, offset, data, self.s.block_bytes)
+                message = encode_block_data(block_id, offset, data, self.s.block_bytes)
+                # After the copy: the bytes sent are the block's as lent only if the lease
+                # still holds it and it was not freed or rewritten meanwhile.
+                leases.check_live(lease_id, (block_id,))
+                yield message
         except LeaseError as exc:
             context.abort(exc.code, str(exc))
         finally:

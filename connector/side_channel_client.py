@@ -38,6 +38,19 @@ class SideChannelError(Exception):
         where = f"side channel {target}" if target else "side channel"
         super().__init__(f"{where}: {code.name}: {message}")
 
+    @property
+    def lease_gone(self) -> bool:
+        """The remote answered that it no longer holds the lease's blocks as lent (expired,
+        released, cancelled, rewritten); any other failure: it could not answer."""
+        return self.code in _LEASE_GONE
+
+
+_LEASE_GONE = (
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+)
+
 
 @dataclass(frozen=True)
 class HandshakeReply:

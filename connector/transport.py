@@ -31,6 +31,9 @@ class TransferResults:
     done: set[str] = field(default_factory=set)
     # transfer id -> reason; every local block of a failed read is to be treated as invalid.
     failed: dict[str, str] = field(default_factory=dict)
+    # Failed reads the remote refused because it no longer held the blocks as lent (the
+    # lease ended, a block was rewritten): fenced, as counted by the reader.
+    fenced: set[str] = field(default_factory=set)
 
 
 def contiguous_runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:

@@ -124,6 +124,11 @@ class KVConnectorBase(ABC):
         """An abort reached a request whose blocks the connector holds (read or lease)."""
         return None
 
+    def watch_block_generations(self, generation_of: Callable[[int], int]) -> None:
+        """The engine's blocks' generations (BlockPool.generation_of, callable from any
+        thread): a connector that lends blocks fences reads on them. Default: lends none."""
+        return None
+
     def enable_prefix_lending(
         self, pin: PinPrefix, run_on_engine_thread: RunOnEngineThread
     ) -> None:

@@ -148,13 +148,17 @@ class BlockPool:
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and not block.is_null:
+                block.generation += 1
                 to_free.append(block)
         self.free_block_queue.append_n(to_free)
 
     def evict_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop cache entries whose KV must not be reused (e.g. a failed remote load)."""
         for block in blocks:
-            if block.block_hash is not None and not block.is_null:
+            if block.is_null:
+                continue
+            block.generation += 1  # held, and about to be rewritten
+            if block.block_hash is not None:
                 self._evict_cached_block(block)
 
     def reset_prefix_cache(self) -> bool:
@@ -167,6 +171,11 @@ class BlockPool:
         if self.enable_kv_cache_events:
             self._events.append(AllBlocksCleared())
         return True
+
+    def generation_of(self, block_id: int) -> int:
+        """The block's generation (KVCacheBlock.generation); any thread may ask (the side
+        channel's do, to fence reads): an int read is atomic."""
+        return self.blocks[block_id].generation
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks

@@ -31,11 +31,17 @@ class KVCacheBlock:
 
     `prev_free_block` / `next_free_block` thread the block into the free queue without any
     wrapper node, which is what makes removal from the middle O(1).
+
+    `generation` moves whenever the block stops holding what it held: freed (anyone may
+    rewrite it from then on) or evicted in place (it is about to be rewritten). A reader that
+    saw generation g when the block was lent and sees g again after reading it knows the
+    block held the same KV the whole time (connector/leases.py fences reads on it).
     """
 
     __slots__ = (
         "block_hash",
         "block_id",
+        "generation",
         "is_null",
         "next_free_block",
         "prev_free_block",
@@ -45,6 +51,7 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.generation = 0
         self.block_hash: BlockHash | None = None
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None

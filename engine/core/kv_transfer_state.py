@@ -16,11 +16,15 @@ import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from engine.config import KVLoadFailurePolicy
+from typing import TYPE_CHECKING
+
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_cache_utils import cdiv
 from engine.core.sched_output import KVConnectorOutput
 from engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.kv_connector import KVConnectorBase
 
 
 @dataclass
@@ -41,12 +45,14 @@ class KVTransferState:
         self,
         kv_cache_manager: KVCacheManager,
         requests: Mapping[str, Request],
-        load_failure_policy: KVLoadFailurePolicy,
+        connector: KVConnectorBase | None,
     ) -> None:
         self._kv_cache_manager = kv_cache_manager
         self._requests = requests
         self._block_size = kv_cache_manager.block_size
-        self._policy = load_failure_policy
+        self._policy = connector.load_failure_policy if connector is not None else "recompute"
+        if connector is not None:  # it fences reads of the blocks it lends on these
+            connector.watch_block_generations(kv_cache_manager.block_pool.generation_of)
         # req_id -> num_computed_tokens the request will have once its load has landed.
         self._load_targets: dict[str, int] = {}
         self._finished_recving: set[str] = set()

@@ -64,11 +64,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished since the last schedule(): the worker drops their state.
         self.finished_req_ids: set[str] = set()
-        self.kv_transfers = KVTransferState(
-            self.kv_cache_manager,
-            self.requests,
-            connector.load_failure_policy if connector is not None else "recompute",
-        )
+        self.kv_transfers = KVTransferState(self.kv_cache_manager, self.requests, connector)
         self.queued_prompts = QueuedPromptTokens()
         self.admitter = Admitter(
             scheduler_config,

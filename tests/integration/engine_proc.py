@@ -79,6 +79,9 @@ def _serve(conn: Any, model: str, engine_kwargs: dict[str, Any]) -> None:
             elif command == "corrupt_blocks":
                 _corrupt_blocks(llm, *args)
                 reply = None
+            elif command == "reuse_after_next_renewal":
+                _reuse_after_next_renewal(llm, *args)
+                reply = None
             elif command == "abort_during_read":
                 reply = _abort_during_read(llm, *args)
             elif command == "close":
@@ -112,11 +115,16 @@ def _hold_side_channel_reads(connector: Any, gate: threading.Event, held: list[i
 def _corrupt_blocks(llm: Any, block_ids: list[int], how: str) -> None:
     """Change KV blocks of this engine in place, as faulty memory or a reused block would:
     "flip" one bit in the middle of each; "stale" gives each the bytes of another block that
-    differs from it (as if it had been freed and rewritten with other tokens' KV)."""
+    differs from it (as if it had been freed and rewritten with other tokens' KV); "reused"
+    moves each one's generation and leaves its bytes (as if it had been freed and taken by a
+    request that has not written it yet: only the generation can tell)."""
     cache = llm.engine.runner.kv_cache
     flat = cache.view(cache.shape[0], -1).view(torch.uint8)
+    pool = llm.engine.scheduler.kv_cache_manager.block_pool
     for block_id in block_ids:
-        if how == "flip":
+        if how == "reused":
+            pool.blocks[block_id].generation += 1
+        elif how == "flip":
             # The top exponent bit of a float32 in the middle of the block: one bit that
             # changes what the model computes from it (a low mantissa bit might not).
             flat[block_id, flat.shape[1] // 8 * 4 + 3] ^= 0x40
@@ -127,6 +135,22 @@ def _corrupt_blocks(llm: Any, block_ids: list[int], how: str) -> None:
             flat[block_id] = flat[other]
         else:
             raise ValueError(f"unknown corruption {how!r}")
+
+
+def _reuse_after_next_renewal(llm: Any, block_ids: list[int]) -> None:
+    """Right after the next lease renewal this engine grants (a reader's check before it
+    reads), `block_ids` are "reused" (see _corrupt_blocks): freed and taken while the reader
+    reads them."""
+    leases = llm.engine.connector.worker.server.leases
+    renew = leases.renew
+
+    def renew_then_reuse(lease_id: str) -> Any:
+        lease = renew(lease_id)
+        leases.renew = renew
+        _corrupt_blocks(llm, block_ids, "reused")
+        return lease
+
+    leases.renew = renew_then_reuse
 
 
 def _abort_during_read(llm: Any, prompts: Any, params: Any, kv: Any) -> dict[str, Any]:

@@ -109,12 +109,16 @@ def test_disaggregated_is_token_identical_to_colocated(pair, colocated):
 
 def corrupted_hand_off(prefill, decode, how: str) -> tuple[list[int], dict]:
     """A fresh prompt prefilled, then its second block changed in the prefill engine's memory
-    (`how`: a flipped bit, another block's bytes) after its kv_transfer_params were handed
-    out; the decode engine reads it. (The prompt, the decode engine's output.)"""
+    (`how`: see engine_proc._corrupt_blocks; "reused while read": reused just after the
+    reader's lease check, while it reads) after its kv_transfer_params were handed out; the
+    decode engine reads it. (The prompt, the decode engine's output.)"""
     prompt = [rng.randrange(10, 2000) for _ in range(33)]  # 4 blocks read, the last computed
     firsts = prefill.generate([prompt], [replace(GREEDY, max_tokens=1)], {"do_remote_decode": True})
     kv = firsts[0]["kv_transfer_params"]
-    prefill.call("corrupt_blocks", kv["remote_block_ids"][1:2], how)
+    if how == "reused while read":
+        prefill.call("reuse_after_next_renewal", kv["remote_block_ids"][1:2])
+    else:
+        prefill.call("corrupt_blocks", kv["remote_block_ids"][1:2], how)
     return prompt, decode.generate([prompt], [GREEDY], [kv])[0]
 
 
@@ -139,6 +143,38 @@ def test_kv_changed_after_the_hand_off_is_caught_before_any_token(pair, colocate
             assert "loading remote KV failed" in out["error"], how
         stats = decode_fail.drain()["stats"]
         assert stats["checksum_failures"] == 2 and stats["reads_failed"] == 0
+        assert_idle_and_clean(prefill, decode, decode_fail)
+    finally:
+        decode_fail.close()
+
+
+def test_a_lent_block_rewritten_under_its_lease_is_fenced(pair, colocated):
+    """Fencing: a lent block whose generation moved after the hand-off (freed and taken by
+    another request that has not written it yet, so its bytes and checksum still match) is
+    never used. The producer refuses it (gRPC: at the stream; NIXL's one-sided read: at the
+    release after it), the reader counts the read fenced, and the policy recomputes it (the
+    answer is colocated's) or fails the request with a clear error."""
+    transport, prefill, decode = pair
+    decode_fail = engine(transport, kv={"kv_load_failure_policy": "fail"})
+    try:
+        producer = prefill.drain()["stats"]
+        # Before the read (its lease check refuses it), and while it reads (gRPC: the stream
+        # stops at that block; NIXL reads it all, and the release says it is not to be used).
+        for how in ("reused", "reused while read"):
+            before = decode.drain()["stats"]
+            prompt, out = corrupted_hand_off(prefill, decode, how)
+            after = decode.drain()["stats"]
+            assert out["token_ids"] == reference(colocated, [prompt], [GREEDY])[0], how
+            assert after["fenced_reads"] - before["fenced_reads"] == 1, how
+            assert after["reads_failed"] - before["reads_failed"] == 1, how
+            # Its bytes were the ones lent: only the fence could see it.
+            assert after["checksum_failures"] == before["checksum_failures"], how
+        _, out = corrupted_hand_off(prefill, decode_fail, "reused while read")
+        assert out["finish_reason"] == "error"
+        assert "loading remote KV failed" in out["error"]
+        assert decode_fail.drain()["stats"]["fenced_reads"] == 1
+        fences = prefill.drain()["stats"]["generation_fences"] - producer["generation_fences"]
+        assert fences >= 3  # one per read at least
         assert_idle_and_clean(prefill, decode, decode_fail)
     finally:
         decode_fail.close()

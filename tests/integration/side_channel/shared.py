@@ -65,15 +65,21 @@ class ManualClock:
 
 
 class GatedServer(SideChannelServer):
-    """A server on a ManualClock whose reads, with `hold_after` set, send that many chunks
-    and then wait for `gate` (set by the test) before each further one."""
+    """A server on a ManualClock, with block generations the test sets, whose reads, with
+    `hold_after` set, send that many chunks and then wait for `gate` (set by the test)
+    before each further one."""
 
     def __init__(self, *args: Any, hold_after: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.clock = ManualClock()
-        self.leases = LeaseTable(clock=self.clock)
+        # Block generations the test moves (an engine's BlockPool.generation_of stands here).
+        self.generations: dict[int, int] = {}
+        self.leases = LeaseTable(clock=self.clock, generation_of=self._generation)
         self.hold_after = hold_after
         self.gate = threading.Event()
+
+    def _generation(self, block_id: int) -> int:
+        return self.generations.get(block_id, 0)
 
     def block_chunks(self, block_ids: list[int]) -> Iterator[tuple[int, int, memoryview]]:
         for sent, item in enumerate(super().block_chunks(block_ids)):

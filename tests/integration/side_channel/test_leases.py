@@ -1,15 +1,16 @@
 """Leases on the prefill side's blocks, over the side channel: renewal extends one, an expired
 one refuses reads and renewals and is reported finished once (remembered as expired after),
 release is idempotent and reported once, a lease expiring mid-stream ends the stream and holds
-its blocks until the stream stopped; and the LeaseTable's own bookkeeping. Time is the lease
-table's clock, moved on by the test (shared.ManualClock)."""
+its blocks until the stream stopped, a block rewritten under a lease fences reads of it
+(mid-stream, and at the release after a read); and the LeaseTable's own bookkeeping. Time is
+the lease table's clock, moved on by the test (shared.ManualClock)."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from connector.leases import LeaseExpired, LeaseNotFound, LeaseTable
+from connector.leases import BlocksRewritten, LeaseExpired, LeaseNotFound, LeaseTable
 from connector.side_channel_client import SideChannelClient, SideChannelError
 from tests.integration.side_channel.shared import SECRET, GatedServer, ServerProcess, refused
 from tests.waiting import wait_until
@@ -70,6 +71,59 @@ def test_lease_expiring_mid_stream_ends_it_and_holds_blocks_until_stopped(
     assert 1 <= len(read) < 10
     assert wait_until(lambda: "req-mid" in server.leases.take_finished(), 2.0)
     client.close()
+
+
+def test_a_block_rewritten_under_the_lease_fences_the_read(
+    gated_server: tuple[GatedServer, int],
+) -> None:
+    """Fencing over a real stream: a block rewritten (its generation moved) before it is
+    sent ends the stream at that block, FAILED_PRECONDITION; one rewritten after it was sent
+    cannot stop the stream, but the release then answers that the read is not to be used."""
+    server, port = gated_server
+    client = SideChannelClient("127.0.0.1", port, SECRET, timeout_s=5.0)
+    ahead = server.leases.add("req-ahead", list(range(10)), 30.0)
+    read: list[int] = []
+    with pytest.raises(SideChannelError) as info:
+        for block_id, _ in client.read_blocks(ahead.lease_id, list(range(10))):
+            read.append(block_id)
+            if len(read) == 1:  # block 5 is freed and reused before it is copied
+                server.generations[5] = 1
+                server.gate.set()
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "rewritten" in str(info.value)
+    assert read == [0, 1, 2, 3, 4]  # the rewritten block never left
+    assert info.value.lease_gone  # the reader counts it fenced
+    renewal = refused(
+        grpc.StatusCode.FAILED_PRECONDITION, lambda: client.renew_lease(ahead.lease_id)
+    )
+    assert "rewritten" in renewal
+    assert client.release(ahead.lease_id) is False
+
+    behind = server.leases.add("req-behind", [20, 21], 30.0)
+    assert [b for b, _ in client.read_blocks(behind.lease_id, [20, 21])] == [20, 21]
+    server.generations[20] = 1  # after its bytes left: only the release can tell
+    assert client.release(behind.lease_id) is False
+    assert server.leases.fences == 4  # the stream, the renewal, the two releases
+    assert wait_until(lambda: server.leases.take_finished() == {"req-ahead", "req-behind"}, 2.0)
+    client.close()
+
+
+def test_lease_table_fences_on_the_generations_it_recorded() -> None:
+    generations = {1: 4, 2: 7}
+    table = LeaseTable(generation_of=lambda b: generations.get(b, 0))
+    lease = table.add("req-a", [1, 2, 3], 10.0)
+    generations[9] = 1  # not under the lease: no matter
+    table.check_live(lease.lease_id, [1, 2, 3])
+    table.renew(lease.lease_id)
+    generations[2] = 8
+    table.check_live(lease.lease_id, [1, 3])  # the others still hold what was lent
+    with pytest.raises(BlocksRewritten, match=r"blocks \[2\]"):
+        table.check_live(lease.lease_id, [2])
+    with pytest.raises(BlocksRewritten):
+        table.renew(lease.lease_id)
+    assert table.release(lease.lease_id) is False  # ended all the same: its blocks go back
+    assert table.take_finished() == {"req-a"}
+    assert table.fences == 3
 
 
 def test_lease_table_holds_blocks_while_read_and_reports_each_end_once() -> None:
