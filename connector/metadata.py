@@ -15,6 +15,8 @@ from engine.kv_connector import KV_CACHE_LAYOUT
 if TYPE_CHECKING:
     import torch
 
+COMPAT_HASH_PARAM = "remote_compat_hash"
+
 
 @dataclass(frozen=True)
 class RemoteKV:
@@ -31,6 +33,9 @@ class RemoteKV:
     # One per block, as the producer wrote it (connector/checksums.py): a read is verified
     # against them before anything is computed from it.
     block_checksums: list[str]
+    # The producer's compatibility hash (compatibility_hash): routers send the request to an
+    # engine of the same (the handshake refuses any other).
+    compat_hash: str = ""
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> RemoteKV:
@@ -48,6 +53,7 @@ class RemoteKV:
                 block_checksums=parse_checksums(
                     params.get("remote_block_checksums"), len(block_ids)
                 ),
+                compat_hash=producer_compat_hash(params),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
@@ -66,7 +72,15 @@ class RemoteKV:
             "remote_num_tokens": self.num_tokens,
             "remote_tokens_hash": self.tokens_hash,
             "remote_block_checksums": list(self.block_checksums),
+            COMPAT_HASH_PARAM: self.compat_hash,
         }
+
+
+def producer_compat_hash(params: dict[str, Any] | None) -> str:
+    """The compatibility hash of the engine whose KV `params` hand on ("" if none)."""
+    if not params or not params.get("do_remote_prefill"):
+        return ""
+    return str(params.get(COMPAT_HASH_PARAM) or "")
 
 
 def tokens_hash(token_ids: list[int]) -> str:

@@ -222,6 +222,10 @@ class PDConnector(KVConnectorBase):
     def side_channel_port(self) -> int:
         return self.worker.port
 
+    @property
+    def compat_hash(self) -> str:
+        return self.worker.compat_hash
+
     def inject_load_failure(self, after: int) -> None:
         self.worker.transport.inject_failure(after)
 

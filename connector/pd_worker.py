@@ -153,6 +153,7 @@ class PDWorker:
             num_tokens=len(token_ids),
             tokens_hash=tokens_hash(token_ids),
             block_checksums=checksums,
+            compat_hash=self.compat_hash,
         )
 
     def checksums(self, block_ids: list[int]) -> list[str]:

@@ -204,6 +204,11 @@ class EngineCore:
         return self.connector.side_channel_port if self.connector is not None else None
 
     @property
+    def kv_compat_hash(self) -> str:
+        """The KV compatibility hash the handshake compares ("" without KV transfer)."""
+        return self.connector.compat_hash if self.connector is not None else ""
+
+    @property
     def side_channel(self) -> str:
         """ "host:port" where other engines read this one's KV and borrow its prefixes ("" with
         no side channel)."""

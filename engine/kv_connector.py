@@ -149,6 +149,11 @@ class KVConnectorBase(ABC):
         return None
 
     @property
+    def compat_hash(self) -> str:
+        """What engines whose KV is interchangeable with this one's share ("" if none)."""
+        return ""
+
+    @property
     def stats(self) -> dict[str, int]:
         """Counters of this connector (tests, metrics)."""
         return {}

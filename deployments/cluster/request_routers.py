@@ -43,6 +43,28 @@ class _PublishesReplicaSet:
         replica_set.REPLICA_SETS.publish(getattr(self, "_role", ""), ids)
 
 
+# Serve replica metadata (EngineServer.record_replica_metadata): the engine's KV compatibility
+# hash, which the KV a decode request brings must match.
+KV_COMPAT_HASH = "kv_compat_hash"
+
+
+def _compatible(
+    candidates: list[RunningReplica], pending_request: PendingRequest | None
+) -> list[RunningReplica]:
+    """The candidates whose engines can read the KV the request brings (same compatibility
+    hash as its producer's): a pairing the handshake would refuse is never made. All of them
+    when the request brings none, or when none can (the engine then recomputes the prompt,
+    or fails it under policy "fail": a clear answer either way)."""
+    from connector.metadata import producer_compat_hash
+
+    request = _engine_request(pending_request)
+    wanted = producer_compat_hash(request.kv_transfer_params) if request is not None else ""
+    if not wanted:
+        return candidates
+    same = [r for r in candidates if r.replica_metadata.get(KV_COMPAT_HASH) == wanted]
+    return same or candidates
+
+
 def _hinted(
     candidates: list[RunningReplica], pending_request: PendingRequest | None
 ) -> list[list[RunningReplica]] | None:
@@ -67,6 +89,11 @@ def _two_at_random(
     return [[replicas[i] for i in random.sample(ids, k=min(2, len(ids))) if i in replicas]]
 
 
+def _two_of(candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+    """Two of `candidates` at random (Serve's locality mixin chooses among all replicas)."""
+    return [random.sample(candidates, k=min(2, len(candidates)))]
+
+
 class ReplicaSetRouter(
     FIFOMixin, LocalityMixin, MultiplexMixin, _PublishesReplicaSet, RequestRouter
 ):
@@ -82,7 +109,13 @@ class ReplicaSetRouter(
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        return _hinted(candidate_replicas, pending_request) or _two_at_random(self, pending_request)
+        candidates = _compatible(candidate_replicas, pending_request)
+        hinted = _hinted(candidates, pending_request)
+        if hinted is not None:
+            return hinted
+        if len(candidates) < len(candidate_replicas):
+            return _two_of(candidates)
+        return _two_at_random(self, pending_request)
 
 
 class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, RequestRouter):
@@ -110,12 +143,15 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        hinted = _hinted(candidate_replicas, pending_request)
+        candidates = _compatible(candidate_replicas, pending_request)
+        hinted = _hinted(candidates, pending_request)
         if hinted is not None:
             # Cache-aware disaggregation chose it for what it holds: only it. Another
             # replica would compute the whole prompt.
             return hinted
-        ranks = await self._cost_ranks(candidate_replicas, pending_request)
+        ranks = await self._cost_ranks(candidates, pending_request)
+        if ranks is None and len(candidates) < len(candidate_replicas):
+            return _two_of(candidates)
         if ranks is None:
             return _two_at_random(self, pending_request)
         if pending_request is not None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from ray import serve
 
+from deployments.cluster.request_routers import KV_COMPAT_HASH
 from deployments.cluster.sla_autoscaling import RecentLatencies
 from deployments.credentials import kv_secret
 from deployments.protocol import EngineRequest, ReplicaProbe
@@ -105,6 +106,12 @@ class EngineServer:
             output_token_ids=request.output_token_ids,
             coalesce=True,  # a router that falls behind gets tokens in batches, not one by one
         )
+
+    def record_replica_metadata(self) -> dict[str, str]:
+        """Serve's static replica metadata, given to every request router once the replica is
+        ready: its KV compatibility hash (request_routers.KV_COMPAT_HASH), so that decode
+        requests go only to engines that can read the KV they bring."""
+        return {KV_COMPAT_HASH: self.engine.core.kv_compat_hash}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook: what deployments/cluster/sla_autoscaling.py

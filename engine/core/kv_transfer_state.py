@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from engine.core.kv_cache_manager import KVCacheManager

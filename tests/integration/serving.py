@@ -34,6 +34,7 @@ __all__ = [
     "free_port",
     "ongoing_requests",
     "replica_actors",
+    "replica_metadata",
     "running_replicas",
     "sigkill_replica",
 ]
@@ -285,6 +286,18 @@ def replica_actors(deployment: str, app_name: str = APP_NAME) -> list[str]:
         if actor["namespace"] == "serve"
         and actor["name"].startswith(f"SERVE_REPLICA::{app_name}#{deployment}#")
     )
+
+
+def replica_metadata(deployment: str, app_name: str = APP_NAME) -> list[dict[str, Any]]:
+    """What Serve's controller holds of each running replica's `record_replica_metadata` (and
+    gives to request routers). Serve's testing hook: no public API lists it."""
+    import ray
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.context import _get_global_client
+
+    controller = _get_global_client()._controller
+    dump = controller._dump_replica_states_for_testing.remote(DeploymentID(deployment, app_name))
+    return [replica.replica_metadata for replica in ray.get(dump, timeout=30).get()]
 
 
 def ongoing_requests(actor_name: str) -> int:

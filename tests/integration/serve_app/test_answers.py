@@ -10,10 +10,11 @@ import re
 
 import pytest
 
+from deployments.cluster.request_routers import KV_COMPAT_HASH
 from engine.llm import LLM
 from pdserve.client import generate_request
 from tests.integration.serve_app.shared import COLOCATED, PROMPTS, greedy
-from tests.integration.serving import ServedApp
+from tests.integration.serving import ServedApp, replica_metadata
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -33,6 +34,11 @@ def test_grpc_greedy_matches_offline_disaggregated_and_colocated(
             assert got.finish_reason == expected.outputs[0].finish_reason
             assert got.usage is not None
             assert got.usage.completion_tokens == len(got.token_ids)
+    # The request routers paired prefill and decode by the engines' KV compatibility hash,
+    # which Serve holds for them as each engine replica's metadata.
+    (producer,) = replica_metadata("PrefillServer")
+    assert len(producer[KV_COMPAT_HASH]) == 64
+    assert replica_metadata("DecodeServer") == [producer]
 
 
 def test_seeded_sampling_disaggregated_equals_colocated(app: ServedApp) -> None:
