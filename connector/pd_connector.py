@@ -179,6 +179,9 @@ class PDConnector(KVConnectorBase):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_invalid_block_ids()
 
+    def take_load_problems(self) -> dict[str, str]:
+        return self.worker.take_load_problems()
+
     def cancel_request(self, request_id: str) -> None:
         self.worker.cancel_lease(request_id)
 

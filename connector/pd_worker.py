@@ -59,6 +59,7 @@ class _ActiveRead:
     num_bytes: int
     cancelled: bool = False
     doom: Doom | None = None  # why the read watch gave up on it
+    timed_out: bool = False  # cancelled at its deadline
 
     @property
     def unreachable(self) -> bool:
@@ -69,6 +70,15 @@ class _ActiveRead:
     def fenced(self) -> bool:
         """The remote answered that it no longer holds the blocks."""
         return self.doom is not None and not self.doom.unreachable
+
+    def problem(self, refused_by_remote: bool) -> str:
+        """Why it failed, in a word (KVConnectorBase.take_load_problems); `refused_by_remote`:
+        the transport's remote refused it for blocks no longer held as lent."""
+        if self.unreachable:
+            return "unreachable"
+        if self.fenced or refused_by_remote:
+            return "fenced"
+        return "timed_out" if self.timed_out else "failed"
 
 
 class PDWorker:
@@ -91,6 +101,7 @@ class PDWorker:
         self._watch = ReadWatch()  # leases renewed, silent remotes found, off the engine thread
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
+        self._problems: dict[str, str] = {}  # request id -> why its load was not used in full
         self._kv_cache: torch.Tensor | None = None
         self._block_bytes = 0
         # The engine's block generations (set by watch_generations): leases fence on them.
@@ -193,18 +204,17 @@ class PDWorker:
     def _start_load(self, load: LoadSpec) -> None:
         if self._is_silent(load.remote):
             # It did not answer a moment ago: no call to wait on, the policy takes over.
-            self._failed(load, "the remote engine stopped answering")
+            self._failed(load, "unreachable")
             return
+        renewing = False
         try:
             client = self._client(load.remote)
             self._handshake(client, load.remote)
             # One-sided transports (NIXL) read without asking the remote: make sure the lease
             # is live before reading (a refused renewal fails the load, nothing is read).
-            try:
-                client.renew_lease(load.remote.lease_id, HEARTBEAT_TIMEOUT_S)
-            except SideChannelError as exc:
-                self.stats["fenced_reads"] += exc.lease_gone
-                raise
+            renewing = True
+            client.renew_lease(load.remote.lease_id, HEARTBEAT_TIMEOUT_S)
+            renewing = False
             self.transport.start_read(
                 BlockRead(
                     transfer_id=load.request_id,
@@ -222,7 +232,10 @@ class PDWorker:
                 # Refused (layout mismatch, bad engine id, a read that could not be posted):
                 # the remote holds the blocks for nobody now, so hand them back at once.
                 self._release(load.remote)
-            self._failed(load, str(exc))
+            fenced = renewing and isinstance(exc, SideChannelError) and exc.lease_gone
+            self._failed(
+                load, "unreachable" if _unreachable(exc) else "fenced" if fenced else "refused"
+            )
             return
         num_bytes = len(load.local_block_ids) * self._block_bytes
         # Reads in flight share the link (and may be queued ahead in the transport): the
@@ -295,8 +308,7 @@ class PDWorker:
                 logger.warning("KV load for %s failed: %s", request_id, reason)
                 if not active.unreachable:
                     self._release(active.load.remote)
-                self.stats["fenced_reads"] += active.fenced or request_id in results.fenced
-                self._failed(active.load, reason)
+                self._failed(active.load, active.problem(request_id in results.fenced))
         self._cancel_doomed()
         self._cancel_overdue()
         done_recving, self._finished_recving = self._finished_recving, set()
@@ -314,8 +326,10 @@ class PDWorker:
         then the checksums alone decide (they are of the blocks as handed off)."""
         live = None if active.unreachable else self._release(active.load.remote)
         if live is False or active.fenced:
-            self.stats["fenced_reads"] += 1
-            self._failed(active.load, "the remote no longer held the blocks when the read ended")
+            logger.warning(
+                "KV load for %s: its blocks were rewritten or freed", active.load.request_id
+            )
+            self._failed(active.load, "fenced")
         else:
             self._verify(active.load)
 
@@ -349,6 +363,7 @@ class PDWorker:
             self.stats["checksum_failures"] += 1
             self.stats["blocks_corrupted"] += len(bad)
             self._invalid_block_ids.update(bad)
+            self._problems[load.request_id] = "checksum"
         self._finished_recving.add(load.request_id)
 
     def take_invalid_block_ids(self) -> set[int]:
@@ -359,8 +374,15 @@ class PDWorker:
         leases = self.server.leases.num_active if self.server is not None else 0
         return bool(self._active) or leases > 0
 
-    def _failed(self, load: LoadSpec, reason: str) -> None:
+    def take_load_problems(self) -> dict[str, str]:
+        problems, self._problems = self._problems, {}
+        return problems
+
+    def _failed(self, load: LoadSpec, problem: str) -> None:
+        """Every block of the load is invalid; `problem` says why (take_load_problems)."""
         self.stats["reads_failed"] += 1
+        self.stats["fenced_reads"] += problem == "fenced"
+        self._problems[load.request_id] = problem
         self._invalid_block_ids.update(load.local_block_ids)
         self._finished_recving.add(load.request_id)
 
@@ -381,7 +403,7 @@ class PDWorker:
         for request_id, active in self._active.items():
             if not active.cancelled and now > active.deadline:
                 logger.warning("KV load for %s timed out; cancelling", request_id)
-                active.cancelled = True
+                active.cancelled = active.timed_out = True
                 self.stats["timed_out_reads"] += 1
                 self.transport.cancel(request_id)
 

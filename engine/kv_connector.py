@@ -120,6 +120,11 @@ class KVConnectorBase(ABC):
         request's done_recving)."""
         return set()
 
+    def take_load_problems(self) -> dict[str, str]:
+        """Request id -> why its finished load was not used in full (a word: "checksum",
+        "fenced", "unreachable", "timed_out", "refused", "failed"), since the last call."""
+        return {}
+
     def cancel_request(self, request_id: str) -> None:
         """An abort reached a request whose blocks the connector holds (read or lease)."""
         return None

@@ -237,6 +237,7 @@ class RequestTiming:
     kv_load_end: float | None = None
     kv_load_blocks: int = 0
     kv_load_outcome: str | None = None  # "ok", "recovered" (recomputed) or "failed"
+    kv_load_problem: str | None = None  # why not "ok" (KVConnectorBase.take_load_problems)
 
 
 class Request:

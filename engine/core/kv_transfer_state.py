@@ -95,12 +95,13 @@ class KVTransferState:
         return True
 
     def handle_invalid_blocks(
-        self, invalid_block_ids: set[int], scheduled_req_ids: Collection[str]
+        self, kv_output: KVConnectorOutput, scheduled_req_ids: Collection[str]
     ) -> InvalidBlocksOutcome:
         """Apply the load-failure policy: rewind the requests that loaded an invalid block
         ("recompute"), or say which ones to fail ("fail"). Synchronous loads count only for
         the requests of the step reporting (not those of a step scheduled ahead)."""
         outcome = InvalidBlocksOutcome()
+        invalid_block_ids = kv_output.invalid_block_ids
         for req_id, target in self._loads_to_check(scheduled_req_ids):
             request = self._requests.get(req_id)
             if request is None or request.is_finished:
@@ -109,6 +110,7 @@ class KVTransferState:
             if valid is None:
                 continue
             outcome.discarded.add(req_id)
+            request.timing.kv_load_problem = kv_output.load_problems.get(req_id, "failed")
             if self._policy == "fail":
                 request.timing.kv_load_end = time.time()
                 request.timing.kv_load_outcome = "failed"

@@ -86,11 +86,14 @@ class KVConnectorOutput:
     finished_recving: requests whose asynchronous load ended (successfully or not).
     invalid_block_ids: blocks whose load failed; their KV must be recomputed or the request
     failed, according to the connector's load-failure policy.
+    load_problems: request id -> why its load was not used in full (KVConnectorBase.
+    take_load_problems), for its trace.
     """
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    load_problems: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -301,7 +301,7 @@ class Scheduler:
         """Apply the load-failure policy; returns the requests whose samples of this step
         are dropped (computed over bad KV)."""
         outcome = self.kv_transfers.handle_invalid_blocks(
-            kv_output.invalid_block_ids, scheduler_output.num_scheduled_tokens
+            kv_output, scheduler_output.num_scheduled_tokens
         )
         for failed, error in outcome.failed:
             self.fail_request(failed, error)

@@ -193,6 +193,7 @@ class ModelRunner:
             finished_sending=done_sending,
             finished_recving=done_recving,
             invalid_block_ids=self.connector.get_block_ids_with_load_errors(),
+            load_problems=self.connector.take_load_problems(),
         )
         return replace(output, kv_connector_output=kv_output)
 

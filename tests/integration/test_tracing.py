@@ -109,6 +109,7 @@ def test_one_trace_per_request_across_router_prefill_kv_transfer_decode(served: 
     assert kv["attributes"]["pdserve.kv.blocks"] > 0
     assert kv["attributes"]["pdserve.kv.bytes"] > 0
     assert kv["attributes"]["pdserve.kv.outcome"] == "ok" and kv["status"] != STATUS_ERROR
+    assert "pdserve.kv.problem" not in kv["attributes"]
 
 
 def test_a_prompt_the_decode_replica_holds_skips_the_prefill_leg_in_the_trace(
@@ -205,6 +206,7 @@ def test_injected_transfer_failure_is_recovered_and_traced(served: Served) -> No
     assert wait_until(lambda: "kv_transfer" in served.receiver.trace(trace_id), 30)
     kv = served.receiver.trace(trace_id)["kv_transfer"]
     assert kv["attributes"]["pdserve.kv.outcome"] == "recovered"
+    assert kv["attributes"]["pdserve.kv.problem"] == "failed"  # the transport's (injected)
     assert kv["status"] == STATUS_ERROR
 
 
