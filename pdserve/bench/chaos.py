@@ -3,8 +3,9 @@
 Loopback only, bounded in time and in requests. Clients send greedy requests whose answers are
 known (offline generation on the same weights), cancel some streams part-way, and send some
 malformed requests; every `kill_every_s` a replica of the next role in turn (prefill, decode,
-router) is killed with SIGKILL. Every request sent lands in exactly one outcome, and the
-outcomes add up to the requests sent (`outcomes_add_up`):
+router) is killed with SIGKILL: the one with the most requests in flight (ties at random), for
+a kill of an idle replica would test nothing. Every request sent lands in exactly one outcome,
+and the outcomes add up to the requests sent (`outcomes_add_up`):
 
 - completed: exact (the offline tokens) or mismatched (must be 0);
 - cancelled by the client, or malformed and refused (INVALID_ARGUMENT) or accepted (must be 0);
@@ -313,29 +314,49 @@ def _killer(config: ChaosConfig, app: str, stop_at: float, kills: Counter[str]) 
             kills[role] += 1
 
 
-def _replica_pids(app: str, deployment: str) -> list[int]:
-    """Pids of the live replicas of one deployment of `app` (not of other apps beside it)."""
+def _replicas(app: str, deployment: str) -> dict[str, int]:
+    """Actor name -> pid of the live replicas of one deployment of `app` (not of other apps
+    beside it)."""
     from ray._private import state
 
     prefix = f"SERVE_REPLICA::{app}#{deployment}#"
-    return [
-        int(actor["Pid"])
+    return {
+        str(actor["Name"]): int(actor["Pid"])
         for actor in state.actors().values()
         if actor.get("State") == "ALIVE"
         and str(actor.get("Name", "")).startswith(prefix)
         and actor.get("Pid")
-    ]
+    }
+
+
+def _replica_pids(app: str, deployment: str) -> list[int]:
+    return list(_replicas(app, deployment).values())
+
+
+def _ongoing(actor_name: str) -> int:
+    """Requests in flight on a replica as Serve counts them (-1: it did not answer)."""
+    import ray
+
+    try:
+        actor = ray.get_actor(actor_name, namespace="serve")
+        count: Any = ray.get(actor.get_num_ongoing_requests.remote(), timeout=5)
+        return int(count)
+    except Exception:  # dying or gone: not worth killing
+        return -1
 
 
 def _kill_one(app: str, deployment: str, rng: random.Random) -> bool:
     import os
     import signal
 
-    pids = _replica_pids(app, deployment)
-    if not pids:
+    replicas = _replicas(app, deployment)
+    if not replicas:
         return False
+    load = {name: _ongoing(name) for name in replicas}
+    busiest = max(load.values())
+    victim = rng.choice(sorted(name for name, n in load.items() if n == busiest))
     with contextlib.suppress(ProcessLookupError):
-        os.kill(rng.choice(pids), signal.SIGKILL)
+        os.kill(replicas[victim], signal.SIGKILL)
         print(f"bench chaos: killed a {deployment} replica", file=sys.stderr, flush=True)
         return True
     return False
