@@ -37,6 +37,7 @@ class _Read:
     fail_after_blocks: int | None  # fault injection
     cancelled: threading.Event = field(default_factory=threading.Event)
     stream: BlockStream | None = None
+    fenced: bool = False  # the remote refused it: it no longer holds the blocks as lent
 
 
 class GrpcTransport(KVTransport):
@@ -136,8 +137,10 @@ class GrpcTransport(KVTransport):
                 reason = CANCELLED
             if reason is None:
                 self._results.done.add(state.read.transfer_id)
-            else:
+            else:  # one lock: a poll sees a fenced read's failure and its fence together
                 self._results.failed[state.read.transfer_id] = reason
+                if state.fenced and reason != CANCELLED:
+                    self._results.fenced.add(state.read.transfer_id)
 
     def _copy(self, state: _Read) -> str | None:
         """Returns None on success, else why the read failed."""
@@ -162,9 +165,7 @@ class GrpcTransport(KVTransport):
         except SideChannelError as exc:
             if state.cancelled.is_set():
                 return CANCELLED
-            if exc.lease_gone:
-                with self._lock:
-                    self._results.fenced.add(state.read.transfer_id)
+            state.fenced = exc.lease_gone
             return str(exc)
 
     def _write_stream(self, state: _Read, stream: BlockStream, cache: torch.Tensor) -> str | None:

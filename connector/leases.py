@@ -66,6 +66,7 @@ class _Entry:
     generations: dict[int, int]  # block id -> its generation when the lease was made
     ended: str | None = None  # "released" | "expired" | "cancelled"
     readers: int = 0  # ReadBlocks streams copying from these blocks right now
+    fenced: bool = False  # a block of it was found rewritten
 
 
 class LeaseTable:
@@ -84,7 +85,8 @@ class LeaseTable:
     ) -> None:
         self._clock = clock
         self._generation_of = generation_of
-        # Calls answered "rewritten" (renewals, reads, releases): each fenced a read.
+        # Leases found with a rewritten block (each fenced its reader's read; counted once
+        # however many renewals, reads and releases were then refused).
         self.fences = 0
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
@@ -186,7 +188,9 @@ class LeaseTable:
     def _moved(self, entry: _Entry, block_ids: Iterable[int]) -> list[int]:
         generation_of, generations = self._generation_of, entry.generations
         moved = [b for b in block_ids if generation_of(b) != generations[b]]
-        self.fences += bool(moved)
+        if moved and not entry.fenced:
+            entry.fenced = True
+            self.fences += 1
         return moved
 
     def _check_unmoved(self, entry: _Entry, block_ids: Iterable[int]) -> None:

@@ -122,8 +122,8 @@ class PDWorker:
             "fenced_reads": 0,  # the remote no longer held the blocks: never used
             "unanswered_reads": 0,  # the remote stopped answering mid-read
             "timed_out_reads": 0,  # not reported done by their deadline
-            # Producer side: renewals, reads and releases of our leases answered "a block
-            # was freed or rewritten since it was lent" (each fenced a reader's read).
+            # Producer side: our leases found with a block freed or rewritten since it was
+            # lent (each fenced its reader's read).
             "generation_fences": 0,
         }
 

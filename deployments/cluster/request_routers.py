@@ -74,7 +74,11 @@ def _hinted(
     if not hint:
         return None
     chosen = [r for r in candidates if r.replica_id.unique_id == hint]
-    return [chosen] if chosen else None
+    if not chosen:
+        return None
+    assert pending_request is not None  # it carried the hint
+    pending_request.routing_context.should_backoff = True  # full: wait, then ask again
+    return [chosen]
 
 
 def _two_at_random(
@@ -89,8 +93,13 @@ def _two_at_random(
     return [[replicas[i] for i in random.sample(ids, k=min(2, len(ids))) if i in replicas]]
 
 
-def _two_of(candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
-    """Two of `candidates` at random (Serve's locality mixin chooses among all replicas)."""
+def _two_of(
+    candidates: list[RunningReplica], pending_request: PendingRequest | None
+) -> list[list[RunningReplica]]:
+    """Two of `candidates` at random (Serve's locality mixin chooses among all replicas);
+    when both are full Serve waits before asking again, not at once in a loop."""
+    if pending_request is not None:
+        pending_request.routing_context.should_backoff = True
     return [random.sample(candidates, k=min(2, len(candidates)))]
 
 
@@ -114,7 +123,7 @@ class ReplicaSetRouter(
         if hinted is not None:
             return hinted
         if len(candidates) < len(candidate_replicas):
-            return _two_of(candidates)
+            return _two_of(candidates, pending_request)
         return _two_at_random(self, pending_request)
 
 
@@ -151,7 +160,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
             return hinted
         ranks = await self._cost_ranks(candidates, pending_request)
         if ranks is None and len(candidates) < len(candidate_replicas):
-            return _two_of(candidates)
+            return _two_of(candidates, pending_request)
         if ranks is None:
             return _two_at_random(self, pending_request)
         if pending_request is not None:

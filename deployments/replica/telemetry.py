@@ -85,7 +85,8 @@ def _record_kv_transfer(
     if timing.kv_load_problem is not None:
         # Why not all of it was used: "checksum" (a block did not match), "fenced" (the
         # producer no longer held the blocks as lent: lease ended, block rewritten),
-        # "unreachable", "timed_out", "refused" (handshake), "failed" (the transport).
+        # "unreachable", "timed_out", "refused" (handshake refused, read not posted),
+        # "failed" (the transport).
         span.set_attribute("pdserve.kv.problem", timing.kv_load_problem)
     if outcome != "ok":
         set_error(span, f"KV transfer {outcome}")

@@ -110,7 +110,7 @@ class KVTransferState:
             if valid is None:
                 continue
             outcome.discarded.add(req_id)
-            request.timing.kv_load_problem = kv_output.load_problems.get(req_id, "failed")
+            request.timing.kv_load_problem = kv_output.load_problems.get(req_id, "unknown")
             if self._policy == "fail":
                 request.timing.kv_load_end = time.time()
                 request.timing.kv_load_outcome = "failed"

@@ -333,16 +333,24 @@ def _replica_pids(app: str, deployment: str) -> list[int]:
     return list(_replicas(app, deployment).values())
 
 
-def _ongoing(actor_name: str) -> int:
-    """Requests in flight on a replica as Serve counts them (-1: it did not answer)."""
+def _ongoing(actor_names: list[str]) -> dict[str, int]:
+    """Requests in flight on each replica that answers within 5 s, as Serve counts them (the
+    replicas are asked at once; one dying or gone is left out)."""
     import ray
 
-    try:
-        actor = ray.get_actor(actor_name, namespace="serve")
-        count: Any = ray.get(actor.get_num_ongoing_requests.remote(), timeout=5)
-        return int(count)
-    except Exception:  # dying or gone: not worth killing
-        return -1
+    refs: dict[Any, str] = {}
+    for name in actor_names:
+        with contextlib.suppress(Exception):
+            actor = ray.get_actor(name, namespace="serve")
+            refs[actor.get_num_ongoing_requests.remote()] = name
+    if not refs:
+        return {}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=5)
+    counts = {}
+    for ref in ready:
+        with contextlib.suppress(Exception):
+            counts[refs[ref]] = int(ray.get(ref))
+    return counts
 
 
 def _kill_one(app: str, deployment: str, rng: random.Random) -> bool:
@@ -352,7 +360,7 @@ def _kill_one(app: str, deployment: str, rng: random.Random) -> bool:
     replicas = _replicas(app, deployment)
     if not replicas:
         return False
-    load = {name: _ongoing(name) for name in replicas}
+    load = _ongoing(sorted(replicas)) or dict.fromkeys(replicas, 0)  # none answered: any
     busiest = max(load.values())
     victim = rng.choice(sorted(name for name, n in load.items() if n == busiest))
     with contextlib.suppress(ProcessLookupError):

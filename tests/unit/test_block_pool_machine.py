@@ -133,8 +133,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def generations_move_only_when_freed(self) -> None:
-        """What fencing relies on: a held block's generation never moves (so a lease that
-        saw it sees it again), and each free moves it once."""
+        """What fencing relies on: a held block's generation does not move (so a lease that
+        saw it sees it again), and each free moves it once. (Eviction in place, which moves
+        it too, is test_block_pool.py's.)"""
         for block in self.pool.blocks:
             assert block.generation == self.model_generation.get(block.block_id, 0)
 

@@ -44,7 +44,8 @@ def remote_kv(compat_hash: str) -> dict[str, Any]:
 
 
 def route(router_class: type, candidates: list[Any], request: EngineRequest) -> list[list[str]]:
-    """The router's ranks of replica names for `request`."""
+    """The router's ranks of replica names for `request`. Each choice here is of replicas that
+    may be full: the router must have told Serve to back off before asking again."""
 
     async def choose() -> list[list[Any]]:
         router = router_class(
@@ -54,7 +55,9 @@ def route(router_class: type, candidates: list[Any], request: EngineRequest) -> 
         pending = PendingRequest(
             args=[request], kwargs={}, metadata=RequestMetadata("req", "internal")
         )
-        return await router.choose_replicas(candidates, pending)
+        chosen = await router.choose_replicas(candidates, pending)
+        assert pending.routing_context.should_backoff
+        return chosen
 
     ranks = asyncio.run(choose())
     return [sorted(r.replica_id.unique_id for r in rank) for rank in ranks]
@@ -76,6 +79,7 @@ def test_kv_transfer_params_carry_the_producers_compatibility_hash() -> None:
 
 
 def test_a_decode_request_goes_only_to_engines_that_can_read_its_kv() -> None:
+    # d has no metadata (an engine of an older pdserve, say): it is not known to be able to.
     candidates = [replica("a", "x"), replica("b", "y"), replica("c", "x"), replica("d", None)]
     for router_class in (ReplicaSetRouter, KVAwareRouter):
         (rank,) = route(router_class, candidates, decode_request(remote_kv("x")))

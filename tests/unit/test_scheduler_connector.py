@@ -81,7 +81,9 @@ def test_failed_async_load_recomputes_from_the_first_invalid_block():
     land_load(scheduler, runner, "d")
     runner.invalidate_blocks({3})  # block index 2 (tokens 8..11) arrived broken
     connector.loads_in_flight.discard("d")
-    report(scheduler, runner, finished_recving={"d"}, invalid_block_ids={3})
+    problems = {"d": "checksum"}
+    report(scheduler, runner, finished_recving={"d"}, invalid_block_ids={3}, load_problems=problems)
+    assert scheduler.requests["d"].timing.kv_load_problem == "checksum"  # for its trace
     so, _ = step(scheduler, runner)
     # Tokens 0..7 are kept; 8..16 are computed here, in the blocks it already holds.
     assert so.scheduled_new_reqs[0].num_computed_tokens == 8
@@ -114,10 +116,14 @@ def test_failed_load_under_fail_policy_ends_with_an_error():
     scheduler.add_request(remote_request())
     step(scheduler, runner)
     connector.loads_in_flight.discard("d")
-    _, outputs = report(scheduler, runner, finished_recving={"d"}, invalid_block_ids={2})
+    problems = {"d": "fenced"}
+    _, outputs = report(
+        scheduler, runner, finished_recving={"d"}, invalid_block_ids={2}, load_problems=problems
+    )
     (out,) = outputs
     assert out.finish_reason == FinishReason.ERROR
     assert "invalid blocks [2]" in out.error
+    assert out.timing is not None and out.timing.kv_load_problem == "fenced"
     assert scheduler.requests == {}
     assert scheduler.get_num_unfinished_requests() == 0
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63

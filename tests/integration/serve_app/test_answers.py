@@ -34,8 +34,8 @@ def test_grpc_greedy_matches_offline_disaggregated_and_colocated(
             assert got.finish_reason == expected.outputs[0].finish_reason
             assert got.usage is not None
             assert got.usage.completion_tokens == len(got.token_ids)
-    # The request routers paired prefill and decode by the engines' KV compatibility hash,
-    # which Serve holds for them as each engine replica's metadata.
+    # Serve holds each engine replica's KV compatibility hash as its metadata, which the
+    # request routers pair decode requests by (tests/unit/test_request_routers.py).
     (producer,) = replica_metadata("PrefillServer")
     assert len(producer[KV_COMPAT_HASH]) == 64
     assert replica_metadata("DecodeServer") == [producer]
