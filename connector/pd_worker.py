@@ -19,6 +19,7 @@ import torch
 
 from connector.checksums import block_checksums
 from connector.faults import FaultyTransport
+from connector.leases import no_generations
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV, tokens_hash
 from connector.read_watch import HEARTBEAT_TIMEOUT_S, Doom, ReadWatch
 from connector.side_channel import Loan, SideChannelServer
@@ -105,7 +106,7 @@ class PDWorker:
         self._kv_cache: torch.Tensor | None = None
         self._block_bytes = 0
         # The engine's block generations (set by watch_generations): leases fence on them.
-        self._generation_of: Callable[[int], int] = lambda block_id: 0
+        self._generation_of: Callable[[int], int] = no_generations
         self.stats = {
             "blocks_read": 0,
             "reads_failed": 0,
@@ -228,14 +229,13 @@ class PDWorker:
             logger.warning("KV load for %s failed to start: %s", load.request_id, exc)
             if _unreachable(exc):
                 self._mark_silent(load.remote)
-            else:
-                # Refused (layout mismatch, bad engine id, a read that could not be posted):
-                # the remote holds the blocks for nobody now, so hand them back at once.
-                self._release(load.remote)
+                self._failed(load, "unreachable")
+                return
+            # Refused (layout mismatch, bad engine id, a read that could not be posted): the
+            # remote holds the blocks for nobody now, so hand them back at once.
+            self._release(load.remote)
             fenced = renewing and isinstance(exc, SideChannelError) and exc.lease_gone
-            self._failed(
-                load, "unreachable" if _unreachable(exc) else "fenced" if fenced else "refused"
-            )
+            self._failed(load, "fenced" if fenced else "refused")
             return
         num_bytes = len(load.local_block_ids) * self._block_bytes
         # Reads in flight share the link (and may be queued ahead in the transport): the

@@ -42,11 +42,7 @@ import grpc
 
 from connector.block_data import encode_block_data
 from connector.checksums import from_hex
-from connector.leases import (
-    Lease,
-    LeaseError,
-    LeaseTable,
-)
+from connector.leases import Lease, LeaseError, LeaseTable, no_generations
 from engine.config import KVTransferConfig, SideChannelTLS
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
@@ -137,7 +133,7 @@ class SideChannelServer:
         # are reads' heartbeats, with a 0.75 s deadline — they must not queue behind streams).
         max_workers: int = 32,
         chunk_bytes: int = CHUNK_BYTES,
-        generation_of: Callable[[int], int] | None = None,
+        generation_of: Callable[[int], int] = no_generations,
     ) -> None:
         if not 0 < chunk_bytes <= CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes}")
@@ -152,7 +148,7 @@ class SideChannelServer:
         self.transport_name = transport_name
         self.chunk_bytes = chunk_bytes
         # Leases fence reads on the engine's block generations (connector/leases.py).
-        self.leases = LeaseTable(generation_of=generation_of) if generation_of else LeaseTable()
+        self.leases = LeaseTable(generation_of=generation_of)
         # Lends prefix-cache blocks ((block hashes, seconds to answer in) -> a loan, or None
         # when none are held); set by the engine that can (PDConnector.enable_prefix_lending).
         self.lender: Callable[[list[bytes], float], Loan | None] | None = None

@@ -121,8 +121,10 @@ class KVConnectorBase(ABC):
         return set()
 
     def take_load_problems(self) -> dict[str, str]:
-        """Request id -> why its finished load was not used in full (a word: "checksum",
-        "fenced", "unreachable", "timed_out", "refused", "failed"), since the last call."""
+        """Request id -> why its finished load was not used in full, since the last call, in
+        a word: "checksum" (a block did not match), "fenced" (the producer no longer held the
+        blocks as lent), "unreachable", "timed_out", "refused" (handshake refused, read not
+        posted) or "failed" (the transport)."""
         return {}
 
     def cancel_request(self, request_id: str) -> None:

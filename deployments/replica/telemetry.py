@@ -82,11 +82,7 @@ def _record_kv_transfer(
             "pdserve.kv.outcome": outcome,
         }
     )
-    if timing.kv_load_problem is not None:
-        # Why not all of it was used: "checksum" (a block did not match), "fenced" (the
-        # producer no longer held the blocks as lent: lease ended, block rewritten),
-        # "unreachable", "timed_out", "refused" (handshake refused, read not posted),
-        # "failed" (the transport).
+    if timing.kv_load_problem is not None:  # why not all of it was used, in a word
         span.set_attribute("pdserve.kv.problem", timing.kv_load_problem)
     if outcome != "ok":
         set_error(span, f"KV transfer {outcome}")
