@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import threading
 import traceback
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 
 from engine.request import SamplingParams
+from tests.integration.processes import peer_context
 
 _START_TIMEOUT_S = 120
 _HOLD_TIMEOUT_S = 60  # a held read goes on by itself after this (a test that failed)
@@ -173,7 +173,7 @@ def _abort_during_read(llm: Any, prompts: Any, params: Any, kv: Any) -> dict[str
 
 class EngineProcess:
     def __init__(self, model: str = "tiny", **engine_kwargs: Any) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = peer_context()
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(child, model, engine_kwargs), daemon=True)
         self.process.start()

@@ -1,4 +1,4 @@
-"""NixlTransport between real processes: a spawned prefill process serves a patterned cache
+"""NixlTransport between real processes: a prefill process serves a patterned cache
 (connector.testing.serve_prefill_cache), this process reads from it over real NIXL/UCX.
 
 Every wait has a deadline (wait_for / expect raise TimeoutError), so a broken transport fails
@@ -8,7 +8,6 @@ a test instead of hanging it.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -30,6 +29,7 @@ from connector.nixl_transport import (
 from connector.testing import CacheSpec, PeerInfo, expect, holds_blocks, reap, wait_for
 from connector.transport import BlockRead, contiguous_runs
 from pdserve.bench import kv
+from tests.integration.processes import peer_context
 
 NUM_BLOCKS = 64
 BLOCK_BYTES = 4096
@@ -61,7 +61,7 @@ def _unique(role: str) -> str:
 
 
 def start_prefill() -> Prefill:
-    ctx = mp.get_context("spawn")
+    ctx = peer_context()
     conn, child_end = ctx.Pipe()
     spec = CacheSpec("nixl", _unique("prefill"), NUM_BLOCKS, BLOCK_BYTES, timeout_s=120.0)
     process = ctx.Process(target=testing.serve_prefill_cache, args=(child_end, spec), daemon=True)

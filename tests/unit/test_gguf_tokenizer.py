@@ -55,8 +55,12 @@ def _pair(path: Path) -> tuple[Tokenizer, transformers.PreTrainedTokenizerBase]:
     return ours, theirs
 
 
-def _check_same(path: Path, corpus: tuple[str, ...], chat: bool = True) -> None:
-    ours, theirs = _pair(path)
+def _check_same(
+    pair: tuple[Tokenizer, transformers.PreTrainedTokenizerBase],
+    corpus: tuple[str, ...],
+    chat: bool = True,
+) -> None:
+    ours, theirs = pair
     for text in corpus:
         for special in (True, False):
             ids = ours.encode(text, add_special_tokens=special)
@@ -82,22 +86,28 @@ def smollm2() -> Path:
     return resolve_model("smollm2")
 
 
-def test_smollm2_tokenizes_as_transformers_does(smollm2):
+@pytest.fixture(scope="module")
+def smollm2_pair(smollm2) -> tuple[Tokenizer, transformers.PreTrainedTokenizerBase]:
+    """Ours and transformers' for SmolLM2's file, read once (transformers takes seconds)."""
+    return _pair(smollm2)
+
+
+def test_smollm2_tokenizes_as_transformers_does(smollm2_pair):
     specials = ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "a<|endoftext|>b")
-    _check_same(smollm2, CORPUS + specials)
-    ours = tokenizer_from_gguf(smollm2)
+    _check_same(smollm2_pair, CORPUS + specials)
+    ours = smollm2_pair[0]  # Tokenizer.from_pretrained: tokenizer_from_gguf for a .gguf file
     assert ours.encode("<|im_end|>") == [2] and ours.decode([2]) == ""
     assert ours.eos_token_ids == (2,)
     assert ours.bos_token_id == 1 and ours.encode("hi")[0] != 1  # add_bos_token is false
 
 
-def test_smollm2_splits_numbers_as_llama_cpp_does(smollm2):
+def test_smollm2_splits_numbers_as_llama_cpp_does(smollm2_pair):
     """llama.cpp's "smollm" (and SmolLM2's own tokenizer.json: Digits(individual_digits) then
     ByteLevel) makes every number character a word; transformers' GGUF reader does not know the
     rule. Most text comes out the same (the vocabulary has no token with a digit and anything
     else), but not a number after two spaces, nor other numerals after one: there the space
     before the number is a word with it, and merges with the spaces or bytes next to it."""
-    ours, theirs = _pair(smollm2)
+    ours, theirs = smollm2_pair
     original = copy.deepcopy(theirs.backend_tokenizer)
     original.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -135,7 +145,7 @@ TINY_SPECIALS = ("<|user|>\nhi</s>\n<|assistant|>\n", "<think>why</think> so")
 # Not "smollm" (above) nor "default": transformers splits those GPT-2's way, llama.cpp does not.
 @pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "llama-bpe"])
 def test_written_files_tokenize_as_transformers_does(tiny_files, pre):
-    _check_same(tiny_files[pre], CORPUS + NUMERALS + TINY_SPECIALS)
+    _check_same(_pair(tiny_files[pre]), CORPUS + NUMERALS + TINY_SPECIALS)
 
 
 def test_a_written_file_round_trips_the_source_tokenizer(tiny_files):
@@ -283,7 +293,7 @@ def test_sentencepiece_files_tokenize_as_transformers_does(sentencepiece_file):
     pieces (accents, CJK, emoji) falls back to byte tokens. Only text that starts with no space
     and follows no special token here: see the next test for the rest."""
     corpus = (*(t.lstrip() for t in CORPUS), "hi</s>", "<unk>")
-    _check_same(sentencepiece_file, corpus, chat=False)
+    _check_same(_pair(sentencepiece_file), corpus, chat=False)
     ours = Tokenizer.from_pretrained(sentencepiece_file)
     assert ours.encode("hi")[0] == 1  # bos added, SentencePiece's default
     assert ours.encode("<unk>", False) == [0]

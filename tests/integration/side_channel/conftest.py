@@ -1,4 +1,4 @@
-"""One spawned side-channel server process for every module of this package (the prefill
+"""One side-channel server process for every module of this package (the prefill
 side, driven through a pipe), and in-process servers for tests that hold a read in flight."""
 
 from __future__ import annotations

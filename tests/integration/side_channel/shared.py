@@ -1,5 +1,6 @@
 """What the side-channel tests share: a small CPU cache filled with a seeded pattern, servers
-over it (in this process, or spawned and driven through a pipe), decode-side transports.
+over it (in this process, or in one of their own driven through a pipe), decode-side
+transports.
 
 Time and pace are the test's: a server's leases run on a clock the test advances
 (ManualClock), and a server can hold each read after its first chunks until the test opens
@@ -10,7 +11,6 @@ expiry, without sleeping.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import threading
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -26,6 +26,7 @@ from connector.metadata import compatibility_hash
 from connector.side_channel import CHUNK_BYTES, SideChannelServer, block_bytes_view
 from connector.side_channel_client import SideChannelClient, SideChannelError
 from engine.config import KVTransferConfig
+from tests.integration.processes import peer_context
 from tests.waiting import wait_until
 
 SECRET = "s3cret"
@@ -128,10 +129,10 @@ def _serve(conn: Connection, hold_after: int | None) -> None:
 
 
 class ServerProcess:
-    """A GatedServer in a spawned process (a peer that can be killed or frozen)."""
+    """A GatedServer in a process of its own (a peer that can be killed or frozen)."""
 
     def __init__(self, hold_after: int | None = None) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = peer_context()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, hold_after), daemon=True)
         self.proc.start()

@@ -1,7 +1,7 @@
 """The KVTransfer side channel over real gRPC on loopback: the handshake and its refusals,
 secrets on every RPC, ReadBlocks returning exact bytes (in chunks for large blocks) and its
 refusals, BlockData written by hand as protobuf writes it. The prefill side is this package's
-spawned server process (conftest.py)."""
+server process (conftest.py)."""
 
 from __future__ import annotations
 
