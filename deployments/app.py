@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.cluster.sla_autoscaling import autoscaling_config
+from deployments.cluster.sla_autoscaling import autoscaling_config, latency_window_s
 from deployments.credentials import ApiKeys, configured_keys, kv_secret_to_bind
 from deployments.protocol import RequestLimits
 from deployments.router.migration import MigrationPolicy
@@ -291,7 +291,11 @@ def _engines(config: AppConfig, engine_args: dict[str, Any]) -> list[Any]:
         PrefillDeployment,
     )
 
-    extras = (config.otlp_endpoint, config.pin_engine_cores)
+    extras = (
+        config.otlp_endpoint,
+        config.pin_engine_cores,
+        latency_window_s(config.sla_autoscaling),
+    )
     if config.colocated:
         engine = ColocatedDeployment.options(
             **_engine_options(config, config.autoscaling("colocated"), config.decode_replicas),

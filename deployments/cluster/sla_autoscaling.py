@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 ROLES = ("prefill", "decode")
+DEFAULT_LOOK_BACK_S = 30.0  # Serve's default look_back_period_s
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class RecentLatencies:
     """An engine replica's TTFT and TPOT over the last `window_s` seconds (old requests say
     nothing of the load now: an idle replica reports none, and its role may shrink)."""
 
-    def __init__(self, window_s: float = 30.0) -> None:
+    def __init__(self, window_s: float = DEFAULT_LOOK_BACK_S) -> None:
         self.window_s = window_s
         self._ttft: deque[tuple[float, float]] = deque()
         self._tpot: deque[tuple[float, float]] = deque()
@@ -161,9 +162,20 @@ _SERVE_FIELDS = {
     "max_replicas": 4,
     "upscale_delay_s": 10.0,
     "downscale_delay_s": 60.0,
-    "look_back_period_s": 30.0,  # more than the replicas' metrics push interval (10 s)
+    "look_back_period_s": DEFAULT_LOOK_BACK_S,  # must exceed metrics_interval_s
+    # How often each replica reports its signals to Serve's controller. Serve 2.60 marks the
+    # field deprecated in favour of environment variables it does not read yet: the field is
+    # still the only setting that moves the interval.
+    "metrics_interval_s": 10.0,
 }
 POLICY_PATH = f"{__name__}:PDAutoscalingPolicy"
+
+
+def latency_window_s(spec: Mapping[str, Any] | None) -> float:
+    """How far back an engine replica's TTFT and TPOT means look: as far as Serve's averages
+    of them (`look_back_period_s`), so that a role shrinks as soon as Serve's window has only
+    seen it idle."""
+    return float((spec or {}).get("look_back_period_s", _SERVE_FIELDS["look_back_period_s"]))
 
 
 def autoscaling_config(role: str, spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,6 +190,12 @@ def autoscaling_config(role: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     targets = {k: v for k, v in spec.items() if k in targets_fields}
     PDAutoscalingPolicy(role, **targets)  # checks the targets now, not in Serve's controller
     serve_fields = {k: spec.get(k, default) for k, default in _SERVE_FIELDS.items()}
+    # Serve only warns; a window holding at most one report averages nothing.
+    if serve_fields["look_back_period_s"] <= serve_fields["metrics_interval_s"]:
+        raise ValueError(
+            f"sla_autoscaling: look_back_period_s ({serve_fields['look_back_period_s']}) must "
+            f"be greater than metrics_interval_s ({serve_fields['metrics_interval_s']})"
+        )
     return {
         **serve_fields,
         "policy": {"policy_function": POLICY_PATH, "policy_kwargs": {"role": role, **targets}},

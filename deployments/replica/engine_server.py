@@ -19,7 +19,7 @@ import torch
 from ray import serve
 
 from deployments.cluster.request_routers import KV_COMPAT_HASH
-from deployments.cluster.sla_autoscaling import RecentLatencies
+from deployments.cluster.sla_autoscaling import DEFAULT_LOOK_BACK_S, RecentLatencies
 from deployments.credentials import kv_secret
 from deployments.protocol import EngineRequest, ReplicaProbe
 from deployments.replica.core_pinning import CoreClaim, place_engine
@@ -56,6 +56,7 @@ class EngineServer:
         kv_transfer_config: dict[str, Any] | None = None,
         otlp_endpoint: str = "",
         pin_cores: bool = False,
+        latency_window_s: float = DEFAULT_LOOK_BACK_S,
     ) -> None:
         # Before the engine exists: its threads and first-touched memory start on its cores.
         self._cores = _place(engine_args) if pin_cores else None
@@ -73,7 +74,7 @@ class EngineServer:
         self.replica_id = replica_name()
         self.tracing = Tracing(self.role, self.replica_id, otlp_endpoint)
         self.metrics = _engine_metrics()
-        self._latencies = RecentLatencies()
+        self._latencies = RecentLatencies(latency_window_s)
         self._sampler = _start_sampler(self) if self.metrics is not None else None
         self._kv_publisher = _start_kv_publisher(self.engine, self.role)
         logger.info(
@@ -115,7 +116,7 @@ class EngineServer:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook: what deployments/cluster/sla_autoscaling.py
-        scales on (TTFT and TPOT over the last 30 s, where requests finished in it)."""
+        scales on (TTFT and TPOT over its look-back period, where requests finished in it)."""
         stats = self.engine.stats
         return {
             "queued_prompt_tokens": float(stats.queued_prompt_tokens),

@@ -63,10 +63,6 @@ def serve_cluster(
         # Engines that pin cores (1 CPU each, test_kv_routing.py) claim them in a directory of
         # this session's: no other pdserve on the machine holds them.
         "PDSERVE_CORE_LOCK_DIR": str(tmp_path_factory.mktemp("cores")),
-        # Autoscaling metrics every second instead of every ten (test_sla_autoscaling_serve.py;
-        # only autoscaling deployments push them).
-        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
-        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
     }
     cluster = ServeCluster(environment)
     request.config.stash[_CLUSTER] = cluster

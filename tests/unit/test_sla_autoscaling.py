@@ -13,6 +13,7 @@ from deployments.cluster.sla_autoscaling import (
     SLOTargets,
     autoscaling_config,
     desired_replicas,
+    latency_window_s,
 )
 
 SLO = SLOTargets(ttft_s=1.0, queued_prompt_tokens=1000, tpot_s=0.1, running_requests=10)
@@ -88,18 +89,28 @@ def test_bad_specs_are_refused_where_they_are_written():
         AppConfig.from_args({"sla_autoscaling": {}, "decode_autoscaling": {"max_replicas": 2}})
     with pytest.raises(ValueError, match="min_replicas"):
         AppConfig.from_args({"sla_autoscaling": {"min_replicas": 0}})
+    with pytest.raises(ValueError, match="look_back_period_s"):
+        autoscaling_config("decode", {"look_back_period_s": 10})  # not over the 10 s reports
 
 
 def test_the_app_puts_the_policy_in_each_roles_autoscaling_config():
-    config = AppConfig.from_args({"sla_autoscaling": {"tpot_s": 0.05, "max_replicas": 3}})
+    config = AppConfig.from_args(
+        {"sla_autoscaling": {"tpot_s": 0.05, "max_replicas": 3, "metrics_interval_s": 2}}
+    )
     decode = config.autoscaling("decode")
     assert decode is not None and decode["max_replicas"] == 3
+    assert decode["metrics_interval_s"] == 2 and decode["look_back_period_s"] == 30
     assert decode["policy"]["policy_kwargs"] == {"role": "decode", "tpot_s": 0.05}
     prefill = config.autoscaling("prefill")
     assert prefill is not None and prefill["policy"]["policy_kwargs"]["role"] == "prefill"
     from ray.serve.config import AutoscalingConfig
 
     AutoscalingConfig(**decode)  # Serve accepts it as is
+
+
+def test_replicas_average_latencies_over_serves_look_back():
+    assert latency_window_s({"look_back_period_s": 3, "metrics_interval_s": 1}) == 3
+    assert latency_window_s({"tpot_s": 0.1}) == latency_window_s(None) == 30  # Serve's default
 
 
 def test_recent_latencies_forget_requests_older_than_the_window(monkeypatch):
