@@ -24,6 +24,7 @@ from connector.metadata import (
 )
 from connector.pd_worker import PDWorker
 from connector.side_channel import Loan
+from connector.transport import contiguous_runs
 from engine.config import EngineConfig, KVTransferConfig
 from engine.core.kv_cache_utils import KVCacheBlock, cdiv
 from engine.core.sched_output import SchedulerOutput
@@ -109,12 +110,18 @@ class PDConnector(KVConnectorBase):
         first = num_local // self.block_size
         last = cdiv(num_local + num_external_tokens, self.block_size)
         local_ids = [b.block_id for b in blocks[first:last]]
+        remote_ids = remote.block_ids[first:last]
+        # A remote of another block size lists another number of blocks: its handshake
+        # refuses the read (compatibility hash), and nothing moves.
+        request.timing.kv_load_descriptors = (
+            len(contiguous_runs(local_ids, remote_ids)) if len(remote_ids) == len(local_ids) else 0
+        )
         self._meta.loads.append(
             LoadSpec(
                 request.request_id,
                 remote,
                 local_ids,
-                remote.block_ids[first:last],
+                remote_ids,
                 remote.block_checksums[first:last],
             )
         )

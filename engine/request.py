@@ -236,6 +236,9 @@ class RequestTiming:
     kv_load_start: float | None = None
     kv_load_end: float | None = None
     kv_load_blocks: int = 0
+    # Runs of blocks consecutive on both sides: what NIXL posts as descriptors (gRPC streams
+    # the same blocks one message each). Fewer means larger, cheaper transfers.
+    kv_load_descriptors: int = 0
     kv_load_outcome: str | None = None  # "ok", "recovered" (recomputed) or "failed"
     kv_load_problem: str | None = None  # why not "ok" (KVConnectorBase.take_load_problems)
 

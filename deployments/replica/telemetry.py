@@ -78,6 +78,7 @@ def _record_kv_transfer(
             "pdserve.kv.transport": kv.get("transport", ""),
             "pdserve.kv.blocks": timing.kv_load_blocks,
             "pdserve.kv.bytes": timing.kv_load_blocks * int(kv.get("block_bytes", 0)),
+            "pdserve.kv.descriptors": timing.kv_load_descriptors,
             "pdserve.kv.duration_s": timing.kv_load_end - timing.kv_load_start,
             "pdserve.kv.outcome": outcome,
         }
@@ -141,6 +142,11 @@ class EngineMetrics:
         self.preemptions = metrics.Counter("pdserve_preemptions", "Requests preempted")
         self.kv_bytes = metrics.Counter(
             "pdserve_kv_transfer_bytes", "KV bytes read from prefill engines", ("transport",)
+        )
+        self.kv_descriptors = metrics.Counter(
+            "pdserve_kv_transfer_descriptors",
+            "Runs of consecutive KV blocks read from prefill engines (NIXL's descriptors)",
+            ("transport",),
         )
         self.kv_seconds = metrics.Histogram(
             "pdserve_kv_transfer_seconds",
@@ -207,5 +213,7 @@ class EngineMetrics:
         self.kv_seconds.observe(timing.kv_load_end - timing.kv_load_start, tags)
         if timing.kv_load_blocks and block_bytes:
             self.kv_bytes.inc(timing.kv_load_blocks * block_bytes, tags)
+        if timing.kv_load_descriptors:
+            self.kv_descriptors.inc(timing.kv_load_descriptors, tags)
         if timing.kv_load_outcome not in (None, "ok"):
             self.kv_failures.inc(1, {**tags, "outcome": str(timing.kv_load_outcome)})

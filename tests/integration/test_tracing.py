@@ -108,6 +108,8 @@ def test_one_trace_per_request_across_router_prefill_kv_transfer_decode(served: 
     assert kv["attributes"]["pdserve.kv.transport"] == "nixl"
     assert kv["attributes"]["pdserve.kv.blocks"] > 0
     assert kv["attributes"]["pdserve.kv.bytes"] > 0
+    # Runs of blocks consecutive on both sides: at least one, at most one per block.
+    assert 1 <= kv["attributes"]["pdserve.kv.descriptors"] <= kv["attributes"]["pdserve.kv.blocks"]
     assert kv["attributes"]["pdserve.kv.outcome"] == "ok" and kv["status"] != STATUS_ERROR
     assert "pdserve.kv.problem" not in kv["attributes"]
 
@@ -225,6 +227,7 @@ def test_prometheus_endpoint_exports_the_metrics(served: Served) -> None:
         "ray_pdserve_prompt_tokens_total",
         "ray_pdserve_generation_tokens_total",
         "ray_pdserve_kv_transfer_bytes_total",
+        "ray_pdserve_kv_transfer_descriptors_total",
         "ray_pdserve_kv_transfer_seconds_bucket",
         "ray_pdserve_kv_transfer_failures_total",
         "ray_pdserve_prefix_cache_queries_total",

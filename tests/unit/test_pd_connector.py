@@ -78,6 +78,29 @@ def test_reads_only_the_blocks_after_the_local_hits(connector):
     assert load.remote_block_ids == [9, 10, 11]
     assert load.checksums == [f"{b:016x}" for b in (9, 10, 11)]  # the remote blocks' own
     assert connector.stats["blocks_requested"] == 3
+    assert req.timing.kv_load_descriptors == 1  # 32..34 <- 9..11: one run
+
+
+def test_a_read_counts_the_runs_consecutive_on_both_sides(connector):
+    req = request(remote(num_tokens=20, block_ids=[7, 8, 12, 13, 14]))
+    connector.get_num_new_matched_tokens(req, 0)
+    blocks = [KVCacheBlock(i) for i in (30, 31, 32, 40, 41, 42)]
+    connector.update_state_after_alloc(req, blocks, 20)
+    (load,) = connector.build_connector_meta(None).loads
+    assert load.local_block_ids == [30, 31, 32, 40, 41]
+    # 30,31 <- 7,8 | 32 <- 12 | 40,41 <- 13,14: a break on either side starts a run.
+    assert req.timing.kv_load_descriptors == 3
+
+
+def test_a_remote_of_another_block_size_is_planned_and_moves_nothing(connector):
+    """Its blocks hold 16 tokens, ours 4: two of its blocks for five of ours. The read is
+    planned (the handshake refuses it) and counts no descriptor; nothing raises here."""
+    req = request(remote(num_tokens=20, block_ids=[7, 8]))
+    connector.get_num_new_matched_tokens(req, 0)
+    connector.update_state_after_alloc(req, [KVCacheBlock(i) for i in range(30, 36)], 20)
+    (load,) = connector.build_connector_meta(None).loads
+    assert len(load.local_block_ids) == 5 and load.remote_block_ids == [7, 8]
+    assert req.timing.kv_load_descriptors == 0
 
 
 def test_a_full_local_hit_only_releases_the_lease(connector):

@@ -78,6 +78,7 @@ def test_engine_spans_from_timings_nest_and_keep_their_times(tracer, exporter) -
         kv_load_start=100.1,
         kv_load_end=100.4,
         kv_load_blocks=3,
+        kv_load_descriptors=2,
         kv_load_outcome="recovered",
         kv_load_problem="checksum",
     )
@@ -99,6 +100,7 @@ def test_engine_spans_from_timings_nest_and_keep_their_times(tracer, exporter) -
     assert decode.attributes["pdserve.queue_time_s"] == pytest.approx(0.1)  # after the KV
     assert decode.attributes["pdserve.time_to_first_token_s"] == pytest.approx(0.6)
     assert kv.attributes["pdserve.kv.bytes"] == 3 * 1024
+    assert kv.attributes["pdserve.kv.descriptors"] == 2
     assert kv.attributes["pdserve.kv.outcome"] == "recovered"
     assert kv.attributes["pdserve.kv.problem"] == "checksum"
     assert kv.status.status_code == StatusCode.ERROR
