@@ -291,17 +291,17 @@ def _engines(config: AppConfig, engine_args: dict[str, Any]) -> list[Any]:
         PrefillDeployment,
     )
 
-    extras = (
-        config.otlp_endpoint,
-        config.pin_engine_cores,
-        latency_window_s(config.sla_autoscaling),
-    )
+    extras = {
+        "otlp_endpoint": config.otlp_endpoint,
+        "pin_cores": config.pin_engine_cores,
+        "latency_window_s": latency_window_s(config.sla_autoscaling),
+    }
     if config.colocated:
         engine = ColocatedDeployment.options(
             **_engine_options(config, config.autoscaling("colocated"), config.decode_replicas),
             **_decode_router(config, "colocated"),
         )
-        return [engine.bind(config.model, engine_args, None, *extras)]
+        return [engine.bind(config.model, engine_args, None, **extras)]
     kv = config.kv_transfer_config()
     prefill = PrefillDeployment.options(
         **_engine_options(config, config.autoscaling("prefill"), config.prefill_replicas),
@@ -314,8 +314,8 @@ def _engines(config: AppConfig, engine_args: dict[str, Any]) -> list[Any]:
         **_decode_router(config, "decode"),
     )
     return [
-        decode.bind(config.model, engine_args, kv, *extras),
-        prefill.bind(config.model, engine_args, kv, *extras),
+        decode.bind(config.model, engine_args, kv, **extras),
+        prefill.bind(config.model, engine_args, kv, **extras),
     ]
 
 

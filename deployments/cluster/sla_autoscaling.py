@@ -172,9 +172,10 @@ POLICY_PATH = f"{__name__}:PDAutoscalingPolicy"
 
 
 def latency_window_s(spec: Mapping[str, Any] | None) -> float:
-    """How far back an engine replica's TTFT and TPOT means look: as far as Serve's averages
-    of them (`look_back_period_s`), so that a role shrinks as soon as Serve's window has only
-    seen it idle."""
+    """How far back an engine replica's TTFT and TPOT means look: as far as Serve averages
+    them (`look_back_period_s` of the app's `sla_autoscaling`), so a role whose load is gone
+    shrinks within about two look-back periods (the replica's window, then Serve's), not
+    after a fixed 30 s whatever the period."""
     return float((spec or {}).get("look_back_period_s", _SERVE_FIELDS["look_back_period_s"]))
 
 
@@ -191,7 +192,7 @@ def autoscaling_config(role: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     PDAutoscalingPolicy(role, **targets)  # checks the targets now, not in Serve's controller
     serve_fields = {k: spec.get(k, default) for k, default in _SERVE_FIELDS.items()}
     # Serve only warns; a window holding at most one report averages nothing.
-    if serve_fields["look_back_period_s"] <= serve_fields["metrics_interval_s"]:
+    if float(serve_fields["look_back_period_s"]) <= float(serve_fields["metrics_interval_s"]):
         raise ValueError(
             f"sla_autoscaling: look_back_period_s ({serve_fields['look_back_period_s']}) must "
             f"be greater than metrics_interval_s ({serve_fields['metrics_interval_s']})"

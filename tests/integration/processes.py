@@ -5,8 +5,10 @@ A spawned engine process spends about two of its three CPU-seconds of start-up i
 and the suite starts dozens: on 2 cores that is minutes. A forked child is still a process of
 its own, with its own engine, NIXL agent and sockets; the forkserver only imports (no threads,
 no engine, no UCX, and not gRPC, whose core keeps threads a fork would not copy), so forking
-it is safe. It starts with the environment the test session has when it first starts a
-process: a test that sets variables for its child spawns it.
+it is safe. Two things are the forkserver's, fixed when the session first starts a peer: the
+environment (the session's variables are set before; no test sets any for a peer) and where
+it imports the engine from (the checkout `make test` runs in: its working directory, and the
+editable install of its own virtual environment).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from ray.serve.config import AutoscalingContext
 
-from deployments.app import AppConfig
+from deployments.app import AppConfig, build_app
 from deployments.cluster.sla_autoscaling import (
     PDAutoscalingPolicy,
     RecentLatencies,
@@ -93,6 +93,7 @@ def test_bad_specs_are_refused_where_they_are_written():
         autoscaling_config("decode", {"look_back_period_s": 10})  # not over the 10 s reports
 
 
+@pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
 def test_the_app_puts_the_policy_in_each_roles_autoscaling_config():
     config = AppConfig.from_args(
         {"sla_autoscaling": {"tpot_s": 0.05, "max_replicas": 3, "metrics_interval_s": 2}}
@@ -111,6 +112,10 @@ def test_the_app_puts_the_policy_in_each_roles_autoscaling_config():
 def test_replicas_average_latencies_over_serves_look_back():
     assert latency_window_s({"look_back_period_s": 3, "metrics_interval_s": 1}) == 3
     assert latency_window_s({"tpot_s": 0.1}) == latency_window_s(None) == 30  # Serve's default
+    app = build_app({"model": "tiny", "sla_autoscaling": {"look_back_period_s": "40"}})
+    engines = [a for a in app._bound_deployment.init_args if hasattr(a, "_bound_deployment")]
+    assert {e._bound_deployment.name for e in engines} == {"PrefillServer", "DecodeServer"}
+    assert all(e._bound_deployment.init_kwargs["latency_window_s"] == 40 for e in engines)
 
 
 def test_recent_latencies_forget_requests_older_than_the_window(monkeypatch):
