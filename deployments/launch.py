@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import threading
@@ -61,11 +62,34 @@ class ServeOptions:
         return 1 + len(self.extra_apps)
 
 
+# Below the kernel's ephemeral range and above Ray's worker ports (10002-19999 by default).
+_FREE_PORTS_FROM = 20000
+
+
 def free_port() -> int:
-    """A TCP port nothing on 127.0.0.1 listens on right now (for apps started side by side)."""
-    with socket.socket() as sock:
+    """A TCP port nothing on 127.0.0.1 listens on right now (for apps started side by side),
+    below the kernel's ephemeral range: a port from that range (what binding port 0 gives)
+    can become the source port of any connection made before its server binds it, and Ray
+    makes many while it starts."""
+    ephemeral_low = _ephemeral_ports()[0]
+    for _ in range(100):
+        port = random.randrange(_FREE_PORTS_FROM, max(ephemeral_low, _FREE_PORTS_FROM + 1))
+        with socket.socket() as sock, contextlib.suppress(OSError):
+            sock.bind(("127.0.0.1", port))
+            return port
+    with socket.socket() as sock:  # no room below the range: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for source ports (Linux); IANA's where it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            low, high = ports.read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def deploy(config: AppConfig, extra_apps: Mapping[str, Mapping[str, Any]]) -> None:

@@ -340,3 +340,18 @@ def test_a_ray_start_that_times_out_is_tried_once_more(monkeypatch) -> None:
     outcomes[:] = [RuntimeError("port in use")]
     with pytest.raises(RuntimeError, match="port in use"):
         launch._init_local_ray(2, launch.ServeOptions())
+
+
+def test_free_ports_are_bindable_and_below_the_ephemeral_range() -> None:
+    """A port from the ephemeral range could be taken as a connection's source port before
+    the proxy binds it (seen: Serve's HTTP proxy failing with 'Address already in use')."""
+    import socket
+
+    from deployments.launch import _ephemeral_ports, free_port
+
+    low = _ephemeral_ports()[0]
+    ports = {free_port() for _ in range(20)}
+    assert all(20000 <= port < max(low, 20001) for port in ports), (low, ports)
+    assert len(ports) > 1  # drawn, not one fixed port
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))
