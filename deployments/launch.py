@@ -71,9 +71,9 @@ def free_port() -> int:
     below the kernel's ephemeral range: a port from that range (what binding port 0 gives)
     can become the source port of any connection made before its server binds it, and Ray
     makes many while it starts."""
-    ephemeral_low = _ephemeral_ports()[0]
-    for _ in range(100):
-        port = random.randrange(_FREE_PORTS_FROM, max(ephemeral_low, _FREE_PORTS_FROM + 1))
+    ephemeral_low = _ephemeral_low()
+    for _ in range(100 if ephemeral_low > _FREE_PORTS_FROM else 0):
+        port = random.randrange(_FREE_PORTS_FROM, ephemeral_low)
         with socket.socket() as sock, contextlib.suppress(OSError):
             sock.bind(("127.0.0.1", port))
             return port
@@ -82,14 +82,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range for source ports (Linux); IANA's where it cannot be read."""
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for source ports (Linux); IANA's where it cannot
+    be read."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
-            low, high = ports.read().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 49152, 65535
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def deploy(config: AppConfig, extra_apps: Mapping[str, Mapping[str, Any]]) -> None:

@@ -7,8 +7,12 @@ holds the work back on an event it releases itself.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
+
+# Set by nobody: waiting on it is the pause between two looks, never past the deadline.
+_BETWEEN_LOOKS = threading.Event()
 
 
 def wait_until(condition: Callable[[], object], timeout_s: float, period_s: float = 0.05) -> bool:
@@ -20,9 +24,10 @@ def wait_until(condition: Callable[[], object], timeout_s: float, period_s: floa
                 return True
         except Exception:
             pass
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if left < 0:
             return False
-        time.sleep(period_s)
+        _BETWEEN_LOOKS.wait(min(period_s, left))
 
 
 async def wait_until_async(
