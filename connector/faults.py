@@ -135,6 +135,11 @@ class FaultyTransport(KVTransport):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    @staticmethod
+    def zero_counts() -> dict[str, int]:
+        """counts() of an engine that injects nothing."""
+        return dict.fromkeys(("faults_injected", *(f"faults_{k}" for k in _KINDS.values())), 0)
+
     def counts(self) -> dict[str, int]:
         """The connector's fault counters: data faults (each a checksum failure to be),
         and each transport fault by kind."""

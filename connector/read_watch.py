@@ -6,11 +6,12 @@ the blocks (its lease expired or was cancelled: the blocks may be rewritten unde
 Neither the transport's own deadline (a minute, for big reads over slow links) nor the lease
 (tens of seconds) should decide how long a request waits for that.
 
-So every `period_s` each read that has run that long renews its lease with a short deadline.
-A renewal keeps the remote holding the blocks; its failure dooms the read, and the engine
-thread (PDWorker.get_finished) cancels it and hands its blocks to the load-failure policy:
-a read that cannot complete is reported within period_s + timeout_s (1 s) of the remote
-going quiet. Renewals run here, never on the engine thread, so a frozen remote never stalls
+So every `period_s` each read that has run that long renews its lease with a short deadline
+(`timeout_s`: kv_transfer_config.heartbeat_timeout_s, 0.75 s by default). A renewal keeps
+the remote holding the blocks; its failure dooms the read, and the engine thread
+(KVReads.get_finished) cancels it and hands its blocks to the load-failure policy: a read
+that cannot complete is reported within period_s + timeout_s (1 s) of the remote going
+quiet. Renewals run here, never on the engine thread, so a frozen remote never stalls
 a step.
 """
 
@@ -27,8 +28,6 @@ logger = logging.getLogger(__name__)
 
 # A read is checked once it has run this long, then this often (most reads end before).
 HEARTBEAT_PERIOD_S = 0.25
-# A remote that does not answer a renewal in this long is taken for gone.
-HEARTBEAT_TIMEOUT_S = 0.75
 
 
 @dataclass(frozen=True)
@@ -55,9 +54,7 @@ class ReadWatch:
     """Thread-safe: the engine thread adds, removes and takes doomed reads; the watch's own
     thread renews. The thread starts with the first read and stops at `close()`."""
 
-    def __init__(
-        self, period_s: float = HEARTBEAT_PERIOD_S, timeout_s: float = HEARTBEAT_TIMEOUT_S
-    ) -> None:
+    def __init__(self, timeout_s: float, period_s: float = HEARTBEAT_PERIOD_S) -> None:
         self.period_s = period_s
         self.timeout_s = timeout_s
         self._lock = threading.Lock()

@@ -213,6 +213,9 @@ class KVFaultInjection:
             raise ValueError(f"fault_injection.delay_s must be >= 0, got {delay!r}")
 
 
+_KV_DEADLINES = ("heartbeat_timeout_s", "handshake_timeout_s", "read_timeout_base_s")
+
+
 @dataclass(frozen=True)
 class KVTransferConfig:
     """How an engine takes part in KV transfer (the `kv_transfer_config` engine argument).
@@ -234,6 +237,14 @@ class KVTransferConfig:
     tls: SideChannelTLS | None = None
     # Faults injected into this engine's reads (a KVFaultInjection or its dict); None: none.
     fault_injection: KVFaultInjection | None = None
+    # How long a remote engine may leave a lease renewal or release unanswered before it is
+    # taken for gone (its reads fail to the policy within this and a 0.25 s heartbeat).
+    heartbeat_timeout_s: float = 0.75
+    # The first call to a remote engine (compatibility handshake) waits at most this long.
+    handshake_timeout_s: float = 2.0
+    # A read not reported done by this, plus its bytes and those of the reads in flight
+    # before it at 100 MB/s, is cancelled and fails (a lost completion, a stuck transfer).
+    read_timeout_base_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.tls is not None:
@@ -248,8 +259,10 @@ class KVTransferConfig:
         port = self.side_channel_port
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"side_channel_port must be in [0, 65535], got {port!r}")
-        if not isinstance(self.lease_seconds, (int, float)) or self.lease_seconds <= 0:
-            raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds!r}")
+        for name in ("lease_seconds", *_KV_DEADLINES):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
         check_load_failure_policy(self.kv_load_failure_policy, "kv_load_failure_policy")
         if not isinstance(self.secret, str):
             raise ValueError("secret must be a string")

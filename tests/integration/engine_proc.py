@@ -165,7 +165,7 @@ def _abort_during_read(llm: Any, prompts: Any, params: Any, kv: Any) -> dict[str
     reading: set[str] = set()
     while time.monotonic() < deadline and len(reading) < len(ids):
         llm.engine.step()
-        reading = set(llm.engine.connector.worker._active) & set(ids)
+        reading = llm.engine.connector.worker.reads.in_flight & set(ids)
     llm.engine.abort_requests(ids)
     held = len(llm.engine.scheduler.requests)  # blocks still written into: not yet freed
     return {"aborted_while_reading": len(reading), "held_after_abort": held}

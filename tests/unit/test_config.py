@@ -96,3 +96,13 @@ def test_fault_injection_settings_are_checked(faults, message) -> None:
         KVTransferConfig(fault_injection=faults)  # type: ignore[arg-type]
     config = KVTransferConfig(fault_injection={"rate": 0.5, "faults": ["stale"], "seed": 3})
     assert config.fault_injection is not None and config.fault_injection.faults == ("stale",)
+
+
+@pytest.mark.parametrize(
+    "name", ["lease_seconds", "heartbeat_timeout_s", "handshake_timeout_s", "read_timeout_base_s"]
+)
+@pytest.mark.parametrize("value", [0, -1.5, True, "2"])
+def test_kv_transfer_durations_must_be_positive_numbers(name: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^{name} must be > 0, got {value!r}$"):
+        KVTransferConfig(**{name: value})  # type: ignore[arg-type]
+    assert getattr(KVTransferConfig(**{name: 2}), name) == 2  # type: ignore[arg-type]

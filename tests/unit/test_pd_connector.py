@@ -3,6 +3,8 @@ read checks in the blocks it landed (a real gRPC read from the engine to itself)
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -147,3 +149,40 @@ def test_a_remote_null_block_is_read_but_never_checked(connector):
     cache[6, 1, 3, 0] += 1.0
     assert _read_back(connector, leased, [2, 3, 4]) == {4}
     assert connector.stats["blocks_corrupted"] == 1
+
+
+def test_a_read_waits_on_its_remote_as_long_as_kv_transfer_config_says(monkeypatch):
+    """handshake_timeout_s bounds the first call, heartbeat_timeout_s the renewal before the
+    read and the release after it, read_timeout_base_s the read's own deadline (an engine
+    on a loaded machine may be given more room than the shipped second)."""
+    from connector.metadata import ConnectorMetadata, LoadSpec
+    from connector.side_channel_client import SideChannelClient
+
+    asked: list[tuple[str, float]] = []
+    for name in ("handshake", "renew_lease", "release"):
+        original = getattr(SideChannelClient, name)
+
+        def recording(self, *args, _name=name, _original=original, **kwargs):
+            asked.append((_name, kwargs["timeout_s"] if "timeout_s" in kwargs else args[-1]))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(SideChannelClient, name, recording)
+    deadlines = {"handshake_timeout_s": 7.0, "heartbeat_timeout_s": 3.0}
+    config = KVTransferConfig(connector="grpc", read_timeout_base_s=100.0, **deadlines)
+    conn = PDConnector(config, "decode-0", "hash", block_size=4)
+    try:
+        conn.register_kv_caches(torch.randn(8, 2, 4, 16))
+        leased = conn.worker.lease_blocks("p", [5, 6], list(range(8)))
+        load = LoadSpec("reader", leased, [2, 3], leased.block_ids, leased.block_checksums)
+        started = time.monotonic()
+        conn.start_load_kv(ConnectorMetadata(loads=[load]))
+        deadline = conn.worker.reads._active["reader"].deadline - started
+        assert 100.0 <= deadline < 110.0, deadline  # the base and the bytes at 100 MB/s
+        assert wait_until(lambda: "reader" in conn.get_finished()[1], 30, 0.01), "never ended"
+        assert conn.get_block_ids_with_load_errors() == set()
+        # The watch may renew once more if the read outlives a heartbeat period.
+        assert asked[:2] == [("handshake", 7.0), ("renew_lease", 3.0)]
+        assert asked[-1] == ("release", 3.0)
+        assert set(asked[2:-1]) <= {("renew_lease", 3.0)}
+    finally:
+        conn.close()

@@ -37,7 +37,7 @@ def silent_port():
 
 def _stepped() -> ReadWatch:
     """A watch whose own thread never beats (a period of a minute): the test beats it."""
-    return ReadWatch(period_s=60)
+    return ReadWatch(KVTransferConfig().heartbeat_timeout_s, period_s=60)
 
 
 def _later(watch: ReadWatch) -> None:
@@ -94,7 +94,7 @@ def test_one_unanswered_renewal_dooms_every_read_from_that_remote(silent_port):
 def test_the_watch_thread_finds_a_dead_remote_by_itself(producer):
     port = producer.side_channel_port
     client = SideChannelClient("127.0.0.1", port, SECRET)
-    watch = ReadWatch()
+    watch = ReadWatch(KVTransferConfig().heartbeat_timeout_s)
     try:
         lease = producer.worker.lease_blocks("x", [1], list(range(4)))
         watch.add("r", client, lease.lease_id)
