@@ -84,7 +84,7 @@ class ObservedRequest:
             self.outcome = "ok" if chunk.finish_reason != "abort" else "aborted"
 
     def migrated(self, move: Migration) -> None:
-        """Its generating leg moved to another engine (deployments/migration.py)."""
+        """Its generating leg moved to another engine (deployments/router/migration.py)."""
         self.migrations += 1
         self.span.add_event(
             "pdserve.migration",

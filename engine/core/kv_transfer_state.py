@@ -130,9 +130,6 @@ class KVTransferState:
         if self._sync_loads:  # rarely: not a walk over every step's ids for nothing
             self._sync_loads.difference_update(scheduled_req_ids)
 
-    def has_sync_loads(self) -> bool:
-        return bool(self._sync_loads)
-
     def note_handoff(self, request: Request) -> None:
         """A request that will hand its KV to another engine (see `holds_steps`) and may be
         scheduled after its last sample: with max_tokens 1 (a prefill leg) it never is."""

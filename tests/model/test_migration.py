@@ -215,7 +215,8 @@ def test_a_resumed_call_stuck_in_serves_queue_moves_when_the_role_empties(server
             async for output in Dying(servers[1], after=3)(request):
                 yield output
             return
-        threading.Timer(0.3, sets.publish, ("decode", [])).start()
+        # Queued: now the last replica goes, as seen from another thread.
+        threading.Thread(target=sets.publish, args=("decode", [])).start()
         try:
             await asyncio.Event().wait()  # queued for a replica that does not come
             yield  # pragma: no cover

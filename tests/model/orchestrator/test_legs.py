@@ -60,6 +60,8 @@ def test_prefill_replica_set_emptied_while_waiting_gives_the_leg_up(servers, off
     closed = threading.Event()
 
     async def queued(request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
+        # Once the call is queued, the last replica goes, as seen from another thread.
+        threading.Thread(target=sets.publish, args=("prefill", [])).start()
         try:
             await asyncio.Event().wait()
             yield  # pragma: no cover
@@ -70,7 +72,6 @@ def test_prefill_replica_set_emptied_while_waiting_gives_the_leg_up(servers, off
     sets.publish("prefill", ["p1"])
     flow = make_flow(servers, prefill=queued, prefill_timeout_s=300.0)
     flow.prefill_replicas = RoleWatch("prefill", sets)
-    threading.Timer(0.5, sets.publish, ("prefill", [])).start()
     expected = offline.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0]
     chunks = run(flow, PROMPT, max_tokens=8, temperature=0.0)
     assert tokens(chunks) == expected.outputs[0].token_ids
