@@ -80,6 +80,7 @@ _BENCHES = {
     "sched": "scheduler cost per step (no model)",
     "offline": "engine vs transformers.generate",
     "kv": "KV block transfer between two processes",
+    "handoff": "TTFT of a prefill -> decode hand-off, and its KV checksums' share",
     "latency": "decode tokens/s against the bandwidth bound",
     "spec": "n-gram speculative decoding vs plain, one stream",
     "chaos": "load on a local app while its replicas are killed",

@@ -160,6 +160,12 @@ class EngineMetrics:
             tags("transport", "outcome"),
         )
         self.kv_counters = _kv_check_counters()
+        self.kv_checksum_seconds = metrics.Counter(
+            "pdserve_kv_checksum_seconds",
+            "Time spent summing KV blocks: those handed out or lent (side=produced), those "
+            "read, to check them (side=verified)",
+            ("side",),
+        )
         # Speculative decoding (vLLM's spec_decode counters): acceptance rate = accepted / draft
         # tokens, mean accepted length = 1 + accepted / drafts.
         self.spec_counters = {
@@ -204,6 +210,11 @@ class EngineMetrics:
             delta = stats.kv_transfer.get(field, 0) - kv_seen.get(field, 0)
             if delta > 0:
                 counter.inc(delta)
+        for side in ("produced", "verified"):
+            field = f"checksum_us_{side}"
+            delta = stats.kv_transfer.get(field, 0) - kv_seen.get(field, 0)
+            if delta > 0:
+                self.kv_checksum_seconds.inc(delta / 1e6, {"side": side})
         self._seen = stats
 
     def observe_transfer(self, timing: RequestTiming, transport: str, block_bytes: int) -> None:

@@ -155,8 +155,8 @@ def test_engine_metrics_sample_a_prefix_cache_with_lookups_and_no_hits() -> None
 
 def test_engine_metrics_count_what_the_kv_checks_found() -> None:
     """The KV check counters (blocks verified, blocks corrupted, failed, fenced, unanswered
-    and timed-out reads) reach
-    Prometheus as the deltas of the engine's counters, never as `inc(0)`."""
+    and timed-out reads, time spent summing blocks) reach Prometheus as the deltas of the
+    engine's counters, never as `inc(0)`."""
     from deployments.replica.telemetry import EngineMetrics
     from engine.stats import EngineStats
 
@@ -166,7 +166,7 @@ def test_engine_metrics_count_what_the_kv_checks_found() -> None:
 
         def inc(self, value: float, tags: dict[str, str] | None = None) -> None:
             assert value > 0  # Ray's counters refuse anything else
-            self.increments.append(value)
+            self.increments.append(value if tags is None else (value, tags["side"]))
 
     def reading(**kv: int) -> EngineStats:
         return EngineStats(10, 8, 1, 0, 0, 0, kv_transfer={"blocks_read": 99, **kv})
@@ -174,13 +174,24 @@ def test_engine_metrics_count_what_the_kv_checks_found() -> None:
     metrics = EngineMetrics()
     recorded = {name: Recording() for name in metrics.kv_counters}
     metrics.kv_counters = recorded  # type: ignore[assignment]
-    metrics.sample(reading(blocks_verified=3))
-    metrics.sample(reading(blocks_verified=3))  # nothing new
-    metrics.sample(reading(blocks_verified=5, blocks_corrupted=1, checksum_failures=1))
+    metrics.kv_checksum_seconds = seconds = Recording()  # type: ignore[assignment]
+    metrics.sample(reading(blocks_verified=3, checksum_us_verified=1500))
+    metrics.sample(reading(blocks_verified=3, checksum_us_verified=1500))  # nothing new
+    metrics.sample(
+        reading(
+            blocks_verified=5,
+            blocks_corrupted=1,
+            checksum_failures=1,
+            checksum_us_verified=2000,
+            checksum_us_produced=250,
+        )
+    )
     metrics.sample(
         reading(blocks_verified=5, fenced_reads=2, unanswered_reads=1, timed_out_reads=1)
     )
     metrics.sample(EngineStats(10, 8, 1, 0, 0, 0))  # an engine without KV transfer
+    # The time spent summing blocks, in seconds, by side.
+    assert seconds.increments == [(0.0015, "verified"), (0.00025, "produced"), (0.0005, "verified")]
     assert {name: r.increments for name, r in recorded.items()} == {
         "blocks_verified": [3, 2],
         "blocks_corrupted": [1],

@@ -1,0 +1,132 @@
+"""`pdserve bench handoff`: time to first token of a prompt handed from a prefill engine to a
+decode engine, against the same work on one engine, and what the KV checksums cost of it.
+
+Two engines run in this process; the decode engine reads the prefill engine's KV over the
+transport (NIXL or gRPC, through the prefill engine's side channel, as between processes).
+For each prompt length, `repeats` times in turn: a fresh prompt of random tokens is prefilled
+(max_tokens 1, handed off), then its first token is made by the decode engine from the KV it
+reads (`ttft_ms` covers both: what a client of a P/D app waits for before the first token,
+less the router); another fresh prompt runs on the decode engine alone (`colocated_ttft_ms`).
+`checksum_ms` is the time both engines spent summing KV blocks for it — the producer at
+hand-off, the reader before it used them (connector/checksums.py; the engines' own counters,
+`checksum_us_produced` and `checksum_us_verified`) — and `checksum_share_of_ttft` its median
+over the hand-off's median TTFT. The first run of each length is a warm-up, not counted.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from engine.config import check_transport
+from engine.llm import LLM
+from engine.models.catalog import SMOLLM2_MODEL
+from engine.request import SamplingParams
+from pdserve.bench.stats import summarize
+from pdserve.flags import Flag, int_list
+
+_FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+@dataclass(frozen=True)
+class HandoffBenchConfig:
+    model: str = SMOLLM2_MODEL
+    """the model of both engines (the shipped GGUF by default)"""
+    prompt_lens: tuple[int, ...] = (256, 1024)
+    """prompt lengths in tokens, comma-separated"""
+    transport: str = "nixl"
+    """how the decode engine reads the KV (nixl or grpc)"""
+    repeats: int = 5
+    """hand-offs (and colocated runs) per length, after one warm-up"""
+    seed: int = 0
+    """the prompts' random tokens"""
+
+    def __post_init__(self) -> None:
+        check_transport(self.transport)
+        if not self.prompt_lens or min(self.prompt_lens) < 2:
+            raise ValueError(f"prompt_lens must be >= 2 tokens each, got {self.prompt_lens}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+
+
+CONFIG = HandoffBenchConfig
+FLAGS = {"prompt_lens": Flag(parse=int_list)}
+
+
+def run(config: HandoffBenchConfig) -> dict[str, Any]:
+    kv = {"connector": config.transport, "secret": secrets.token_hex(16)}
+    args = {"max_model_len": max(config.prompt_lens) + 8, "kv_transfer_config": kv}
+    prefill, decode = LLM(config.model, **args), LLM(config.model, **args)
+    try:
+        vocab = _vocab_size(decode)
+        rng = random.Random(config.seed)
+        by_length = {}
+        for length in config.prompt_lens:
+            runs = [
+                _measure(prefill, decode, rng, length, vocab) for _ in range(config.repeats + 1)
+            ]
+            by_length[str(length)] = _summary(runs[1:])
+    finally:
+        prefill.close()
+        decode.close()
+    return {"benchmark": "handoff", "config": asdict(config), "prompt_lens": by_length}
+
+
+def _vocab_size(llm: LLM) -> int:
+    return int(llm.engine.runner.arch.vocab_size)
+
+
+def _measure(prefill: LLM, decode: LLM, rng: random.Random, length: int, vocab: int) -> dict:
+    """One hand-off and one colocated run, each on a fresh prompt (no prefix-cache hit)."""
+    prompt = [rng.randrange(vocab) for _ in range(length)]
+    produced, read = _counters(prefill), _counters(decode)
+    t0 = time.perf_counter()
+    first = prefill.generate([prompt], _FIRST_TOKEN, {"do_remote_decode": True})[0]
+    t1 = time.perf_counter()
+    out = decode.generate([prompt], _FIRST_TOKEN, first.kv_transfer_params)[0]
+    t2 = time.perf_counter()
+    produced, read = _since(prefill, produced), _since(decode, read)
+    params = first.kv_transfer_params
+    blocks = len(params["remote_block_ids"]) if params else 0
+    # The decode engine used the KV it read (a failed read would be recomputed, not timed).
+    if out.outputs[0].token_ids != first.outputs[0].token_ids or read["blocks_verified"] < blocks:
+        raise RuntimeError(f"the hand-off did not go through the transport: {read}")
+    other = [rng.randrange(vocab) for _ in range(length)]
+    t3 = time.perf_counter()
+    decode.generate([other], _FIRST_TOKEN)
+    t4 = time.perf_counter()
+    checksum_us = produced["checksum_us_produced"] + read["checksum_us_verified"]
+    return {
+        "ttft_ms": (t2 - t0) * 1e3,
+        "prefill_ms": (t1 - t0) * 1e3,
+        "read_and_first_token_ms": (t2 - t1) * 1e3,
+        "colocated_ttft_ms": (t4 - t3) * 1e3,
+        "checksum_ms": checksum_us / 1e3,
+        "blocks": blocks,
+    }
+
+
+def _counters(llm: LLM) -> dict[str, int]:
+    """The engine's KV connector counters (engine/stats.py)."""
+    return dict(llm.engine.refresh_stats().kv_transfer)
+
+
+def _since(llm: LLM, before: dict[str, int]) -> dict[str, int]:
+    return {name: value - before.get(name, 0) for name, value in _counters(llm).items()}
+
+
+def _summary(runs: list[dict]) -> dict[str, Any]:
+    """Mean and median of each time; the medians' ratios."""
+    names = ("ttft_ms", "prefill_ms", "read_and_first_token_ms", "colocated_ttft_ms")
+    summary: dict[str, Any] = {
+        name: summarize([run[name] for run in runs], (0.5,), digits=3)
+        for name in (*names, "checksum_ms")
+    }
+    ttft = summary["ttft_ms"]["p50"]
+    summary["handoff_over_colocated"] = round(ttft / summary["colocated_ttft_ms"]["p50"], 3)
+    summary["checksum_share_of_ttft"] = round(summary["checksum_ms"]["p50"] / ttft, 5)
+    summary["blocks"] = runs[0]["blocks"]
+    return summary

@@ -1,0 +1,41 @@
+"""`pdserve bench handoff` on the tiny model: two engines, a real transport between them."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench.handoff import HandoffBenchConfig, run
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("transport", ["nixl", "grpc"])
+def test_handoff_bench_times_the_hand_off_and_its_checksums(transport: str) -> None:
+    # 40 tokens: 3 blocks of 16 handed off (the bench itself fails unless the decode engine
+    # verified and used every one of them rather than recomputing).
+    config = HandoffBenchConfig(model="tiny", prompt_lens=(16, 40), repeats=2, transport=transport)
+    report = run(config)
+    assert report["benchmark"] == "handoff" and report["config"]["transport"] == transport
+    assert set(report["prompt_lens"]) == {"16", "40"}
+    for length, figures in report["prompt_lens"].items():
+        assert figures["blocks"] == -(-int(length) // 16), length
+        ttft, checksums = figures["ttft_ms"]["p50"], figures["checksum_ms"]["p50"]
+        assert 0 < checksums < ttft
+        assert figures["checksum_share_of_ttft"] == pytest.approx(checksums / ttft, abs=1e-4)
+        parts = figures["prefill_ms"]["mean"] + figures["read_and_first_token_ms"]["mean"]
+        assert figures["ttft_ms"]["mean"] == pytest.approx(parts, abs=0.01)
+        assert figures["colocated_ttft_ms"]["p50"] > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"transport": "carrier-pigeon"}, "must be one of"),
+        ({"prompt_lens": ()}, "prompt_lens must be >= 2"),
+        ({"prompt_lens": (16, 1)}, "prompt_lens must be >= 2"),
+        ({"repeats": 0}, "repeats must be >= 1"),
+    ],
+)
+def test_handoff_bench_settings_are_checked(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HandoffBenchConfig(**kwargs)
