@@ -5,9 +5,9 @@ A block's checksum is a position-weighted sum of its 32-bit words, modulo 2**64:
     checksum(block) = sum_i  w_i * x_i   (mod 2**64),   x_i the i-th uint32, w_i odd uint32
 
 Why this sum: it runs at memory speed (32 x 32 -> 64-bit products vectorise; a CPU kernel in
-engine/layers/csrc/block_checksum.h, torch's integer ops on other devices, both exact, so every
-device computes the same value), and it catches what goes wrong with bytes in transit or at
-rest:
+engine/layers/csrc/block_checksum.h, a Triton kernel over the blocks in GPU memory
+(connector/checksum_triton.py), torch's integer ops elsewhere, all exact, so every device
+computes the same value), and it catches what goes wrong with bytes in transit or at rest:
 - any single flipped bit (it moves the sum by an odd multiple of a power of two below 2**64,
   never a multiple of 2**64);
 - words moved or swapped within a block (their weights differ), a truncated read (the tail is
@@ -46,12 +46,20 @@ def block_checksums(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> list[st
     if ids.min() < 0 or ids.max() >= blocks.shape[0]:
         raise ValueError(f"block ids outside [0, {blocks.shape[0]})")
     weights = _weights(blocks.shape[1] // 4, blocks.device)
-    kernel = _cpu_kernel() if blocks.device.type == "cpu" else None
-    if kernel is not None:
-        sums = kernel(blocks, ids, weights)
-    else:
-        sums = _torch_sums(blocks, ids.to(blocks.device), weights)
-    return [to_hex(value) for value in sums.tolist()]
+    return [to_hex(value) for value in _sums(blocks, ids, weights)]
+
+
+def _sums(blocks: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> list[int]:
+    """By the device's kernel: the CPU kernel, the Triton kernel on a GPU, else torch's ops."""
+    if blocks.device.type == "cpu":
+        kernel = _cpu_kernel()
+        if kernel is not None:
+            return list(kernel(blocks, ids, weights).tolist())
+    elif blocks.device.type == "cuda" and _triton_kernel() is not None:
+        from connector import checksum_triton
+
+        return checksum_triton.block_sums(blocks, ids.to(blocks.device), weights)
+    return list(_torch_sums(blocks, ids.to(blocks.device), weights).tolist())
 
 
 def parse_checksums(values: object, num_blocks: int) -> list[str]:
@@ -112,6 +120,16 @@ def _cpu_kernel() -> Callable[..., torch.Tensor] | None:
     except cpu_kernels.KernelBuildError:
         return None
     return kernel
+
+
+@functools.cache
+def _triton_kernel() -> object | None:
+    """The Triton kernel's module, or None where Triton is not installed (asked once)."""
+    try:
+        from connector import checksum_triton
+    except ImportError:
+        return None
+    return checksum_triton
 
 
 def _weights(num_words: int, device: torch.device) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""KV block checksums (connector/checksums.py): the CPU kernel, torch's ops and the definition
-written out in Python agree; every single-bit change is caught; bad input is refused."""
+"""KV block checksums (connector/checksums.py): the CPU kernel, the Triton kernel (under
+Triton's interpreter), torch's ops and the definition written out in Python agree; every
+single-bit change is caught; bad input is refused."""
 
 from __future__ import annotations
 
@@ -97,3 +98,51 @@ def test_params_checksums_are_checked(values, message):
     with pytest.raises(ValueError, match=message):
         parse_checksums(values, 2)
     assert parse_checksums(["ABCDEF0123456789", "0" * 16], 2) == ["abcdef0123456789", "0" * 16]
+
+
+@pytest.fixture(scope="module")
+def triton_kernel():
+    """connector/checksum_triton.py under TRITON_INTERPRET=1: the GPU kernel's own code, run
+    by Triton's interpreter on the CPU (no GPU here). The flag is read when the kernel is
+    decorated: the module is imported anew with it set (and dropped after)."""
+    import importlib
+    import os
+    import sys
+
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.modules.pop("connector.checksum_triton", None)
+    try:
+        yield importlib.import_module("connector.checksum_triton")
+    finally:
+        sys.modules.pop("connector.checksum_triton", None)
+        vars(sys.modules["connector"]).pop("checksum_triton", None)
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def _triton_hex(kernel, cache: torch.Tensor, ids: list[int]) -> list[str]:
+    blocks = cache.view(cache.shape[0], -1).view(torch.uint8)
+    weights = checksums._weights(blocks.shape[1] // 4, blocks.device)
+    return [checksums.to_hex(s) for s in kernel.block_sums(blocks, torch.tensor(ids), weights)]
+
+
+def test_the_triton_kernel_agrees_with_the_definition(triton_kernel, cache):
+    ids = [0, 4, 8, 4]
+    assert _triton_hex(triton_kernel, cache, ids) == [_by_definition(cache[b]) for b in ids]
+    # Half precision: summed by its bytes like any other.
+    half = cache.half()
+    assert _triton_hex(triton_kernel, half, [1, 3]) == [_by_definition(half[b]) for b in (1, 3)]
+
+
+def test_the_triton_kernel_sums_a_big_block_in_slices_and_catches_a_flipped_bit(triton_kernel):
+    # 1 MiB + 4 bytes: 5 slices of 64 Ki words, the last one word long (masked vector steps).
+    torch.manual_seed(1)
+    cache = torch.randn(3, (1 << 18) + 1)
+    want = block_checksums(cache, [2, 0])  # the CPU kernel
+    assert _triton_hex(triton_kernel, cache, [2, 0]) == want
+    cache.view(torch.int32)[2, -1] ^= 1 << 31  # the top bit of the very last word
+    assert _triton_hex(triton_kernel, cache, [2])[0] != want[0]
+    assert _triton_hex(triton_kernel, cache, [2]) == block_checksums(cache, [2])
