@@ -11,6 +11,8 @@ run it on the CPU that way, against the definition).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -50,13 +52,32 @@ def _slice_sums(  # type: ignore[no-untyped-def]  # Triton reads annotations its
 
 
 def block_sums(blocks: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> list[int]:
-    """The unsigned sums of blocks[ids] ([num_blocks, block_bytes] uint8, block_bytes a
-    multiple of 4) with `weights` (int32 [block_bytes / 4]), on the blocks' device."""
+    """The unsigned sums of blocks[ids] ([num_blocks, block_bytes] uint8, contiguous,
+    block_bytes a multiple of 4) with `weights` (int32 [block_bytes / 4]), on the blocks'
+    device."""
+    return reduce_slices(launch(blocks, ids, weights))
+
+
+def launch(blocks: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Start the kernel (asynchronous on a GPU): int64 [len(ids), slices], each slice's sum."""
+    if not blocks.is_contiguous():
+        raise ValueError("blocks must be a contiguous [num_blocks, block_bytes] tensor")
     words = blocks.view(torch.int32)
     num_words = words.shape[1]
     slice_words = min(_SLICE_WORDS, -(-num_words // _BLOCK) * _BLOCK)
     num_slices = -(-num_words // slice_words)
     out = torch.empty((len(ids), num_slices), dtype=torch.int64, device=blocks.device)
-    grid = (len(ids), num_slices)
-    _slice_sums[grid](words, ids, weights, out, num_words, slice_words, num_slices, BLOCK=_BLOCK)
+    sizes = (num_words, slice_words, num_slices)
+    # Triton launches on the current device: make it the blocks' (an engine on cuda:1).
+    with _on(blocks.device):
+        _slice_sums[(len(ids), num_slices)](words, ids, weights, out, *sizes, BLOCK=_BLOCK)
+    return out
+
+
+def reduce_slices(out: torch.Tensor) -> list[int]:
+    """Each row's slice sums added as Python integers, modulo 2**64 (waits for the kernel)."""
     return [sum(row) & _MASK64 for row in out.tolist()]
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

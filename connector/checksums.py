@@ -21,11 +21,15 @@ block id checks against the same value.
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where blocks are summed: the router parses params only
     import torch
+
+logger = logging.getLogger(__name__)
 
 CHECKSUM_SCHEME = "wsum32-v1"  # in the KV compatibility hash: a new definition, a new name
 CHECKSUM_HEX_DIGITS = 16  # kv_transfer_params carry each as 16 hex digits (JSON-safe)
@@ -33,6 +37,7 @@ _CHUNK_BYTES = 8 << 20  # blocks checked together; bounds the temporaries' size
 _MASK64 = (1 << 64) - 1
 _HEX_DIGITS = frozenset("0123456789abcdef")
 _weights_cache: dict[tuple[int, str], torch.Tensor] = {}
+_triton_failed = threading.Event()  # set once the Triton kernel failed: torch's ops after
 
 
 def block_checksums(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> list[str]:
@@ -55,11 +60,23 @@ def _sums(blocks: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> lis
         kernel = _cpu_kernel()
         if kernel is not None:
             return list(kernel(blocks, ids, weights).tolist())
-    elif blocks.device.type == "cuda" and _triton_kernel() is not None:
+    elif blocks.device.type == "cuda":
+        return _gpu_sums(blocks, ids.to(blocks.device), weights)
+    return list(_torch_sums(blocks, ids.to(blocks.device), weights).tolist())
+
+
+def _gpu_sums(blocks: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> list[int]:
+    """The Triton kernel's sums; torch's ops where Triton is missing or its kernel failed."""
+    if _triton_usable():
         from connector import checksum_triton
 
-        return checksum_triton.block_sums(blocks, ids.to(blocks.device), weights)
-    return list(_torch_sums(blocks, ids.to(blocks.device), weights).tolist())
+        try:
+            return checksum_triton.block_sums(blocks, ids, weights)
+        except Exception:  # Triton's compile and launch errors share no base class
+            # E.g. no C compiler for its launcher: torch's ops from now on, same values.
+            logger.exception("the Triton checksum kernel failed; summing with torch's ops")
+            _triton_failed.set()
+    return list(_torch_sums(blocks, ids, weights).tolist())
 
 
 def parse_checksums(values: object, num_blocks: int) -> list[str]:
@@ -122,14 +139,18 @@ def _cpu_kernel() -> Callable[..., torch.Tensor] | None:
     return kernel
 
 
+def _triton_usable() -> bool:
+    """The Triton kernel can be used: Triton is installed and the kernel has not failed."""
+    return not _triton_failed.is_set() and _triton_installed()
+
+
 @functools.cache
-def _triton_kernel() -> object | None:
-    """The Triton kernel's module, or None where Triton is not installed (asked once)."""
+def _triton_installed() -> bool:
     try:
-        from connector import checksum_triton
+        from connector import checksum_triton  # noqa: F401 - imported to know it can be
     except ImportError:
-        return None
-    return checksum_triton
+        return False
+    return True
 
 
 def _weights(num_words: int, device: torch.device) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""KVReads: the consuming side of the connector's worker — a decode engine's reads.
+"""KVReads: the consuming side of the connector's worker — an engine's reads (a decode
+engine's, or a prefill engine's of a prefix lent to it).
 
 A read's life: handshake with the remote engine once (compatibility hash, transport
 metadata), start the transport read, renew the lease while it runs (connector/read_watch.py),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeVar
 
@@ -261,7 +262,8 @@ class KVTransferConfig:
             raise ValueError(f"side_channel_port must be in [0, 65535], got {port!r}")
         for name in ("lease_seconds", *_KV_DEADLINES):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
         check_load_failure_policy(self.kv_load_failure_policy, "kv_load_failure_policy")
         if not isinstance(self.secret, str):

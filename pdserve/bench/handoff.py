@@ -60,6 +60,7 @@ def run(config: HandoffBenchConfig) -> dict[str, Any]:
     kv = {"connector": config.transport, "secret": secrets.token_hex(16)}
     args = {"max_model_len": max(config.prompt_lens) + 8, "kv_transfer_config": kv}
     prefill, decode = LLM(config.model, **args), LLM(config.model, **args)
+    device = decode.engine.runner.device
     try:
         vocab = _vocab_size(decode)
         rng = random.Random(config.seed)
@@ -72,7 +73,12 @@ def run(config: HandoffBenchConfig) -> dict[str, Any]:
     finally:
         prefill.close()
         decode.close()
-    return {"benchmark": "handoff", "config": asdict(config), "prompt_lens": by_length}
+    return {
+        "benchmark": "handoff",
+        "config": asdict(config),
+        "device": str(device),
+        "prompt_lens": by_length,
+    }
 
 
 def _vocab_size(llm: LLM) -> int:
@@ -91,9 +97,13 @@ def _measure(prefill: LLM, decode: LLM, rng: random.Random, length: int, vocab: 
     produced, read = _since(prefill, produced), _since(decode, read)
     params = first.kv_transfer_params
     blocks = len(params["remote_block_ids"]) if params else 0
-    # The decode engine used the KV it read (a failed read would be recomputed, not timed).
-    if out.outputs[0].token_ids != first.outputs[0].token_ids or read["blocks_verified"] < blocks:
+    # The decode engine read the KV, checked it and used it: a failed or refused read is
+    # recomputed, which is not what this times.
+    used = read.get("blocks_read", 0) > 0 and not read.get("reads_failed", 0)
+    if not blocks or not used or read.get("checksum_failures", 0):
         raise RuntimeError(f"the hand-off did not go through the transport: {read}")
+    if out.outputs[0].token_ids != first.outputs[0].token_ids:
+        raise RuntimeError("the decode engine's first token is not the prefill engine's")
     other = [rng.randrange(vocab) for _ in range(length)]
     t3 = time.perf_counter()
     decode.generate([other], _FIRST_TOKEN)

@@ -41,9 +41,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
 
 
-# A healthy engine on a loaded 2-core machine can miss the shipped deadlines on its remotes
-# (0.75 s for a renewal): the tests that count exact outcomes give them room. The tests of
-# those deadlines (a remote gone silent, lost completions) run with the shipped ones.
+# A healthy engine on a loaded CI machine can miss the shipped deadlines (0.75 s a renewal):
+# tests give them room, but those of the deadlines (a silent remote, lost completions).
 PATIENT = {"heartbeat_timeout_s": 5.0, "handshake_timeout_s": 10.0, "read_timeout_base_s": 10.0}
 SHIPPED = {name: getattr(KVTransferConfig(), name) for name in PATIENT}
 
@@ -232,7 +231,8 @@ def test_every_injected_transport_fault_ends_well(pair, colocated):
     is used), lost (the reader's deadline ends the read) and remotes dying mid-read. Lost and
     dead reads are recomputed: the outputs are colocated's, and no block is held after."""
     faults = {"rate": 1.0, "seed": 3, "faults": ["delay", "lose", "die"], "delay_s": 0.1}
-    stats = decode_with_faults(pair, colocated, faults, (30, 21, 45, 14, 38, 26), SHIPPED)
+    lost_in_a_second = {**PATIENT, "read_timeout_base_s": SHIPPED["read_timeout_base_s"]}
+    stats = decode_with_faults(pair, colocated, faults, (30, 21, 45, 14, 38, 26), lost_in_a_second)
     injected = [stats[f"faults_{kind}"] for kind in ("delayed", "lost", "died")]
     assert all(injected) and sum(injected) == stats["loads_requested"]  # one per read
     # A lost completion ends at the read's deadline (a delayed one too, on a machine slow

@@ -146,3 +146,32 @@ def test_the_triton_kernel_sums_a_big_block_in_slices_and_catches_a_flipped_bit(
     cache.view(torch.int32)[2, -1] ^= 1 << 31  # the top bit of the very last word
     assert _triton_hex(triton_kernel, cache, [2])[0] != want[0]
     assert _triton_hex(triton_kernel, cache, [2]) == block_checksums(cache, [2])
+
+
+def test_a_failing_triton_kernel_falls_back_to_torch_ops_for_good(monkeypatch, caplog):
+    """The GPU path (checksums._gpu_sums) where the kernel cannot launch (as where Triton's
+    launcher fails to build; no GPU here, so the launch is made to fail): the sums come from
+    torch's ops, the same values, and Triton is not tried again."""
+    import threading
+
+    from connector import checksum_triton
+
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        raise RuntimeError("failed to build the launcher")
+
+    monkeypatch.setattr(checksums, "_triton_failed", threading.Event())
+    monkeypatch.setattr(checksum_triton, "block_sums", failing)
+    torch.manual_seed(2)
+    cache = torch.randn(4, 2, 64)
+    blocks = cache.view(4, -1).view(torch.uint8)
+    weights = checksums._weights(blocks.shape[1] // 4, blocks.device)
+    with caplog.at_level("ERROR", logger="connector.checksums"):
+        sums = checksums._gpu_sums(blocks, torch.tensor([3, 1]), weights)
+    assert [checksums.to_hex(s) for s in sums] == block_checksums(cache, [3, 1])
+    assert "the Triton checksum kernel failed" in caplog.text
+    again = checksums._gpu_sums(blocks, torch.tensor([0]), weights)
+    assert [checksums.to_hex(s) for s in again] == block_checksums(cache, [0])
+    assert len(calls) == 1  # not tried again

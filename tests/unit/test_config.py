@@ -101,7 +101,7 @@ def test_fault_injection_settings_are_checked(faults, message) -> None:
 @pytest.mark.parametrize(
     "name", ["lease_seconds", "heartbeat_timeout_s", "handshake_timeout_s", "read_timeout_base_s"]
 )
-@pytest.mark.parametrize("value", [0, -1.5, True, "2"])
+@pytest.mark.parametrize("value", [0, -1.5, True, "2", float("inf"), float("nan")])
 def test_kv_transfer_durations_must_be_positive_numbers(name: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"^{name} must be > 0, got {value!r}$"):
         KVTransferConfig(**{name: value})  # type: ignore[arg-type]
