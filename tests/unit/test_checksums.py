@@ -100,52 +100,55 @@ def test_params_checksums_are_checked(values, message):
     assert parse_checksums(["ABCDEF0123456789", "0" * 16], 2) == ["abcdef0123456789", "0" * 16]
 
 
-@pytest.fixture(scope="module")
-def triton_kernel():
-    """connector/checksum_triton.py under TRITON_INTERPRET=1: the GPU kernel's own code, run
-    by Triton's interpreter on the CPU (no GPU here). The flag is read when the kernel is
-    decorated: the module is imported anew with it set (and dropped after)."""
-    import importlib
-    import os
-    import sys
-
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    sys.modules.pop("connector.checksum_triton", None)
-    try:
-        yield importlib.import_module("connector.checksum_triton")
-    finally:
-        sys.modules.pop("connector.checksum_triton", None)
-        vars(sys.modules["connector"]).pop("checksum_triton", None)
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-def _triton_hex(kernel, cache: torch.Tensor, ids: list[int]) -> list[str]:
+# Run in a process of its own with TRITON_INTERPRET=1: Triton decides whether a kernel (and
+# its library's, tl.zeros and tl.sum among them) is interpreted when it is decorated, so the
+# flag must be set before Triton is first imported.
+_INTERPRETED = """
+import sys, torch
+from connector import checksum_triton, checksums
+sums = []
+for cache, ids in torch.load(sys.argv[1]):
     blocks = cache.view(cache.shape[0], -1).view(torch.uint8)
     weights = checksums._weights(blocks.shape[1] // 4, blocks.device)
-    return [checksums.to_hex(s) for s in kernel.block_sums(blocks, torch.tensor(ids), weights)]
+    found = checksum_triton.block_sums(blocks, torch.tensor(ids), weights)
+    sums.append([checksums.to_hex(s) for s in found])
+torch.save(sums, sys.argv[2])
+"""
 
 
-def test_the_triton_kernel_agrees_with_the_definition(triton_kernel, cache):
-    ids = [0, 4, 8, 4]
-    assert _triton_hex(triton_kernel, cache, ids) == [_by_definition(cache[b]) for b in ids]
-    # Half precision: summed by its bytes like any other.
-    half = cache.half()
-    assert _triton_hex(triton_kernel, half, [1, 3]) == [_by_definition(half[b]) for b in (1, 3)]
+def _interpreted(tmp_path, cases: list[tuple[torch.Tensor, list[int]]]) -> list[list[str]]:
+    """connector/checksum_triton.py's kernel, its own code run by Triton's interpreter on the
+    CPU (no GPU here): the hex sums of each (cache, block ids)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    given, found = tmp_path / "cases.pt", tmp_path / "sums.pt"
+    torch.save(cases, given)
+    subprocess.run(
+        [sys.executable, "-c", _INTERPRETED, str(given), str(found)],
+        check=True,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=300,
+    )
+    return torch.load(found)
 
 
-def test_the_triton_kernel_sums_a_big_block_in_slices_and_catches_a_flipped_bit(triton_kernel):
-    # 1 MiB + 4 bytes: 5 slices of 64 Ki words, the last one word long (masked vector steps).
+def test_the_triton_kernel_agrees_with_the_definition_and_the_cpu_kernel(tmp_path, cache):
+    # A 1 MiB + 4 B block: 5 slices of 64 Ki words, the last one word long (masked steps).
     torch.manual_seed(1)
-    cache = torch.randn(3, (1 << 18) + 1)
-    want = block_checksums(cache, [2, 0])  # the CPU kernel
-    assert _triton_hex(triton_kernel, cache, [2, 0]) == want
-    cache.view(torch.int32)[2, -1] ^= 1 << 31  # the top bit of the very last word
-    assert _triton_hex(triton_kernel, cache, [2])[0] != want[0]
-    assert _triton_hex(triton_kernel, cache, [2]) == block_checksums(cache, [2])
+    big = torch.randn(3, (1 << 18) + 1)
+    flipped = big.clone()
+    flipped.view(torch.int32)[2, -1] ^= 1 << 31  # the top bit of the very last word
+    half = cache.half()  # summed by its bytes like any other
+    cases = [(cache, [0, 4, 8, 4]), (half, [1, 3]), (big, [2, 0]), (flipped, [2])]
+    sums = _interpreted(tmp_path, cases)
+    assert sums[0] == [_by_definition(cache[b]) for b in (0, 4, 8, 4)]
+    assert sums[1] == [_by_definition(half[b]) for b in (1, 3)]
+    assert sums[2] == block_checksums(big, [2, 0])  # the CPU kernel
+    assert sums[3] == block_checksums(flipped, [2]) and sums[3][0] != sums[2][0]
 
 
 def test_a_failing_triton_kernel_falls_back_to_torch_ops_for_good(monkeypatch, caplog):
