@@ -89,6 +89,8 @@ class LeaseTable:
         # Leases found with a rewritten block (each fenced its reader's read; counted once
         # however many renewals, reads and releases were then refused).
         self.fences = 0
+        # Leases that ran out unreleased: the reader never came, or came too late.
+        self.expirations = 0
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._by_request: dict[str, str] = {}  # request id -> lease id
@@ -205,7 +207,7 @@ class LeaseTable:
     def _ended(self, entry: _Entry) -> str | None:
         """How the lease ended, None while live; expiry is checked here, on every access."""
         if entry.ended is None and entry.lease.expires_at <= self._clock():
-            entry.ended = "expired"
+            self._expire(entry)
         return entry.ended
 
     def _expire_locked(self) -> list[Lease]:
@@ -214,8 +216,12 @@ class LeaseTable:
             e for e in self._entries.values() if e.ended is None and e.lease.expires_at <= now
         ]
         for entry in expired:
-            entry.ended = "expired"
+            self._expire(entry)
         return [entry.lease for entry in expired]
+
+    def _expire(self, entry: _Entry) -> None:
+        entry.ended = "expired"
+        self.expirations += 1
 
     def _forget(self, entry: _Entry) -> None:
         del self._entries[entry.lease.lease_id]

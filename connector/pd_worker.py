@@ -58,16 +58,18 @@ class PDWorker:
         """The reads' counters, kv_transfer_config.fault_injection's (data faults, each to be
         caught by its checksum; completions delayed, lost, remotes died mid-read) and, on the
         producing side, `generation_fences`: our leases found with a block freed or rewritten
-        since it was lent (each fenced its reader's read), and `checksum_us_produced`: the
+        since it was lent (each fenced its reader's read), `leases_expired`: our leases that
+        ran out before their reader released them, and `checksum_us_produced`: the
         microseconds spent summing the blocks handed out or lent (the reader's are
         `checksum_us_verified`)."""
         faulty = self._faulty
         faults = faulty.counts() if faulty is not None else FaultyTransport.zero_counts()
-        fences = self.server.leases.fences if self.server is not None else 0
+        leases = self.server.leases if self.server is not None else None
         return {
             **self.reads.stats,
             **faults,
-            "generation_fences": fences,
+            "generation_fences": leases.fences if leases is not None else 0,
+            "leases_expired": leases.expirations if leases is not None else 0,
             "checksum_us_produced": self._checksum_us,
         }
 

@@ -95,7 +95,7 @@ def _kv_check_counters() -> dict[str, Any]:
     connector counter each follows: blocks that matched their producer's checksum, blocks that
     did not (never used: recomputed or failed by kv_load_failure_policy), and the reads they
     were in; reads fenced (the lease had ended), given up on (connector/read_watch.py) or
-    timed out.
+    timed out; and, on the producing side, leases that expired unreleased.
     (The names are written out: the dashboard's test finds them in this file.)"""
     from ray.serve import metrics
 
@@ -117,6 +117,10 @@ def _kv_check_counters() -> dict[str, Any]:
         ),
         "timed_out_reads": metrics.Counter(
             "pdserve_kv_timed_out_reads", "KV reads not reported done by their deadline"
+        ),
+        "leases_expired": metrics.Counter(
+            "pdserve_kv_leases_expired",
+            "KV leases that ran out before their reader released them (it never came, or late)",
         ),
     }
 

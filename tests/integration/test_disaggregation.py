@@ -335,8 +335,8 @@ def test_refused_peers_and_lease_expiry(transport, colocated, tmp_path):
             assert [o["token_ids"] for o in outs] == expected
         stats = decode.drain()["stats"]
         assert stats["blocks_read"] == 0 and stats["reads_failed"] == 6  # all refused
-        # Nobody read the wrong-secret engine's blocks: its 0.5 s leases expired.
-        assert_idle_and_clean(*refused, decode)
+        assert_idle_and_clean(*refused, decode)  # nobody read the wrong-secret engine's blocks:
+        assert wrong_secret.drain()["stats"]["leases_expired"] == 2  # its 0.5 s leases expired
     finally:
         for proc in (decode, *refused):
             proc.close()

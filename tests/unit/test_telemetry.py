@@ -187,7 +187,13 @@ def test_engine_metrics_count_what_the_kv_checks_found() -> None:
         )
     )
     metrics.sample(
-        reading(blocks_verified=5, fenced_reads=2, unanswered_reads=1, timed_out_reads=1)
+        reading(
+            blocks_verified=5,
+            fenced_reads=2,
+            unanswered_reads=1,
+            timed_out_reads=1,
+            leases_expired=2,
+        )
     )
     metrics.sample(EngineStats(10, 8, 1, 0, 0, 0))  # an engine without KV transfer
     # The time spent summing blocks, in seconds, by side.
@@ -199,4 +205,5 @@ def test_engine_metrics_count_what_the_kv_checks_found() -> None:
         "fenced_reads": [2],
         "unanswered_reads": [1],
         "timed_out_reads": [1],
+        "leases_expired": [2],
     }

@@ -137,6 +137,7 @@ def test_lease_table_holds_blocks_while_read_and_reports_each_end_once() -> None
     assert table.cancel_request("req-b")
     now[0] = 1.5  # req-a expires while its blocks are being copied
     assert table.take_finished() == {"req-b"}
+    assert table.expirations == 1  # req-a's (req-b's was cancelled)
     assert table.num_active == 1
     table.close_read(reading.lease_id)
     assert table.take_finished() == {"req-a"}
@@ -145,3 +146,4 @@ def test_lease_table_holds_blocks_while_read_and_reports_each_end_once() -> None
         table.renew(reading.lease_id)
     with pytest.raises(LeaseNotFound):
         table.renew(cancelled.lease_id)
+    assert table.expirations == 1  # counted once, however often it was found expired
