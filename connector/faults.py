@@ -19,6 +19,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -29,6 +30,10 @@ from engine.core.block_pool import NULL_BLOCK_ID
 
 _DIED = "injected fault: the remote engine died mid-read"
 _KINDS = {"delay": "delayed", "lose": "lost", "die": "died"}
+# FaultyTransport.counts() of an engine that injects nothing.
+NO_FAULTS = MappingProxyType(
+    dict.fromkeys(("faults_injected", *(f"faults_{kind}" for kind in _KINDS.values())), 0)
+)
 
 
 class FaultInjector:
@@ -134,11 +139,6 @@ class FaultyTransport(KVTransport):
         if name == "inner":  # not set yet: no recursion
             raise AttributeError(name)
         return getattr(self.inner, name)
-
-    @staticmethod
-    def zero_counts() -> dict[str, int]:
-        """counts() of an engine that injects nothing."""
-        return dict.fromkeys(("faults_injected", *(f"faults_{k}" for k in _KINDS.values())), 0)
 
     def counts(self) -> dict[str, int]:
         """The connector's fault counters: data faults (each a checksum failure to be),

@@ -8,13 +8,12 @@ one transport, registered over the engine's KV cache.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import torch
 
-from connector.checksums import block_checksums
-from connector.faults import FaultyTransport
+from connector.checksums import timed_block_checksums
+from connector.faults import NO_FAULTS, FaultyTransport
 from connector.kv_reads import KVReads
 from connector.leases import no_generations
 from connector.metadata import ConnectorMetadata, RemoteKV, tokens_hash
@@ -62,8 +61,7 @@ class PDWorker:
         ran out before their reader released them, and `checksum_us_produced`: the
         microseconds spent summing the blocks handed out or lent (the reader's are
         `checksum_us_verified`)."""
-        faulty = self._faulty
-        faults = faulty.counts() if faulty is not None else FaultyTransport.zero_counts()
+        faults = self._faulty.counts() if self._faulty is not None else NO_FAULTS
         leases = self.server.leases if self.server is not None else None
         return {
             **self.reads.stats,
@@ -116,9 +114,8 @@ class PDWorker:
     def checksums(self, block_ids: list[int]) -> list[str]:
         """Of our blocks as they are now (the producer's side of the verification)."""
         assert self._kv_cache is not None, "register() first"
-        started = time.perf_counter()
-        sums = block_checksums(self._kv_cache, block_ids)
-        self._checksum_us += round((time.perf_counter() - started) * 1e6)
+        sums, micros = timed_block_checksums(self._kv_cache, block_ids)
+        self._checksum_us += micros
         return sums
 
     def serve_loans(self, lend: Callable[[list[bytes], float], Loan | None]) -> None:

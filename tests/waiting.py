@@ -7,12 +7,8 @@ holds the work back on an event it releases itself.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
-
-# Set by nobody: waiting on it is the pause between two looks, never past the deadline.
-_BETWEEN_LOOKS = threading.Event()
 
 
 def wait_until(condition: Callable[[], object], timeout_s: float, period_s: float = 0.05) -> bool:
@@ -27,7 +23,7 @@ def wait_until(condition: Callable[[], object], timeout_s: float, period_s: floa
         left = deadline - time.monotonic()
         if left < 0:
             return False
-        _BETWEEN_LOOKS.wait(min(period_s, left))
+        time.sleep(min(period_s, left))  # the pause between two looks, never past the deadline
 
 
 async def wait_until_async(

@@ -210,15 +210,16 @@ class EngineMetrics:
                     counter.inc(delta)
             self.spec_acceptance.set(spec.acceptance_rate)
         kv_seen = seen.kv_transfer if seen else {}
+
+        def kv_delta(field: str) -> int:
+            return stats.kv_transfer.get(field, 0) - kv_seen.get(field, 0)
+
         for field, counter in self.kv_counters.items():
-            delta = stats.kv_transfer.get(field, 0) - kv_seen.get(field, 0)
-            if delta > 0:
+            if (delta := kv_delta(field)) > 0:
                 counter.inc(delta)
         for side in ("produced", "verified"):
-            field = f"checksum_us_{side}"
-            delta = stats.kv_transfer.get(field, 0) - kv_seen.get(field, 0)
-            if delta > 0:
-                self.kv_checksum_seconds.inc(delta / 1e6, {"side": side})
+            if (micros := kv_delta(f"checksum_us_{side}")) > 0:
+                self.kv_checksum_seconds.inc(micros / 1e6, {"side": side})
         self._seen = stats
 
     def observe_transfer(self, timing: RequestTiming, transport: str, block_bytes: int) -> None:

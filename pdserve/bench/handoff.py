@@ -62,7 +62,7 @@ def run(config: HandoffBenchConfig) -> dict[str, Any]:
     prefill, decode = LLM(config.model, **args), LLM(config.model, **args)
     device = decode.engine.runner.device
     try:
-        vocab = _vocab_size(decode)
+        vocab = int(decode.engine.runner.arch.vocab_size)
         rng = random.Random(config.seed)
         by_length = {}
         for length in config.prompt_lens:
@@ -79,10 +79,6 @@ def run(config: HandoffBenchConfig) -> dict[str, Any]:
         "device": str(device),
         "prompt_lens": by_length,
     }
-
-
-def _vocab_size(llm: LLM) -> int:
-    return int(llm.engine.runner.arch.vocab_size)
 
 
 def _measure(prefill: LLM, decode: LLM, rng: random.Random, length: int, vocab: int) -> dict:
