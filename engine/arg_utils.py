@@ -12,6 +12,7 @@ from engine.config import (
     KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     check_known_keys,
@@ -19,6 +20,7 @@ from engine.config import (
 )
 from engine.models import ModelArchConfig
 from engine.models.catalog import TINY_MODEL, resolve_model
+from engine.parallel.layout import check_tensor_parallel
 
 
 @dataclass
@@ -76,6 +78,12 @@ class EngineArgs:
     """KV transfer between engines (JSON): {"connector": "nixl", ...}"""
     speculative_config: dict[str, Any] | None = None
     """speculative decoding (JSON): {"method": "ngram", "num_speculative_tokens": k, ...}"""
+    tensor_parallel_size: int = 1
+    """processes that split the model's heads and MLP between them, one per rank (each on its
+    own cores, or its own GPU)"""
+    tensor_parallel_collectives: str = "auto"
+    """how the ranks exchange: shm (shared memory, float32 on CPUs), torch (torch.distributed:
+    gloo on CPUs, NCCL on GPUs) or auto (shm where it applies)"""
     kv_events_config: dict[str, Any] | None = None
     """{"enable_kv_cache_events": true}: number the prefix cache's events for a cluster index
     (vLLM's name and key)"""
@@ -117,8 +125,15 @@ class EngineArgs:
             self.gpu_memory_utilization,
             kv_transfer,
             self._speculative_config(arch),
+            self._parallel_config(arch),
         )
+        _check_parallel_support(config)
         return config, arch
+
+    def _parallel_config(self, arch: ModelArchConfig) -> ParallelConfig:
+        parallel = ParallelConfig(self.tensor_parallel_size, self.tensor_parallel_collectives)
+        check_tensor_parallel(arch, parallel.tensor_parallel_size)
+        return parallel
 
     def _model_config(self, path: str, arch: ModelArchConfig) -> ModelConfig:
         if not isinstance(self.enforce_eager, bool):
@@ -183,6 +198,21 @@ class EngineArgs:
                 f"max_position_embeddings={arch.max_position_embeddings}"
             )
         return self.max_model_len
+
+
+def _check_parallel_support(config: EngineConfig) -> None:
+    """What tensor parallelism does not combine with yet, refused by name."""
+    if config.parallel.tensor_parallel_size == 1:
+        return
+    if config.kv_transfer is not None:
+        raise ValueError(
+            "kv_transfer_config is not supported with tensor_parallel_size > 1 yet: "
+            "KV moves between engines of one rank each"
+        )
+    if config.speculative is not None and config.speculative.uses_draft_model:
+        raise ValueError(
+            "speculative method 'draft_model' is not supported with tensor_parallel_size > 1"
+        )
 
 
 def _resolve_device(device: str) -> str:

@@ -322,6 +322,28 @@ class SpeculativeConfig:
         return self.method == "draft_model"
 
 
+TP_COLLECTIVES = ("auto", "shm", "torch")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism inside one engine (engine/parallel/): `tensor_parallel_size`
+    processes, one per rank, each holding its share of every layer's heads and MLP width.
+    `collectives`: shm (shared memory between ranks on one host, float32 on CPUs), torch
+    (torch.distributed: gloo on CPUs, NCCL on GPUs), auto (shm where it applies)."""
+
+    tensor_parallel_size: int = 1
+    collectives: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.collectives not in TP_COLLECTIVES:
+            raise ValueError(
+                f"tensor-parallel collectives must be one of {TP_COLLECTIVES}, "
+                f"got {self.collectives!r}"
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an EngineCore is built from. `cache.num_blocks` may stay None: the worker
@@ -334,3 +356,4 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_transfer: KVTransferConfig | None = None
     speculative: SpeculativeConfig | None = None
+    parallel: ParallelConfig = ParallelConfig()

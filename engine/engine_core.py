@@ -21,6 +21,8 @@ from engine.inputs import InputProcessor, ReasoningTokens
 from engine.kv_connector import KVConnectorBase, create_kv_connector
 from engine.models import ModelArchConfig
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs
+from engine.parallel.rank0 import Rank0Runner
+from engine.parallel.workers import start_followers
 from engine.request import Request, RequestStatus
 from engine.stats import EngineStats
 from engine.step_timer import StepTimer
@@ -44,7 +46,30 @@ class EngineCore:
         self.config = config
         self.displaced: list[str] = []  # refused for higher-priority requests (take_displaced)
         self.arch = arch
-        self.runner = ModelRunner(config, arch, reasoning or ReasoningTokens(), tokenizer)
+        self.followers = start_followers(config, arch)
+        try:
+            self._build(config, arch, reasoning, connector, tokenizer)
+        except BaseException:
+            if self.followers is not None:
+                self.followers.close()
+            raise
+        # As of the last step (engine/stats.py): shipped with its outputs, read by anyone.
+        self.stats: EngineStats = self.scheduler.make_stats()
+
+    def _build(
+        self,
+        config: EngineConfig,
+        arch: ModelArchConfig,
+        reasoning: ReasoningTokens | None,
+        connector: KVConnectorBase | None,
+        tokenizer: Tokenizer | None,
+    ) -> None:
+        """The runner, the KV pool and the scheduler (every rank's runner loaded first)."""
+        reasoning = reasoning or ReasoningTokens()
+        if self.followers is None:
+            self.runner = ModelRunner(config, arch, reasoning, tokenizer)
+        else:
+            self.runner = Rank0Runner(config, arch, reasoning, tokenizer, self.followers)
         self.runner.load_model()
         num_blocks = self.runner.determine_num_blocks()
         cache = replace(config.cache, num_blocks=num_blocks)
@@ -62,8 +87,6 @@ class EngineCore:
         if config.cache.enable_kv_cache_events:
             pool = self.scheduler.kv_cache_manager.block_pool
             self.kv_events = KVEventStream(pool.take_events, pool.cached_block_hashes)
-        # As of the last step (engine/stats.py): shipped with its outputs, read by anyone.
-        self.stats: EngineStats = self.scheduler.make_stats()
 
     @classmethod
     def from_inputs(
@@ -255,6 +278,8 @@ class EngineCore:
             self._async.close()
         if self.connector is not None:
             self.connector.close()
+        if self.followers is not None:
+            self.followers.close()
 
 
 class AsyncRunner:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.outputs import EngineCoreOutput, TokenLogprobs
@@ -76,6 +76,11 @@ class SchedulerOutput:
     # a new one by the time the step's output is back: after a release, ids are checked.
     scheduled_requests: list[Request] = field(default_factory=list)
     num_released_requests: int = 0
+
+    def for_workers(self) -> SchedulerOutput:
+        """What the model runners read, without the scheduler's own (sent to the other
+        tensor-parallel ranks each step)."""
+        return replace(self, scheduled_requests=[], num_released_requests=0)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.models.config import ModelArchConfig
+from engine.parallel.layout import SKIP, TensorSlice, TPLayout
 
 if TYPE_CHECKING:  # the metadata (config, tokenizer) is read without torch: the router does
     import torch
@@ -157,22 +158,62 @@ def _rope_scaling(key: Any) -> dict[str, Any] | None:
 
 
 def gguf_tensors(
-    reader: Any, config: ModelArchConfig, name: str
+    reader: Any, config: ModelArchConfig, name: str, layout: TPLayout | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor of the file, dequantized."""
+    """(Hugging Face name, float32 tensor) for every tensor of the file, dequantized: this
+    rank's slice of it where `layout` splits the model."""
     import torch
 
+    from engine.models.loader import pad_slice
+
+    layout = layout or TPLayout(config)
     unpermute = config.architecture == "LlamaForCausalLM"
     for tensor in reader.tensors:
         hf_name = hf_tensor_name(tensor.name)
         if hf_name is None:
             raise ValueError(f"{name}: unexpected tensor {tensor.name!r} for {config.architecture}")
-        weights = torch.from_numpy(_dequantize(tensor, name))
+        where = layout.tensor_slice(hf_name)
+        if where == SKIP:
+            continue
+        if where is None:
+            weights = torch.from_numpy(_dequantize(tensor, name))
+        else:
+            assert not isinstance(where, str)
+            part = _dequantize_slice(tensor, name, where)
+            weights = pad_slice(part, where[0], where[2] - where[1])
+        # A rank's rows hold whole heads: un-permute within each of this rank's heads.
         if unpermute and hf_name.endswith("q_proj.weight"):
-            weights = _unpermute(weights, config.num_attention_heads)
+            weights = _unpermute(weights, layout.num_heads)
         elif unpermute and hf_name.endswith("k_proj.weight"):
-            weights = _unpermute(weights, config.num_key_value_heads)
+            weights = _unpermute(weights, layout.num_kv_heads)
         yield hf_name, weights
+
+
+def _dequantize_slice(tensor: Any, name: str, where: TensorSlice) -> torch.Tensor:
+    """Rows [start, stop) of a 2-D tensor dequantized alone (llama.cpp quantizes each row by
+    itself); columns the same where they start and end on a quantization block, else
+    dequantized whole and cut."""
+    import gguf
+    import torch
+
+    dim, start, stop = where
+    data = tensor.data
+    rows, cols = (int(n) for n in reversed(tensor.shape.tolist()))
+    if dim == 0:
+        stop = min(stop, rows)
+        part, shape = data[start:stop], (stop - start, cols)
+    else:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        if data.dtype != np.uint8:  # float types come back as elements, not bytes
+            part, shape = data[:, start:stop], (rows, stop - start)
+        elif start % block == 0 and stop % block == 0:
+            part = data[:, start // block * block_bytes : stop // block * block_bytes]
+            shape = (rows, stop - start)
+        else:
+            whole = torch.from_numpy(_dequantize(tensor, name))
+            return whole[:, start:stop].contiguous()
+    values = _dequantize_array(np.ascontiguousarray(part), tensor, name, shape)
+    return torch.from_numpy(values)
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -219,17 +260,22 @@ def _unsupported_type(name: str, tensor: Any) -> str:
 
 
 def _dequantize(tensor: Any, name: str) -> np.ndarray:
+    # The reader's shape lists llama.cpp's dimensions fastest first; torch wants them reversed.
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    return _dequantize_array(tensor.data, tensor, name, shape)
+
+
+def _dequantize_array(data: Any, tensor: Any, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """`data` (`tensor`'s stored data, or whole rows or blocks of it) as float32 `shape`."""
     from gguf import quants
 
     try:  # types are checked with the config (_check_tensor_types); this is the backstop
-        data = quants.dequantize(tensor.data, tensor.tensor_type)
+        values = quants.dequantize(data, tensor.tensor_type)
     except NotImplementedError:
         raise ValueError(_unsupported_type(name, tensor)) from None
-    # The reader's shape lists llama.cpp's dimensions fastest first; torch wants them reversed.
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    data = data.reshape(shape).astype(np.float32, copy=False)
+    values = values.reshape(shape).astype(np.float32, copy=False)
     # F32 tensors come back as views of the read-only file mapping; torch wants writable memory.
-    return data if data.flags.writeable else data.copy()
+    return values if values.flags.writeable else values.copy()
 
 
 @functools.cache

@@ -2,6 +2,10 @@
 
 One module, switched by the config: the four differ only in biases, per-head norms, RoPE
 scaling and sliding windows. Parameter names follow Hugging Face so checkpoints load as-is.
+
+Under tensor parallelism each rank builds the same modules at its slice's sizes
+(engine/parallel/layout.py) and sums the row-parallel projections' outputs over its group;
+at one rank the group's collectives do nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from engine.layers.attention import AttentionBackend, AttentionMetadata
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RopeTables, RotaryEmbedding
 from engine.models.config import ModelArchConfig
+from engine.parallel.group import SINGLE_RANK, TPGroup
+from engine.parallel.layout import TPLayout
 
 if TYPE_CHECKING:  # llama_fused imports this module
     from engine.models.llama_fused import FusedDecodeStep
@@ -48,16 +54,18 @@ STACKED_PROJECTIONS = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, layout: TPLayout, group: TPGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config.head_dim
         hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         # q, k and v in one GEMM; the loader stacks the checkpoint's three matrices.
         self.qkv_proj = StackedLinear(hidden, (q_size, kv_size, kv_size), config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias)
+        # Row-parallel: rank 0 alone adds the bias to the partial sums.
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias and layout.rank == 0)
+        self.group = group
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -74,7 +82,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self._rotated_qkv(hidden, rope)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(hidden.shape[0], -1))
+        return self.group.all_reduce(self.o_proj(out.reshape(hidden.shape[0], -1)))
 
     def _rotated_qkv(
         self, hidden: torch.Tensor, rope: RopeTables
@@ -95,25 +103,26 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, layout: TPLayout, group: TPGroup) -> None:
         super().__init__()
-        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        hidden, inner, bias = config.hidden_size, layout.intermediate_size, config.mlp_bias
         self.gate_up_proj = StackedLinear(hidden, (inner, inner), bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias and layout.rank == 0)
         self.inner = inner
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inner, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.group.all_reduce(self.down_proj(F.silu(gate).mul_(up)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, layout: TPLayout, group: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layout, group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, layout, group)
 
     def forward(
         self,
@@ -129,29 +138,51 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelArchConfig, max_positions: int) -> None:
+    def __init__(
+        self, config: ModelArchConfig, max_positions: int, layout: TPLayout, group: TPGroup
+    ) -> None:
         super().__init__()
         # Given its (empty) table, it skips its random init: the checkpoint fills it, and
         # normal_ on the meta device (the loader's) imports sympy, seconds per process.
-        table = torch.empty(config.vocab_size, config.hidden_size)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table)
+        rows = layout.vocab_rows  # this rank's share of the vocabulary (all of it at one rank)
+        table = torch.empty(rows, config.hidden_size)
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size, _weight=table)
         # One table for every layer: looked up once per step.
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, layout, group) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layout, self.group = layout, group
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings. Vocab-parallel: each rank looks up the ids in its rows, zeros the
+        others, and the sum over ranks is every row exactly (x + 0 == x)."""
+        if self.group.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.layout.vocab_start
+        outside = (local < 0) | (local >= self.layout.vocab_rows)
+        rows = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.group.all_reduce(rows.masked_fill_(outside.unsqueeze(-1), 0.0))
 
 
 class LlamaForCausalLM(nn.Module):
     """forward() gives hidden states for every scheduled token; compute_logits() only for the
     rows that get sampled (the last token of each request)."""
 
-    def __init__(self, config: ModelArchConfig, max_positions: int) -> None:
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        max_positions: int,
+        layout: TPLayout | None = None,
+        group: TPGroup = SINGLE_RANK,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.layout = layout or TPLayout(config)
+        self.group = group
+        self.model = LlamaModel(config, max_positions, self.layout, group)
+        self.lm_head = nn.Linear(config.hidden_size, self.layout.vocab_rows, bias=False)
         self.tie_weights()
         # Set by the model runner where it applies (CPU, float32, blocked linears).
         self.fused_decode: FusedDecodeStep | None = None
@@ -172,11 +203,15 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         if self.fused_decode is not None and self.fused_decode.applies(metadata):
             return self.fused_decode(input_ids, positions, kv_caches, metadata)
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.model.embed(input_ids)
         rope = self.model.rotary.tables(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope, kv_cache, metadata, backend)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.group.size == 1:
+            return logits
+        # Vocab-parallel: every rank gets every column, the padding rows' columns dropped.
+        return self.group.all_gather(logits)[:, : self.config.vocab_size]

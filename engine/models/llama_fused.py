@@ -39,8 +39,8 @@ class FusedDecodeStep:
     @classmethod
     def build(cls, model: LlamaForCausalLM, backend: AttentionBackend) -> FusedDecodeStep | None:
         """The fused step for `model`, or None where it does not apply."""
-        if not isinstance(backend, CpuBackend):
-            return None
+        if not isinstance(backend, CpuBackend) or model.group.size > 1:
+            return None  # (the C++ step has no all-reduce between its layers' halves)
         table = model.model.embed_tokens  # an nn.Embedding, or the tied head's blocks
         rows = table.packed if isinstance(table, BlockedEmbedding) else table.weight
         if rows.dtype != torch.float32:

@@ -1,5 +1,9 @@
 """Load a checkpoint: a Hugging Face directory (config.json + safetensors, sharded or not) or a
-GGUF file (`gguf_file.py` maps its tensors to the Hugging Face names first)."""
+GGUF file (`gguf_file.py` maps its tensors to the Hugging Face names first).
+
+A tensor-parallel rank reads only its slice of each tensor (`TPLayout.tensor_slice`):
+safetensors reads the slice's bytes, GGUF dequantizes only its rows (and only its columns
+where they start and end on a quantization block)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from torch import nn
 from engine.models.catalog import is_gguf_path
 from engine.models.config import ModelArchConfig
 from engine.models.llama import STACKED_PROJECTIONS, LlamaForCausalLM, StackedLinear
+from engine.parallel.group import SINGLE_RANK, TPGroup
+from engine.parallel.layout import SKIP, TensorSlice, TPLayout
 
 # Buffers some checkpoints carry that the engine recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -51,31 +57,67 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    layout: TPLayout | None = None,
+    group: TPGroup = SINGLE_RANK,
 ) -> LlamaForCausalLM:
-    """Build the model without touching memory (meta device), then fill it from disk."""
+    """Build the model without touching memory (meta device), then fill it from disk (this
+    rank's slice of it, under tensor parallelism)."""
     path = Path(path)
+    layout = layout or TPLayout(config)
     with _default_dtype(dtype), torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = LlamaForCausalLM(config, max_positions, layout, group)
     # Module.to_empty's empty_like runs torch's Python reference on meta tensors, which
     # imports sympy (seconds in every process that loads a model); empty by shape does not.
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
-    _load_weights(model, checkpoint_tensors(path, config), config)
+    _load_weights(model, checkpoint_tensors(path, config, layout), config)
     model.model.rotary.build(device)
     return model.eval()
 
 
-def checkpoint_tensors(path: Path, config: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) for every weight of the checkpoint, one at a time."""
+def checkpoint_tensors(
+    path: Path, config: ModelArchConfig, layout: TPLayout | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) for every weight of the checkpoint, one at a time: this
+    rank's slice of it, where `layout` splits the model."""
+    layout = layout or TPLayout(config)
     if is_gguf_path(path):
         from engine.models.gguf_file import gguf_tensors, open_gguf
 
-        yield from gguf_tensors(open_gguf(path), config, path.name)
+        yield from gguf_tensors(open_gguf(path), config, path.name, layout)
         return
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as shard:
             for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, shard.get_tensor(name)
+                where = layout.tensor_slice(name)
+                if where == SKIP:
+                    continue
+                if where is None:
+                    yield name, shard.get_tensor(name)
+                else:
+                    assert not isinstance(where, str)
+                    yield name, _read_slice(shard.get_slice(name), where)
+
+
+def _read_slice(tensor: object, where: TensorSlice) -> torch.Tensor:
+    """Rows or columns [start, stop) of a safetensors slice handle, read alone; past the
+    tensor's end (the vocabulary's padding) zeros."""
+    dim, start, stop = where
+    length = tensor.get_shape()[dim]  # type: ignore[attr-defined]
+    end = min(stop, length)
+    part = tensor[start:end] if dim == 0 else tensor[:, start:end]  # type: ignore[index]
+    return pad_slice(part, dim, stop - start)
+
+
+def pad_slice(part: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """`part` with zeros after it along `dim` up to `size` (a rank's share of a vocabulary that
+    its size does not divide)."""
+    missing = size - part.shape[dim]
+    if missing <= 0:
+        return part
+    shape = list(part.shape)
+    shape[dim] = missing
+    return torch.cat([part, part.new_zeros(shape)], dim=dim)
 
 
 def _load_weights(

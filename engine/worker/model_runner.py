@@ -24,6 +24,8 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_fused import FusedDecodeStep
 from engine.models.loader import load_model
 from engine.outputs import TokenLogprobs
+from engine.parallel.group import SINGLE_RANK, TPGroup
+from engine.parallel.layout import TPLayout
 from engine.request import SamplingParams
 from engine.sample import LogprobsOutput, Sampler, SamplingMetadata
 from engine.sample.logits_processor import (
@@ -59,10 +61,15 @@ class ModelRunner:
         arch: ModelArchConfig,
         reasoning: ReasoningTokens | None = None,
         tokenizer: Tokenizer | None = None,
+        layout: TPLayout | None = None,
+        group: TPGroup = SINGLE_RANK,
     ) -> None:
         reasoning = reasoning or ReasoningTokens()
         self.config = config
         self.arch = arch
+        # Tensor parallelism: this rank's slice of the model, and its group (engine/parallel/).
+        self.layout = layout or TPLayout(arch)
+        self.group = group
         self.device = torch.device(config.model.device)
         self.dtype = _DTYPES[config.model.dtype]
         sched = config.scheduler
@@ -93,7 +100,9 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.kv_layers: list[torch.Tensor] = []
         # Decode steps on CUDA replay captured graphs (set up with the KV cache).
-        self.use_cuda_graphs = self.device.type == "cuda" and not config.model.enforce_eager
+        self.use_cuda_graphs = (
+            self.device.type == "cuda" and not config.model.enforce_eager and group.size == 1
+        )
         self.graphs: DecodeGraphs | None = None
         self.step_timer: StepTimer | None = None  # bench latency's breakdown
 
@@ -118,7 +127,9 @@ class ModelRunner:
     def _build_model(self, path: str, arch: ModelArchConfig) -> LlamaForCausalLM:
         # +1 position: the token sampled at max_model_len - 1 is never fed back, but the
         # rotary table is indexed by every position the runner may see.
-        model = load_model(path, arch, self.dtype, self.device, self.max_model_len + 1)
+        model = load_model(
+            path, arch, self.dtype, self.device, self.max_model_len + 1, self.layout, self.group
+        )
         if pack_linears(model, self.config.model.linear_backend, self.device):
             warm_up_linears(model, self.config.scheduler.max_num_seqs)
         model.fused_decode = FusedDecodeStep.build(model, self.attn_backend)
@@ -127,7 +138,7 @@ class ModelRunner:
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(
             num_layers=self.arch.num_hidden_layers,
-            num_kv_heads=self.arch.num_key_value_heads,
+            num_kv_heads=self.layout.num_kv_heads,  # this rank's
             head_dim=self.arch.head_dim,
             block_size=self.config.cache.block_size,
             dtype=self.dtype,

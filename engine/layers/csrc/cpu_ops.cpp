@@ -1,8 +1,8 @@
 // The CPU kernel module (one build, cached per machine by engine/layers/cpu_kernels.py):
 // paged decode attention and K/V writes (paged_attention.h), float32 linears over column-blocked
 // weights (blocked_gemm.h), the fused decode step of the Llama family (fused_decode.h), its
-// vectorized SiLU (vec_math.h), KV block checksums (block_checksum.h), and a read-bandwidth
-// probe.
+// vectorized SiLU (vec_math.h), KV block checksums (block_checksum.h), the tensor-parallel
+// ranks' shared-memory collectives (shm_collectives.h), and a read-bandwidth probe.
 
 #include <torch/extension.h>
 
@@ -10,6 +10,7 @@
 #include "blocked_gemm.h"
 #include "fused_decode.h"
 #include "paged_attention.h"
+#include "shm_collectives.h"
 #include "vec_math.h"
 
 namespace {
@@ -92,4 +93,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:], float32", NoGil());
   m.def("stream_sum", &stream_sum, "Sum of a float32 buffer at full read bandwidth",
         pybind11::arg("buffer"), pybind11::arg("streams") = 1, NoGil());
+  m.def("shm_region_bytes", &pdserve::shm::region_bytes, "Bytes of a shared-memory group");
+  m.def("shm_all_reduce", &pdserve::shm::all_reduce, "Sum x over the ranks, in place", NoGil());
+  m.def("shm_all_gather", &pdserve::shm::all_gather, "Columns of every rank, side by side",
+        NoGil());
+  m.def("shm_abort", &pdserve::shm::abort, "Fail every rank waiting in a collective");
 }

@@ -1,0 +1,48 @@
+"""Rank 0's model runner: each step goes to the other ranks before rank 0 runs it too."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from engine.inputs import ReasoningTokens
+from engine.models.config import ModelArchConfig
+from engine.parallel.layout import TPLayout
+from engine.parallel.workers import Followers, Sampled, TensorParallelError
+from engine.tokenizer import Tokenizer
+from engine.worker.model_runner import ModelRunner
+
+
+class Rank0Runner(ModelRunner):
+    def __init__(
+        self,
+        config: EngineConfig,
+        arch: ModelArchConfig,
+        reasoning: ReasoningTokens | None,
+        tokenizer: Tokenizer | None,
+        followers: Followers,
+    ) -> None:
+        layout = TPLayout(arch, 0, followers.size)
+        super().__init__(config, arch, reasoning, tokenizer, layout, followers.group)
+        self.followers = followers
+        self._last_sampled: Sampled | None = None  # what the followers must have sampled too
+
+    def load_model(self) -> None:
+        super().load_model()
+        self.followers.wait_loaded()  # they load theirs meanwhile
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.followers.initialize_kv_cache(num_blocks)
+        super().initialize_kv_cache(num_blocks)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.followers.send_step(so, self._last_sampled)
+        try:
+            output = super().execute_model(so)
+        except BaseException as exc:
+            # The other ranks wait in a collective for this one, or failed first (and said
+            # why: that is the story, not the collective's error here).
+            self.group.abort()
+            reason = self.followers.failure() or f"tensor-parallel rank 0 failed: {exc}"
+            raise TensorParallelError(reason) from exc
+        self._last_sampled = (output.req_ids, output.sampled_token_ids)
+        return output
