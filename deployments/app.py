@@ -168,6 +168,11 @@ class AppConfig:
             config_from_dict("kv_fault_injection", self.kv_fault_injection, KVFaultInjection)
         if "kv_transfer_config" in self.engine_args:
             raise ValueError("engine_args may not set kv_transfer_config: the app builds it")
+        if self.tensor_parallel_size() > 1 and not self.colocated:
+            raise ValueError(
+                "tensor_parallel_size > 1 runs colocated engines only for now "
+                "(colocated=true): KV moves between engines of one rank each"
+            )
         if self.sla_autoscaling is not None:
             if self.prefill_autoscaling or self.decode_autoscaling:
                 raise ValueError(
@@ -186,6 +191,13 @@ class AppConfig:
             # deployment no request: Serve would see no demand to scale it up from zero.
             raise ValueError("prefill_autoscaling.min_replicas must be >= 1")
         self.limits()
+
+    def tensor_parallel_size(self) -> int:
+        """Ranks per engine replica (engine_args' tensor_parallel_size)."""
+        size = self.engine_args.get("tensor_parallel_size", 1)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        return size
 
     def autoscaling(self, role: str) -> dict[str, Any] | None:
         """Serve's autoscaling_config for an engine role ("prefill", "decode", "colocated");
@@ -362,7 +374,20 @@ def _engine_options(
         options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = replicas
+    options.update(_rank_bundles(config))
     return options
+
+
+def _rank_bundles(config: AppConfig) -> dict[str, Any]:
+    """A replica of several tensor-parallel ranks reserves a bundle per rank, all on one node
+    (its ranks are processes it starts there): the replica actor takes the first bundle."""
+    size = config.tensor_parallel_size()
+    if size == 1:
+        return {}
+    bundle = {"CPU": config.num_cpus_per_engine}
+    if config.num_gpus_per_engine:
+        bundle["GPU"] = config.num_gpus_per_engine
+    return {"placement_group_bundles": [bundle] * size, "placement_group_strategy": "STRICT_PACK"}
 
 
 def _coerce(name: str, value: Any, default: Any) -> Any:

@@ -267,6 +267,10 @@ class EngineCore:
         releases); empty without KV transfer."""
         return dict(self.connector.stats) if self.connector is not None else {}
 
+    def rank_pids(self) -> list[int]:
+        """The processes of ranks 1..n-1 (tensor parallelism; none at one rank)."""
+        return self.followers.pids if self.followers is not None else []
+
     def inject_kv_load_failure(self, after: int) -> None:
         """Tests: the next KV load of this engine fails part-way (ValueError if it cannot)."""
         if self.connector is None:

@@ -175,6 +175,10 @@ class EngineServer:
         `probe` only steers the call to this replica (deployments/cluster/health.py)."""
         return {"role": self.role, "replica_id": self.replica_id, **self.engine.stats.health()}
 
+    def rank_pids(self) -> list[int]:
+        """The processes of this replica's other tensor-parallel ranks (none at one rank)."""
+        return self.engine.core.rank_pids()
+
     def check_health(self) -> None:
         """Serve's health probe: a dead engine loop restarts the replica."""
         if self.engine.dead is not None:
@@ -229,7 +233,10 @@ def _place(engine_args: dict[str, Any]) -> CoreClaim | None:
     import ray
 
     num_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
-    return place_engine(num_cpus)[1]
+    # A replica of several ranks holds a bundle per rank (deployments/app.py): it claims the
+    # cores of all of them, and its ranks split them (engine/parallel/workers.py).
+    ranks = int(engine_args.get("tensor_parallel_size", 1))
+    return place_engine(num_cpus * ranks)[1]
 
 
 def _start_kv_publisher(engine: AsyncEngine, role: str) -> KVEventPublisher | None:

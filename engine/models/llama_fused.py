@@ -1,7 +1,8 @@
 """The fused decode step: a whole decode-only step of a Llama-family model in one C++ call.
 
 Used on CPUs for float32 models whose linears are packed in column blocks (`BlockedLinear`) and
-whose attention runs on the CPU kernel: then a step in which every scheduled request decodes
+whose attention runs on the CPU kernel (a tensor-parallel rank too, where its group exchanges
+through shared memory): then a step in which every scheduled request decodes
 one token skips the per-layer Python and torch dispatch (csrc/fused_decode.h says what it
 fuses). Anything else — prefills, chunks, mixed steps, other devices — goes through the
 modules, which stay the reference the fused step is tested against.
@@ -17,6 +18,7 @@ from torch.profiler import record_function
 from engine.layers.attention import AttentionBackend, AttentionMetadata
 from engine.layers.attention.cpu import CpuBackend
 from engine.layers.linear import BlockedEmbedding, BlockedLinear
+from engine.parallel.group import ShmGroup
 
 if TYPE_CHECKING:  # engine.models.llama imports this module
     from engine.models.llama import LlamaForCausalLM
@@ -29,18 +31,23 @@ class FusedDecodeStep:
         self.decoder = kernel.Decoder(
             [_layer_tensors(layer) for layer in model.model.layers],
             model.model.norm.weight.detach(),
-            config.num_attention_heads,
-            config.num_key_value_heads,
+            model.layout.num_heads,
+            model.layout.num_kv_heads,
             config.head_dim,
             config.rms_norm_eps,
         )
         self.scale = config.head_dim**-0.5
+        group = model.group
+        if isinstance(group, ShmGroup):  # a tensor-parallel rank: its heads, its MLP share
+            self.decoder.join(*group.fused_join_args())
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, backend: AttentionBackend) -> FusedDecodeStep | None:
         """The fused step for `model`, or None where it does not apply."""
-        if not isinstance(backend, CpuBackend) or model.group.size > 1:
-            return None  # (the C++ step has no all-reduce between its layers' halves)
+        if not isinstance(backend, CpuBackend):
+            return None
+        if model.group.size > 1 and not isinstance(model.group, ShmGroup):
+            return None  # the C++ step sums the ranks' halves through shared memory only
         table = model.model.embed_tokens  # an nn.Embedding, or the tied head's blocks
         rows = table.packed if isinstance(table, BlockedEmbedding) else table.weight
         if rows.dtype != torch.float32:
@@ -63,11 +70,11 @@ class FusedDecodeStep:
     ) -> torch.Tensor:
         """The final-normed hidden states of this step's tokens, as the modules give them."""
         inner = self.model.model
-        hidden = inner.embed_tokens(input_ids)
+        hidden = inner.embed(input_ids)
         rope = inner.rotary.tables(positions, hidden.dtype)
         rows = hidden.shape[0]
         with record_function("pdserve::fused_decode_step"):  # named in profiler traces
-            return self.decoder.forward(
+            out = self.decoder.forward(
                 hidden,
                 rope.cos.reshape(rows, -1).contiguous(),
                 rope.sin.reshape(rows, -1).contiguous(),
@@ -79,6 +86,9 @@ class FusedDecodeStep:
                 metadata.sliding_window or 0,
                 self.scale,
             )
+        if self.model.group.size > 1:
+            self.model.group.seconds += self.decoder.take_collective_seconds()
+        return out
 
 
 def _linears(layer: Any) -> tuple[Any, Any, Any, Any]:

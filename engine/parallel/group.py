@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,18 +30,33 @@ _STORE_TIMEOUT = datetime.timedelta(seconds=120)  # followers load the model bef
 
 
 class TPGroup(ABC):
-    """This rank's view of its engine's tensor-parallel group."""
+    """This rank's view of its engine's tensor-parallel group. `seconds` is the time this
+    rank spent in collectives (exchanging, and waiting for slower ranks): `pdserve bench tp`
+    reports it as a share of the step."""
 
     rank: int
     size: int
+    seconds: float = 0.0
 
-    @abstractmethod
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x` (x may be overwritten with it)."""
+        start = time.perf_counter()
+        out = self._all_reduce(x.contiguous())
+        self.seconds += time.perf_counter() - start
+        return out
 
-    @abstractmethod
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, cols] from every rank -> [rows, size * cols], rank r's columns at r * cols."""
+        start = time.perf_counter()
+        out = self._all_gather(x.contiguous())
+        self.seconds += time.perf_counter() - start
+        return out
+
+    @abstractmethod
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def abort(self) -> None:  # noqa: B027 - most groups have nothing to wake
         """Fail every rank waiting in a collective (a rank died)."""
@@ -53,9 +69,15 @@ class SingleRank(TPGroup):
     rank, size = 0, 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        return x  # not even timed: every one-rank engine calls this twice a layer
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
 
@@ -109,20 +131,22 @@ class ShmGroup(TPGroup):
     def unlink(self) -> None:
         Path(self.spec.shm_path).unlink(missing_ok=True)
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self._kernel.shm_all_reduce(
             self.region, self.rank, self.size, self.spec.slot_bytes, self._parent, x
         )
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_empty(x.shape[0], self.size * x.shape[1])
         self._kernel.shm_all_gather(
             self.region, self.rank, self.size, self.spec.slot_bytes, self._parent, x, out
         )
         return out
+
+    def fused_join_args(self) -> tuple[torch.Tensor, int, int, int, int]:
+        """What the fused decode step's `join` takes to all-reduce in this group."""
+        return self.region, self.rank, self.size, self.spec.slot_bytes, self._parent
 
     def abort(self) -> None:
         self._kernel.shm_abort(self.region, self.size, self.spec.slot_bytes)
@@ -164,13 +188,11 @@ class TorchGroup(TPGroup):
             "torch", size, os.getpid(), store_port=store.port, device=str(device)
         )
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self._pg.allreduce([x]).wait()
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self._pg.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=1)

@@ -100,6 +100,10 @@ class Followers:
         self._watcher = threading.Thread(target=self._watch, name="pdserve-tp-watch", daemon=True)
         self._watcher.start()
 
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self._procs]
+
     # ------------------------------------------------------------------ set-up
 
     def wait_loaded(self) -> None:
@@ -159,7 +163,9 @@ class Followers:
         rank = sentinels[ready[0]]
         self.failure()
         if self._failure is None:
-            code = self._procs[rank - 1].exitcode
+            process = self._procs[rank - 1]
+            process.join(1.0)  # reaped: its exit code is known
+            code = process.exitcode
             self._failure = f"tensor-parallel rank {rank} exited (code {code})"
         logger.error("%s; the engine stops", self._failure)
         self.group.abort()

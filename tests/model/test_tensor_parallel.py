@@ -51,8 +51,11 @@ def _sharded(llm: LLM, size: int) -> None:
     engine = llm.engine
     assert engine.followers is not None and engine.followers.size == size
     assert all(process.is_alive() for process in engine.followers._procs)
-    attn = engine.runner.model.model.layers[0].self_attn
+    model = engine.runner.model
+    attn = model.model.layers[0].self_attn
     assert attn.num_heads * size == engine.arch.num_attention_heads
+    if engine.runner.device.type == "cpu":  # shared-memory collectives: the fused step too
+        assert model.fused_decode is not None
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
@@ -87,6 +90,7 @@ def test_gloo_collectives_give_the_same_tokens(hf_refs):
     llm = make_llm(ref, tensor_parallel_size=2, tensor_parallel_collectives="torch")
     try:
         assert type(llm.engine.followers.group).__name__ == "TorchGroup"
+        assert llm.engine.runner.model.fused_decode is None  # it sums through shared memory
         assert_same_within(single, _tokens_and_logprobs(llm, prompts()[:4]))
     finally:
         llm.close()
@@ -159,3 +163,21 @@ def _alive(pid: int) -> bool:
     # A zombie (exited, not reaped: its parent is gone, init reaps it) counts as gone.
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().split(") ")[1][0] != "Z"
+
+
+def test_bench_tp_reports_both_engines_side_by_side():
+    import torch
+
+    from pdserve.bench.tp import TPBenchConfig, run
+
+    threads = torch.get_num_threads()
+    config = TPBenchConfig(model="tiny", output_len=4, batch_sizes=(1, 3), repeats=1)
+    report = run(config)
+    assert torch.get_num_threads() == threads  # the split engine's per-rank count undone
+    assert report["collectives"] == "ShmGroup"
+    for size in ("1", "3"):
+        entry = report["batches"][size]
+        assert entry["tp1_decode_tokens_per_s"] > 0 and entry["tp2_decode_tokens_per_s"] > 0
+        ratio = entry["tp2_decode_tokens_per_s"] / entry["tp1_decode_tokens_per_s"]
+        assert entry["tp2_to_tp1"] == pytest.approx(ratio, abs=2e-3)
+        assert 0 < entry["collective_share"] < 1  # the split engine did exchange

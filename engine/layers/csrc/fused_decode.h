@@ -9,6 +9,10 @@
 // residual; buffers are allocated once per step and reused by every layer. The module path
 // (engine/models/llama.py) stays the reference this must agree with (tests/unit/test_fused_decode.py).
 // The linears' weights are packed in column blocks (blocked_gemm.h), shared with the module path.
+//
+// A tensor-parallel rank (`join`) holds its share of the heads and of the MLP: its o and down
+// linears give partial sums, summed over the ranks through shared memory (shm_collectives.h)
+// before the residual is added, as the module path's all-reduce does.
 
 #pragma once
 
@@ -16,11 +20,13 @@
 
 #include <ATen/Parallel.h>
 
+#include <chrono>
 #include <cmath>
 #include <vector>
 
 #include "blocked_gemm.h"
 #include "paged_attention.h"
+#include "shm_collectives.h"
 #include "vec_math.h"
 
 namespace pdserve::fused {
@@ -114,6 +120,7 @@ class Decoder {
     auto attn = torch::empty({rows, heads_, d}, opts);
     auto gate_up = torch::empty({rows, 2 * inner_}, opts);
     auto act = torch::empty({rows, inner_}, opts);
+    auto partial = group_size_ == 1 ? torch::Tensor() : torch::empty({rows, hidden_}, opts);
     float* hp = h.data_ptr<float>();
     float* xp = xn.data_ptr<float>();
     float* qkvp = qkv.data_ptr<float>();
@@ -142,16 +149,28 @@ class Decoder {
       attention::write_kv(kv_caches[l], key, value, slot_block, slot_offset);
       attention::paged_decode_attention(attn, query, kv_caches[l], block_table, seq_lens, window,
                                         scale);
-      blocked::linear_into(attn.data_ptr<float>(), q_width, w.p[kO], hidden_, q_width, w.p[kOBias],
-                           hp, hidden_, hp, hidden_, rows);
+      if (group_size_ == 1) {
+        blocked::linear_into(attn.data_ptr<float>(), q_width, w.p[kO], hidden_, q_width,
+                             w.p[kOBias], hp, hidden_, hp, hidden_, rows);
+      } else {
+        blocked::linear_into(attn.data_ptr<float>(), q_width, w.p[kO], hidden_, q_width,
+                             w.p[kOBias], nullptr, 0, partial.data_ptr<float>(), hidden_, rows);
+        add_reduced(partial, hp);
+      }
       for_rows(rows, [&](int64_t r) {
         rms_norm_rows(hp + r * hidden_, 0, xp + r * hidden_, 0, w.p[kPostNorm], 1, hidden_, eps_);
       });
       blocked::linear_into(xp, hidden_, w.p[kGateUp], 2 * inner_, hidden_, w.p[kGateUpBias],
                            nullptr, 0, gp, 2 * inner_, rows);
       silu_mul(gp, ap, rows);
-      blocked::linear_into(ap, inner_, w.p[kDown], hidden_, inner_, w.p[kDownBias], hp, hidden_, hp,
-                           hidden_, rows);
+      if (group_size_ == 1) {
+        blocked::linear_into(ap, inner_, w.p[kDown], hidden_, inner_, w.p[kDownBias], hp, hidden_,
+                             hp, hidden_, rows);
+      } else {
+        blocked::linear_into(ap, inner_, w.p[kDown], hidden_, inner_, w.p[kDownBias], nullptr, 0,
+                             partial.data_ptr<float>(), hidden_, rows);
+        add_reduced(partial, hp);
+      }
     }
     auto out = torch::empty_like(h);
     rms_norm_rows(hp, hidden_, out.data_ptr<float>(), hidden_, final_norm_.data_ptr<float>(), rows,
@@ -159,7 +178,35 @@ class Decoder {
     return out;
   }
 
+  // Make this decoder a tensor-parallel rank of the shared-memory group in `region`.
+  void join(torch::Tensor region, int64_t rank, int64_t size, int64_t slot_bytes,
+            int64_t parent_pid) {
+    shm::region_of(region, rank, size, slot_bytes, parent_pid);  // checks the geometry
+    region_ = std::move(region);
+    group_rank_ = rank;
+    group_size_ = size;
+    slot_bytes_ = slot_bytes;
+    parent_pid_ = parent_pid;
+  }
+
+  // Seconds spent in all-reduces since the last call (exchanging, and waiting for other ranks).
+  double take_collective_seconds() {
+    const double seconds = collective_s_;
+    collective_s_ = 0;
+    return seconds;
+  }
+
  private:
+  // hp += the sum over the ranks of `partial` (which the sum overwrites).
+  void add_reduced(const torch::Tensor& partial, float* hp) const {
+    const auto start = std::chrono::steady_clock::now();
+    shm::all_reduce(region_, group_rank_, group_size_, slot_bytes_, parent_pid_, partial);
+    collective_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const float* sum = partial.data_ptr<float>();
+    const int64_t n = partial.numel();
+    for (int64_t i = 0; i < n; ++i) hp[i] += sum[i];
+  }
+
   // act[r, i] = silu(gate[r, i]) * up[r, i], gate and up side by side in each row.
   void silu_mul(const float* gate_up, float* act, int64_t rows) const {
     const int64_t n = inner_;
@@ -220,13 +267,18 @@ class Decoder {
   bool qk_norm_ = false;
   std::vector<Layer> layers_;
   std::vector<torch::Tensor> keep_;  // the weights stay alive while their pointers are used
+  torch::Tensor region_;               // tensor parallelism: the group's shared memory
+  int64_t group_rank_ = 0, group_size_ = 1, slot_bytes_ = 0, parent_pid_ = 0;
+  mutable double collective_s_ = 0;
 };
 
 inline void bind(pybind11::module& m) {
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&,
                           torch::Tensor, int64_t, int64_t, int64_t, double>())
-      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("join", &Decoder::join)
+      .def("take_collective_seconds", &Decoder::take_collective_seconds);
 }
 
 }  // namespace pdserve::fused
