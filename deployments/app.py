@@ -49,6 +49,12 @@ class AppConfig:
     """prefill engine replicas (a fixed count; autoscaling replaces it)"""
     decode_replicas: int = 1
     """decode engine replicas (a fixed count; autoscaling replaces it)"""
+    prefill_tensor_parallel_size: int = 0
+    """ranks (processes, each with its cores or GPU) per prefill engine replica; 0: engine_args'
+    tensor_parallel_size, else 1"""
+    decode_tensor_parallel_size: int = 0
+    """ranks per decode (or colocated) engine replica; 0: engine_args' tensor_parallel_size,
+    else 1"""
     prefill_autoscaling: dict[str, Any] | None = None
     """Serve's autoscaling_config for the prefill replicas (JSON), instead of a fixed count"""
     decode_autoscaling: dict[str, Any] | None = None
@@ -168,11 +174,8 @@ class AppConfig:
             config_from_dict("kv_fault_injection", self.kv_fault_injection, KVFaultInjection)
         if "kv_transfer_config" in self.engine_args:
             raise ValueError("engine_args may not set kv_transfer_config: the app builds it")
-        if self.tensor_parallel_size() > 1 and not self.colocated:
-            raise ValueError(
-                "tensor_parallel_size > 1 runs colocated engines only for now "
-                "(colocated=true): KV moves between engines of one rank each"
-            )
+        for role in ("prefill", "decode"):
+            self.tensor_parallel_size(role)
         if self.sla_autoscaling is not None:
             if self.prefill_autoscaling or self.decode_autoscaling:
                 raise ValueError(
@@ -192,12 +195,20 @@ class AppConfig:
             raise ValueError("prefill_autoscaling.min_replicas must be >= 1")
         self.limits()
 
-    def tensor_parallel_size(self) -> int:
-        """Ranks per engine replica (engine_args' tensor_parallel_size)."""
-        size = self.engine_args.get("tensor_parallel_size", 1)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+    def tensor_parallel_size(self, role: str) -> int:
+        """Ranks per engine replica of `role` ("prefill"; "decode" and "colocated" share one):
+        the role's own field, else engine_args' tensor_parallel_size, else 1."""
+        own = self.prefill_tensor_parallel_size
+        if role != "prefill":
+            own = self.decode_tensor_parallel_size
+        size = own or self.engine_args.get("tensor_parallel_size", 1)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or own < 0:
+            raise ValueError(f"{role} tensor_parallel_size must be an integer >= 1, got {size!r}")
         return size
+
+    def role_engine_args(self, engine_args: dict[str, Any], role: str) -> dict[str, Any]:
+        """`engine_args` with the role's tensor_parallel_size."""
+        return {**engine_args, "tensor_parallel_size": self.tensor_parallel_size(role)}
 
     def autoscaling(self, role: str) -> dict[str, Any] | None:
         """Serve's autoscaling_config for an engine role ("prefill", "decode", "colocated");
@@ -310,24 +321,29 @@ def _engines(config: AppConfig, engine_args: dict[str, Any]) -> list[Any]:
     }
     if config.colocated:
         engine = ColocatedDeployment.options(
-            **_engine_options(config, config.autoscaling("colocated"), config.decode_replicas),
+            **_engine_options(
+                config, config.autoscaling("colocated"), config.decode_replicas, "colocated"
+            ),
             **_decode_router(config, "colocated"),
         )
-        return [engine.bind(config.model, engine_args, None, **extras)]
+        colocated_args = config.role_engine_args(engine_args, "colocated")
+        return [engine.bind(config.model, colocated_args, None, **extras)]
     kv = config.kv_transfer_config()
     prefill = PrefillDeployment.options(
-        **_engine_options(config, config.autoscaling("prefill"), config.prefill_replicas),
+        **_engine_options(
+            config, config.autoscaling("prefill"), config.prefill_replicas, "prefill"
+        ),
         # The prefill leg's router also tells the Router when no prefill replica runs (it
         # then goes decode-only at once).
         request_router_config=_request_router(config, "prefill"),
     )
     decode = DecodeDeployment.options(
-        **_engine_options(config, config.autoscaling("decode"), config.decode_replicas),
+        **_engine_options(config, config.autoscaling("decode"), config.decode_replicas, "decode"),
         **_decode_router(config, "decode"),
     )
     return [
-        decode.bind(config.model, engine_args, kv, **extras),
-        prefill.bind(config.model, engine_args, kv, **extras),
+        decode.bind(config.model, config.role_engine_args(engine_args, "decode"), kv, **extras),
+        prefill.bind(config.model, config.role_engine_args(engine_args, "prefill"), kv, **extras),
     ]
 
 
@@ -355,7 +371,7 @@ def _request_router(config: AppConfig, role: str, kv_aware: bool = True) -> dict
 
 
 def _engine_options(
-    config: AppConfig, autoscaling: dict[str, Any] | None, replicas: int
+    config: AppConfig, autoscaling: dict[str, Any] | None, replicas: int, role: str
 ) -> dict[str, Any]:
     options: dict[str, Any] = {
         "max_ongoing_requests": config.max_ongoing_requests,
@@ -374,14 +390,14 @@ def _engine_options(
         options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = replicas
-    options.update(_rank_bundles(config))
+    options.update(_rank_bundles(config, role))
     return options
 
 
-def _rank_bundles(config: AppConfig) -> dict[str, Any]:
+def _rank_bundles(config: AppConfig, role: str) -> dict[str, Any]:
     """A replica of several tensor-parallel ranks reserves a bundle per rank, all on one node
     (its ranks are processes it starts there): the replica actor takes the first bundle."""
-    size = config.tensor_parallel_size()
+    size = config.tensor_parallel_size(role)
     if size == 1:
         return {}
     bundle = {"CPU": config.num_cpus_per_engine}

@@ -127,7 +127,7 @@ class EngineArgs:
             self._speculative_config(arch),
             self._parallel_config(arch),
         )
-        _check_parallel_support(config)
+        _check_parallel_support(config, arch)
         return config, arch
 
     def _parallel_config(self, arch: ModelArchConfig) -> ParallelConfig:
@@ -200,15 +200,24 @@ class EngineArgs:
         return self.max_model_len
 
 
-def _check_parallel_support(config: EngineConfig) -> None:
+def _check_parallel_support(config: EngineConfig, arch: ModelArchConfig) -> None:
     """What tensor parallelism does not combine with yet, refused by name."""
-    if config.parallel.tensor_parallel_size == 1:
+    size = config.parallel.tensor_parallel_size
+    if size == 1:
         return
     if config.kv_transfer is not None:
-        raise ValueError(
-            "kv_transfer_config is not supported with tensor_parallel_size > 1 yet: "
-            "KV moves between engines of one rank each"
-        )
+        # KV moves as whole blocks of every head: the ranks must keep one cache of every
+        # head, which ranks on one CPU host do where none holds a replicated head.
+        if config.model.device != "cpu":
+            raise ValueError(
+                "kv_transfer_config with tensor_parallel_size > 1 needs device cpu for now "
+                "(ranks on GPUs do not share one KV cache)"
+            )
+        if arch.num_key_value_heads % size:
+            raise ValueError(
+                f"kv_transfer_config with tensor_parallel_size={size} needs the model's "
+                f"{arch.num_key_value_heads} KV heads to split evenly between the ranks"
+            )
     if config.speculative is not None and config.speculative.uses_draft_model:
         raise ValueError(
             "speculative method 'draft_model' is not supported with tensor_parallel_size > 1"

@@ -120,6 +120,8 @@ class AsyncEngine:
         self._stats = self.core.stats
         self._ids = itertools.count()
         self._dead: BaseException | None = None
+        # Called on the engine thread once the loop has failed and told every caller.
+        self.on_death: Callable[[BaseException], None] | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         if self.core.connector is not None:
@@ -299,6 +301,8 @@ class AsyncEngine:
             logger.exception("engine loop failed")
             self._dead = exc
             self._fail_everyone(EngineDeadError(f"engine loop failed: {exc}"))
+            if self.on_death is not None:
+                self.on_death(exc)
 
     def _refresh_stats(self) -> None:
         self._stats = self.core.refresh_stats()

@@ -11,6 +11,7 @@ engine can produce and consume KV, and the role only names the replica in stats 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -29,6 +30,7 @@ from deployments.serve_context import replica_name, serve_replica_id
 from deployments.telemetry import Tracing, request_attributes
 from engine.async_engine import AsyncEngine
 from engine.outputs import EngineCoreOutput
+from engine.parallel.workers import TensorParallelError
 from engine.request import RequestTiming
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class EngineServer:
             kv["secret"] = kv_secret(kv.get("secret", ""))
         engine_args = self.role_engine_args(engine_args)
         self.engine = AsyncEngine(model, **engine_args, kv_transfer_config=kv)
+        self.engine.on_death = _exit_when_a_rank_died
         core = self.engine.core
         self.model_name = model
         self.transport = core.kv_transport
@@ -197,6 +200,17 @@ class EngineServer:
             held = getattr(self, part, None)
             if held is not None:
                 getattr(held, stop)()
+
+
+def _exit_when_a_rank_died(failure: BaseException) -> None:
+    """A tensor-parallel rank of this replica died: the replica cannot compute again, so its
+    process ends now, as a SIGKILLed replica's would. Serve sees the actor gone at once (not
+    at its next health check) and replaces it, and the Router moves the requests it was
+    serving (deployments/router/migration.py) instead of sending them back here."""
+    if isinstance(failure, TensorParallelError):
+        logger.error("a tensor-parallel rank of this replica failed (%s): it exits", failure)
+        logging.shutdown()
+        os._exit(1)
 
 
 def _engine_metrics() -> EngineMetrics | None:

@@ -19,8 +19,12 @@ their biases are added by rank 0 only, once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.models.config import ModelArchConfig
+
+if TYPE_CHECKING:  # the router reads GGUF metadata (and this module) without torch
+    import torch
 
 # Where a checkpoint tensor's slice lies for one rank: (dimension, start, stop); `stop` may
 # pass the tensor's end (the vocabulary's padding), the loader then pads with zeros.
@@ -69,6 +73,19 @@ class TPLayout:
     @property
     def vocab_start(self) -> int:
         return self.rank * self.vocab_rows
+
+    @property
+    def can_share_kv_cache(self) -> bool:
+        """Ranks on one host may keep one KV cache of every head, each attending over its own
+        (none of them holds a head another writes: no KV head is replicated)."""
+        return self.size > 1 and self.arch.num_key_value_heads % self.size == 0
+
+    def own_heads(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """This rank's heads of a cache [blocks, layers, 2, block_size, heads, head_dim] that
+        holds every head (a view; the cache itself where it holds only this rank's)."""
+        if kv_cache.shape[4] == self.num_kv_heads:
+            return kv_cache
+        return kv_cache.narrow(4, self.first_kv_head, self.num_kv_heads)
 
     def tensor_slice(self, name: str) -> TensorSlice | str | None:
         """This rank's slice of checkpoint tensor `name` (Hugging Face names); None: all of

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from engine.config import EngineConfig
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.inputs import ReasoningTokens
@@ -9,6 +13,7 @@ from engine.models.config import ModelArchConfig
 from engine.parallel.layout import TPLayout
 from engine.parallel.workers import Followers, Sampled, TensorParallelError
 from engine.tokenizer import Tokenizer
+from engine.worker.kv_cache import create_shared_kv_file, map_shared_kv_cache
 from engine.worker.model_runner import ModelRunner
 
 
@@ -30,9 +35,23 @@ class Rank0Runner(ModelRunner):
         super().load_model()
         self.followers.wait_loaded()  # they load theirs meanwhile
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.followers.initialize_kv_cache(num_blocks)
-        super().initialize_kv_cache(num_blocks)
+    def initialize_kv_cache(self, num_blocks: int, kv_cache: torch.Tensor | None = None) -> None:
+        """Every rank allocates as many blocks. On one CPU host the ranks share one cache of
+        every head, mapped from /dev/shm, each attending over its own heads: what a KV
+        connector on rank 0 registers holds every head, so engines of any tensor-parallel
+        sizes exchange whole blocks as engines of one rank do."""
+        if not self.shares_kv_cache or kv_cache is not None:
+            self.followers.initialize_kv_cache(num_blocks, None)
+            super().initialize_kv_cache(num_blocks, kv_cache)
+            return
+        spec = self.kv_cache_spec()
+        path = create_shared_kv_file(spec, num_blocks)
+        try:
+            shared = map_shared_kv_cache(path, spec, num_blocks)
+            self.followers.initialize_kv_cache(num_blocks, path)  # they have mapped it
+        finally:
+            os.unlink(path)
+        super().initialize_kv_cache(num_blocks, shared)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.followers.send_step(so, self._last_sampled)

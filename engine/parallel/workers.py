@@ -38,6 +38,7 @@ from engine.parallel.group import (
     choose_collectives,
     join_group,
 )
+from engine.worker.kv_cache import map_shared_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +111,11 @@ class Followers:
         """Every follower has built its runner and loaded its slice of the model."""
         self._expect("loaded")
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Rank 0 sized the cache; every rank allocates as many blocks (of its own heads)."""
+    def initialize_kv_cache(self, num_blocks: int, shared_path: str | None) -> None:
+        """Rank 0 sized the cache: every rank allocates as many blocks of its own heads, or
+        maps the cache of every head rank 0 made at `shared_path`."""
         for conn in self._conns:
-            conn.send(num_blocks)
+            conn.send((num_blocks, shared_path))
         self._expect("kv_ready")
 
     def _expect(self, what: str) -> None:
@@ -229,7 +231,11 @@ def follower_main(conn: Connection, args: FollowerArgs) -> None:
         conn.send(("joined", None))
         runner = _build_runner(args, group)
         conn.send(("loaded", None))
-        runner.initialize_kv_cache(conn.recv())
+        num_blocks, shared_path = conn.recv()
+        shared = None
+        if shared_path is not None:
+            shared = map_shared_kv_cache(shared_path, runner.kv_cache_spec(), num_blocks)
+        runner.initialize_kv_cache(num_blocks, shared)
         conn.send(("kv_ready", None))
         _run_steps(conn, runner)
     except (EOFError, BrokenPipeError):

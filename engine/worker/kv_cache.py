@@ -7,6 +7,9 @@ runs of consecutive block ids coalesce into one. Attention reads per-layer strid
 
 from __future__ import annotations
 
+import math
+import os
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +39,25 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
     if device.type == "cpu":
         return zeros_on_huge_pages(shape, spec.dtype)
     return torch.zeros(shape, dtype=spec.dtype, device=device)
+
+
+def create_shared_kv_file(spec: KVCacheSpec, num_blocks: int) -> str:
+    """A zeroed file in /dev/shm the size of a cache of `spec` (the tensor-parallel ranks of
+    one engine on one host map it: one cache, each rank attending over its heads)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(prefix="pdserve-kv-", dir=base)
+    try:
+        os.ftruncate(fd, num_blocks * spec.bytes_per_block)  # reads as zeros until written
+    finally:
+        os.close(fd)
+    return path
+
+
+def map_shared_kv_cache(path: str, spec: KVCacheSpec, num_blocks: int) -> torch.Tensor:
+    """The cache in `path` (create_shared_kv_file's), shared with every process mapping it."""
+    shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    numel = math.prod(shape)
+    return torch.from_file(path, shared=True, size=numel, dtype=spec.dtype).view(shape)
 
 
 def layer_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:

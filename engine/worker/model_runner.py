@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -30,7 +29,6 @@ from engine.request import SamplingParams
 from engine.sample import LogprobsOutput, Sampler, SamplingMetadata
 from engine.sample.logits_processor import (
     LogitsProcessorConfig,
-    LogitsProcessors,
     build_logits_processors,
 )
 from engine.spec_decode.ngram import can_speculate
@@ -39,6 +37,7 @@ from engine.step_timer import StepTimer
 from engine.tokenizer import Tokenizer
 from engine.worker.cuda_graphs import DecodeGraphs, measure_graph_memory
 from engine.worker.draft_model import DraftModelProposer
+from engine.worker.draft_steps import keep_accepted, sample_drafted
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -50,7 +49,6 @@ from engine.worker.kv_cache import (
 )
 from engine.worker.step_inputs import StepPlan, plan_step, prepare_step_inputs
 
-_NO_PROCESSORS = LogitsProcessors()
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -71,6 +69,8 @@ class ModelRunner:
         self.layout = layout or TPLayout(arch)
         self.group = group
         self.device = torch.device(config.model.device)
+        # Ranks on one CPU host share one KV cache of every head (engine/parallel/rank0.py).
+        self.shares_kv_cache = self.layout.can_share_kv_cache and self.device.type == "cpu"
         self.dtype = _DTYPES[config.model.dtype]
         sched = config.scheduler
         self.max_model_len = sched.max_model_len
@@ -138,7 +138,10 @@ class ModelRunner:
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(
             num_layers=self.arch.num_hidden_layers,
-            num_kv_heads=self.layout.num_kv_heads,  # this rank's
+            # Every head where the ranks share the cache, else this rank's.
+            num_kv_heads=self.arch.num_key_value_heads
+            if self.shares_kv_cache
+            else self.layout.num_kv_heads,
             head_dim=self.arch.head_dim,
             block_size=self.config.cache.block_size,
             dtype=self.dtype,
@@ -179,9 +182,12 @@ class ModelRunner:
             device=self.device,
         )
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_cache = allocate_kv_cache(self.kv_cache_spec(), num_blocks, self.device)
-        self.kv_layers = layer_views(self.kv_cache)
+    def initialize_kv_cache(self, num_blocks: int, kv_cache: torch.Tensor | None = None) -> None:
+        """`kv_cache`: one to use (shared by the tensor-parallel ranks) instead of a new one."""
+        if kv_cache is None:
+            kv_cache = allocate_kv_cache(self.kv_cache_spec(), num_blocks, self.device)
+        self.kv_cache = kv_cache  # what a connector registers: blocks of every head it holds
+        self.kv_layers = layer_views(self.layout.own_heads(kv_cache))
         if self.use_cuda_graphs:
             self.graphs = self.build_decode_graphs(self.kv_layers)
         if self.drafter is not None:
@@ -240,7 +246,9 @@ class ModelRunner:
             verification = DraftVerification.build(req_ids, plan.num_scheduled, drafts, self.device)
             all_logits = self.model.compute_logits(hidden[verification.logits_indices])
             logits = all_logits[verification.sampler_rows()]
-            predictions = self._sample_drafted(all_logits, verification, plan)
+            predictions = sample_drafted(
+                self.input_batch, self.sampler, self.generator, all_logits, verification, plan
+            )
         else:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if timer is not None:
@@ -258,7 +266,7 @@ class ModelRunner:
         output = self._sample_and_record(logits, plan)
         if verification is not None:
             assert predictions is not None
-            self._keep_accepted(output, plan, verification, predictions)
+            keep_accepted(self.input_batch, output, plan, verification, predictions)
         if self.drafter is not None:
             output.draft_token_ids = self.drafter.propose(
                 self.input_batch, self._rows_that_speculate(plan, output)
@@ -328,58 +336,6 @@ class ModelRunner:
             row = batch.req_id_to_index[req_id]
             start = int(batch.num_tokens[row])
             batch.token_ids[row, start : start + len(tokens)] = tokens
-
-    def _sample_drafted(
-        self, all_logits: torch.Tensor, verification: DraftVerification, plan: StepPlan
-    ) -> list[int]:
-        """A token at every draft position, sampled as plain decoding would sample it there:
-        the request's params at output position outputs-so-far + j (no processors: requests
-        that have any do not speculate). Indexed by computed-logits row."""
-        rows, js = verification.draft_rows()
-        batch = self.input_batch
-        params, prompts, outputs = [], [], []
-        for request_index, j in zip(
-            np.repeat(np.arange(len(plan.rows)), verification.num_drafts),
-            js.tolist(),
-            strict=True,
-        ):
-            state = batch.states[int(plan.rows[request_index])]
-            assert state is not None
-            params.append(state.sampling_params)
-            prompts.append(state.prompt_token_ids)
-            drafts = verification.drafts[request_index]
-            outputs.append(state.output_token_ids + drafts[:j])
-        metadata = SamplingMetadata.build(
-            params, prompts, outputs, _NO_PROCESSORS, self.device, self.generator
-        )
-        predictions = [0] * all_logits.shape[0]
-        sampled = self.sampler.sample(all_logits[torch.from_numpy(rows)], metadata).tolist()
-        for row, token in zip(rows.tolist(), sampled, strict=True):
-            predictions[row] = token
-        return predictions
-
-    def _keep_accepted(
-        self,
-        output: ModelRunnerOutput,
-        plan: StepPlan,
-        verification: DraftVerification,
-        predictions: list[int],
-    ) -> None:
-        """Extend each verified request's sampled token with its accepted drafts' successors;
-        rejected drafts are not computed tokens."""
-        batch = self.input_batch
-        for i, row in enumerate(plan.rows.tolist()):
-            num_drafts = int(verification.num_drafts[i])
-            if not num_drafts or not output.sampled_token_ids[i]:
-                continue
-            tokens = verification.accepted(i, output.sampled_token_ids[i][0], predictions)
-            for token in tokens[1:]:
-                batch.append_token(row, token)
-            output.sampled_token_ids[i] = tokens
-            batch.num_computed_tokens[row] -= num_drafts - (len(tokens) - 1)
-            state = batch.states[row]
-            assert state is not None
-            state.num_computed_tokens = int(batch.num_computed_tokens[row])
 
     def validate_params(self, params: SamplingParams) -> None:
         """Refuse, at admission, what a logits processor could only fail on mid-step."""

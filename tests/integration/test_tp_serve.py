@@ -1,7 +1,10 @@
 """Tensor-parallel engine replicas on real local Ray Serve: a colocated replica of two ranks
 (a placement-group bundle each) answers as the offline single-rank engine does, greedy and
 seeded; a rank killed mid-stream ends every stream with its output or a clear error, and
-Serve replaces the replica, ranks and all."""
+Serve replaces the replica, ranks and all. Prefill and decode replicas of different sizes,
+both ways (prefill 2 + decode 1 over NIXL, prefill 1 + decode 2 over gRPC), answer the same,
+disaggregated, and hold no block afterwards; a decode rank killed mid-stream moves each
+stream to the prefill replica (migration), which finishes it token for token."""
 
 from __future__ import annotations
 
@@ -15,12 +18,20 @@ import pytest
 from engine.llm import LLM
 from engine.request import SamplingParams
 from pdserve.client import GenerationClient, generate_request
-from tests.integration.serving import AppSettings, ServeCluster, ServedApp, running_replicas
+from tests.integration.serving import (
+    APP_NAME,
+    AppSettings,
+    ServeCluster,
+    ServedApp,
+    running_replicas,
+)
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
 ENGINE_ARGS = {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20}
+PREFILL_2_DECODE_1 = "p2d1"
+PREFILL_1_DECODE_2 = "p1d2"
 SETTINGS = AppSettings(
     app={
         "model": "tiny",
@@ -28,7 +39,16 @@ SETTINGS = AppSettings(
         "engine_args": {**ENGINE_ARGS, "tensor_parallel_size": 2},
         "num_cpus_per_engine": 0.5,
         "max_migrations": 0,  # one replica: a stream whose engine dies fails, clearly
-    }
+    },
+    extra_apps={
+        PREFILL_2_DECODE_1: {"colocated": False, "decode_tensor_parallel_size": 1},
+        PREFILL_1_DECODE_2: {
+            "colocated": False,
+            "prefill_tensor_parallel_size": 1,
+            "transport": "grpc",
+            "max_migrations": 2,
+        },
+    },
 )
 DEPLOYMENT = "EngineServer"  # the colocated deployment
 MAX_TOKENS = 200
@@ -47,12 +67,10 @@ def offline() -> Iterator[LLM]:
     llm.close()
 
 
-def _rank_pids() -> list[int]:
+def _rank_pids(deployment: str = DEPLOYMENT, app: str = APP_NAME) -> list[int]:
     from ray import serve
 
-    from tests.integration.serving import APP_NAME
-
-    handle = serve.get_deployment_handle(DEPLOYMENT, app_name=APP_NAME)
+    handle = serve.get_deployment_handle(deployment, app_name=app)
     return handle.rank_pids.remote().result()
 
 
@@ -107,3 +125,54 @@ def test_a_rank_killed_mid_stream_ends_each_stream_clearly(served: ServedApp) ->
     assert wait_until(lambda: running_replicas(DEPLOYMENT) == 1, 120)
     reply = client.complete(generate_request("After the restart", max_tokens=4))
     assert len(reply.token_ids) == 4
+
+
+def _request(text: str, params: SamplingParams) -> object:
+    return generate_request(
+        text,
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        seed=params.seed,
+        ignore_eos=True,
+    )
+
+
+@pytest.mark.parametrize("app", [PREFILL_2_DECODE_1, PREFILL_1_DECODE_2])
+def test_prefill_and_decode_of_other_sizes_answer_as_one_rank(served, offline, app) -> None:
+    client = served.clients[app]
+    prefill_ranks = 1 + len(_rank_pids("PrefillServer", app))
+    decode_ranks = 1 + len(_rank_pids("DecodeServer", app))
+    assert (prefill_ranks, decode_ranks) == ((2, 1) if app == PREFILL_2_DECODE_1 else (1, 2))
+    for round_, params in enumerate(
+        (
+            SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=16, temperature=0.9, seed=3, ignore_eos=True),
+        )
+    ):
+        # Prompts no engine has seen: a cached one would skip the prefill replica.
+        texts = [f"Disaggregated {app} story {round_}.{i} starts when" for i in range(3)]
+        expected = [list(o.outputs[0].token_ids) for o in offline.generate(texts, params)]
+        for text, tokens in zip(texts, expected, strict=True):
+            reply = client.complete(_request(text, params))
+            assert reply.route == "disaggregated"  # the KV came from the prefill replica
+            assert list(reply.token_ids) == tokens, text
+    assert wait_until(lambda: served.engines_idle(app), 30), "blocks held after the requests"
+
+
+def test_a_decode_rank_killed_mid_stream_migrates_its_streams(served, offline) -> None:
+    client = served.clients[PREFILL_1_DECODE_2]
+    (follower,) = _rank_pids("DecodeServer", PREFILL_1_DECODE_2)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    texts = [f"Migrating story {i}" for i in range(3)]
+    expected = [list(o.outputs[0].token_ids) for o in offline.generate(texts, params)]
+    calls = []
+    for text in texts:
+        call = client.stream(_request(text, params), timeout=120)
+        calls.append(([next(call)], call))  # the decode leg is under way
+    os.kill(follower, signal.SIGKILL)
+    migrations = []
+    for (head, call), tokens in zip(calls, expected, strict=True):
+        chunks = head + list(call)  # a stream that fails would raise: none may
+        assert [t for c in chunks for t in c.token_ids] == tokens
+        migrations.append(chunks[-1].migrations)
+    assert sum(migrations) >= 1, migrations  # the kill reached a stream, which moved

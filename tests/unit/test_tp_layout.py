@@ -85,8 +85,10 @@ def test_sizes_that_do_not_divide_the_model_are_refused(size, words):
 
 
 def test_engine_args_refuse_what_tensor_parallelism_does_not_combine_with_yet():
-    with pytest.raises(ValueError, match="kv_transfer_config is not supported"):
-        EngineArgs(tensor_parallel_size=2, kv_transfer_config={}).create_engine_config()
+    with pytest.raises(ValueError, match="KV heads to split evenly"):  # tiny: 4 KV heads
+        EngineArgs(
+            tensor_parallel_size=8, kv_transfer_config={}, device="cpu"
+        ).create_engine_config()
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
         EngineArgs(tensor_parallel_size=3).create_engine_config()  # tiny: 8 heads
     with pytest.raises(ValueError, match="collectives must be one of"):
