@@ -7,7 +7,9 @@ and threads. Decode speed excludes the prompt: a run of output_len tokens is tim
 first sampled token to its last by the engine's own timestamps (a prefill run timed apart and
 subtracted came out at or below zero on a noisy machine), best of `repeats`, with async
 scheduling on and off in turn on the same engine (the report's figure is the engine's default
-mode's); llama.cpp is timed the same way. The breakdown comes from a run of its own with the
+mode's); llama.cpp is timed the same way. At tensor_parallel_size N the weights and the bound
+are rank 0's share (each rank reads its own with its own threads), and `collective_share` is
+rank 0's time in all-reduce and all-gather. The breakdown comes from a run of its own with the
 engine's StepTimer on (it synchronizes a GPU at each phase); `outside_steps` is the time
 between steps (the offline loop's output processing).
 """
@@ -51,6 +53,8 @@ class LatencyBenchConfig:
     """the prompts' random tokens"""
     device: str = "auto"
     """cpu or cuda (auto: cuda when there is one)"""
+    tensor_parallel_size: int = 1
+    """ranks the engine is split over (each with this process's threads / ranks)"""
     profile_dir: str = ""
     """write a torch profiler trace of single-stream decode here"""
     llamacpp_python: str = ""
@@ -78,6 +82,7 @@ def run(config: LatencyBenchConfig) -> dict[str, Any]:
         seed=config.seed,
         # Off: the timed runs repeat their prompts, and each should do the same work.
         enable_prefix_caching=False,
+        tensor_parallel_size=config.tensor_parallel_size,
     )
     device = torch.device(llm.engine.config.model.device)
     dtype = llm.engine.runner.dtype
@@ -101,9 +106,15 @@ def run(config: LatencyBenchConfig) -> dict[str, Any]:
         "batches": {},
     }
     report["async_scheduling"] = llm.engine.async_scheduling
+    group = llm.engine.runner.group
     for size in config.batch_sizes:
         prompts = _prompts(rng, vocab, config.input_len, size)
-        report["batches"][str(size)] = _batch(llm, prompts, config, bound, device)
+        collective_s, start = group.seconds, time.perf_counter()
+        report["batches"][str(size)] = entry = _batch(llm, prompts, config, bound, device)
+        if group.size > 1:  # rank 0's time in all-reduce / all-gather, over the batch's runs
+            share = (group.seconds - collective_s) / (time.perf_counter() - start)
+            entry["collective_share"] = round(share, 3)
+    llm.close()
     if config.profile_dir:
         report["profile"] = _profile(llm, _prompts(rng, vocab, config.input_len, 1), config)
     return report

@@ -166,6 +166,20 @@ def test_bench_latency_reports_decode_speed_bound_breakdown_and_a_trace(tmp_path
     assert {"pdserve::blocked_linear", "pdserve::fused_decode_step"} <= names
 
 
+def test_bench_latency_at_two_ranks_reports_rank_0s_share_and_collective_time():
+    single = pdserve("bench", "latency", "--model", "tiny", "--output-len", "4", "--repeats", "1",
+                     "--batch-sizes", "1")  # fmt: skip
+    split = pdserve("bench", "latency", "--model", "tiny", "--output-len", "4", "--repeats", "1",
+                    "--batch-sizes", "1", "--tensor-parallel-size", "2")  # fmt: skip
+    assert single.returncode == 0 and split.returncode == 0, split.stderr
+    one, two = json.loads(single.stdout), json.loads(split.stdout)
+    assert two["config"]["tensor_parallel_size"] == 2
+    assert two["weight_bytes"] < one["weight_bytes"]  # rank 0 reads its share
+    assert "collective_share" not in one["batches"]["1"]
+    assert 0 < two["batches"]["1"]["collective_share"] < 1
+    assert two["batches"]["1"]["decode_tokens_per_s"] > 0
+
+
 def test_bench_spec_reports_speedup_acceptance_and_identical_outputs():
     result = pdserve(
         "bench", "spec", "--model", "tiny", "--output-len", "16", "--repeats", "1",
