@@ -98,18 +98,24 @@ def test_a_follow_up_turn_the_decode_replica_holds_skips_the_prefill_leg(servers
         decode.__del__()
 
 
-@pytest.mark.parametrize("min_loan", [32, 0], ids=["loan", "off"])
-def test_a_prefill_engine_borrows_the_prefix_a_decode_engine_holds(servers, offline, min_loan):
+@pytest.mark.parametrize(
+    ("min_loan", "lender_ranks"), [(32, 1), (0, 1), (32, 2)], ids=["loan", "off", "loan-tp2"]
+)
+def test_a_prefill_engine_borrows_the_prefix_a_decode_engine_holds(
+    servers, offline, min_loan, lender_ranks
+):
     """Prefix loans: turn two goes to a prefill engine that never saw turn one. The decode
     engine that wrote turn one's answer holds its prompt and answer; it lends those blocks
     (LendPrefix, under a lease), the prefill engine reads them over the side channel's
     transport and computes only the rest, and the answer is the one offline generation
-    gives. Afterwards no engine holds a block."""
+    gives. Afterwards no engine holds a block. A lender of two tensor-parallel ranks lends
+    blocks of the cache its ranks share (every head)."""
     kv = {"connector": "grpc", "secret": SECRET, "lease_seconds": 30}
-    decode = EngineServer("tiny", ENGINE_ARGS, kv)
+    decode = EngineServer("tiny", {**ENGINE_ARGS, "tensor_parallel_size": lender_ranks}, kv)
     fresh = EngineServer("tiny", ENGINE_ARGS, kv)  # the second turn's prefill engine
     params = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
     try:
+        assert len(decode.rank_pids()) == lender_ranks - 1
         cache = IndexOf({"decode-0": ("decode", decode), "prefill-1": ("prefill", fresh)})
         loans = {"max_local_prefill_tokens": 16, "min_prefix_loan_tokens": min_loan}
         first_flow = make_flow((servers[0], decode), **loans)
