@@ -66,12 +66,14 @@ class AppConfig:
     router_replicas: int = 1
     """router (ingress) replicas"""
     num_cpus_per_engine: float = 1.0
-    """Ray CPUs per engine replica (on CPU nodes, the threads it computes with)"""
+    """Ray CPUs per engine replica, per rank under tensor parallelism (on CPU nodes, the
+    threads each rank computes with)"""
     pin_engine_cores: bool = True
     """on CPU nodes, pin each engine replica's threads to cores no other engine replica holds
     (deployments/replica/core_pinning.py)"""
     num_gpus_per_engine: float = 0.0
-    """GPUs per engine replica (one each on a GPU cluster)"""
+    """GPUs per engine replica, per rank under tensor parallelism (one each on a GPU
+    cluster)"""
     num_cpus_router: float = 0.5
     """Ray CPUs per router replica"""
     max_ongoing_requests: int = 256
@@ -378,7 +380,8 @@ def _engine_options(
         "max_queued_requests": config.max_queued_requests,
         "ray_actor_options": {
             "num_cpus": config.num_cpus_per_engine,
-            "num_gpus": config.num_gpus_per_engine,
+            # Every rank's GPU (the ranks are the replica's processes: _rank_bundles).
+            "num_gpus": config.num_gpus_per_engine * config.tensor_parallel_size(role),
         },
         # Engine start-up loads weights and allocates the KV cache: give it time.
         "health_check_timeout_s": 60,
@@ -396,14 +399,18 @@ def _engine_options(
 
 def _rank_bundles(config: AppConfig, role: str) -> dict[str, Any]:
     """A replica of several tensor-parallel ranks reserves a bundle per rank, all on one node
-    (its ranks are processes it starts there): the replica actor takes the first bundle."""
+    (its ranks are processes it starts there); the replica actor takes the first. GPUs go in
+    the first bundle, all of them: Ray makes the replica's devices visible to it alone, and
+    its ranks (its child processes) compute on them, rank r on the r-th."""
     size = config.tensor_parallel_size(role)
     if size == 1:
         return {}
-    bundle = {"CPU": config.num_cpus_per_engine}
-    if config.num_gpus_per_engine:
-        bundle["GPU"] = config.num_gpus_per_engine
-    return {"placement_group_bundles": [bundle] * size, "placement_group_strategy": "STRICT_PACK"}
+    cpus, gpus = config.num_cpus_per_engine, config.num_gpus_per_engine
+    first = {"CPU": cpus, **({"GPU": gpus * size} if gpus else {})}
+    return {
+        "placement_group_bundles": [first] + [{"CPU": cpus}] * (size - 1),
+        "placement_group_strategy": "STRICT_PACK",
+    }
 
 
 def _coerce(name: str, value: Any, default: Any) -> Any:

@@ -267,6 +267,10 @@ class EngineCore:
         releases); empty without KV transfer."""
         return dict(self.connector.stats) if self.connector is not None else {}
 
+    def tensor_parallel_failure(self) -> str | None:
+        """Why a rank of this engine failed (None: none did, or one rank only)."""
+        return self.followers.failure() if self.followers is not None else None
+
     def rank_pids(self) -> list[int]:
         """The processes of ranks 1..n-1 (tensor parallelism; none at one rank)."""
         return self.followers.pids if self.followers is not None else []

@@ -186,6 +186,10 @@ class EngineServer:
         """Serve's health probe: a dead engine loop restarts the replica."""
         if self.engine.dead is not None:
             raise RuntimeError(f"engine loop has stopped: {self.engine.dead}")
+        # A rank that died while the engine had nothing to do: no step has failed yet.
+        failure = self.engine.core.tensor_parallel_failure()
+        if failure is not None:
+            raise RuntimeError(failure)
 
     def __del__(self) -> None:
         # Serve calls this on a graceful replica shutdown: stop the loop, then the side channel.

@@ -190,15 +190,20 @@ def gguf_tensors(
 
 
 def _dequantize_slice(tensor: Any, name: str, where: TensorSlice) -> torch.Tensor:
-    """Rows [start, stop) of a 2-D tensor dequantized alone (llama.cpp quantizes each row by
-    itself); columns the same where they start and end on a quantization block, else
-    dequantized whole and cut."""
+    """Elements [start, stop) of a bias; rows [start, stop) of a matrix dequantized alone
+    (llama.cpp quantizes each row by itself), its columns the same where they start and end
+    on a quantization block, else dequantized whole and cut."""
     import gguf
     import torch
 
     dim, start, stop = where
     data = tensor.data
-    rows, cols = (int(n) for n in reversed(tensor.shape.tolist()))
+    shape_in = [int(n) for n in reversed(tensor.shape.tolist())]
+    if len(shape_in) == 1:  # a bias: stored as floats, one per row of its matrix
+        stop = min(stop, shape_in[0])
+        values = _dequantize_array(np.ascontiguousarray(data[start:stop]), tensor, name, (-1,))
+        return torch.from_numpy(values)
+    rows, cols = shape_in
     if dim == 0:
         stop = min(stop, rows)
         part, shape = data[start:stop], (stop - start, cols)

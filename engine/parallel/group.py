@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import tempfile
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -26,7 +25,9 @@ from typing import Any
 import torch
 
 _SLOT_BYTES = 4 << 20  # a chunk of a collective; two banks of one slot per rank
-_STORE_TIMEOUT = datetime.timedelta(seconds=120)  # followers load the model before they join
+# How long rank 0 waits for its followers to join (each first imports torch), and gloo for a
+# collective.
+_STORE_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 class TPGroup(ABC):
@@ -97,6 +98,15 @@ class GroupSpec:
     device: str = "cpu"
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """Where rank `rank` computes: the same CPU, or the rank-th GPU after the configured one
+    (a replica of N ranks sees its N GPUs: deployments/app.py reserves them)."""
+    base = torch.device(device)
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
 def choose_collectives(collectives: str, device: torch.device, dtype: torch.dtype) -> str:
     """`auto`: shared memory for float32 on CPUs (what it sums), torch.distributed otherwise."""
     if collectives == "shm" and (device.type != "cpu" or dtype != torch.float32):
@@ -121,10 +131,10 @@ class ShmGroup(TPGroup):
     ) -> tuple[ShmGroup, GroupSpec]:
         """Rank 0's group and the spec its followers join with. The file lives in /dev/shm
         until every rank has mapped it (`unlink`)."""
-        base = "/dev/shm" if Path("/dev/shm").is_dir() else None
-        fd, path = tempfile.mkstemp(prefix="pdserve-tp-", dir=base)
-        os.ftruncate(fd, kernel.shm_region_bytes(size, slot_bytes))
-        os.close(fd)
+        from engine.worker.kv_cache import reserve_shared_file
+
+        nbytes = kernel.shm_region_bytes(size, slot_bytes)
+        path = reserve_shared_file("pdserve-tp-", nbytes, "the collectives' slots")
         spec = GroupSpec("shm", size, os.getpid(), shm_path=path, slot_bytes=slot_bytes)
         return cls(spec, 0, kernel), spec
 

@@ -40,9 +40,10 @@ class Rank0Runner(ModelRunner):
         every head, mapped from /dev/shm, each attending over its own heads: what a KV
         connector on rank 0 registers holds every head, so engines of any tensor-parallel
         sizes exchange whole blocks as engines of one rank do."""
-        if not self.shares_kv_cache or kv_cache is not None:
+        assert kv_cache is None, "rank 0 makes the cache its ranks share"
+        if not self.shares_kv_cache:
             self.followers.initialize_kv_cache(num_blocks, None)
-            super().initialize_kv_cache(num_blocks, kv_cache)
+            super().initialize_kv_cache(num_blocks)
             return
         spec = self.kv_cache_spec()
         path = create_shared_kv_file(spec, num_blocks)
@@ -61,7 +62,7 @@ class Rank0Runner(ModelRunner):
             # The other ranks wait in a collective for this one, or failed first (and said
             # why: that is the story, not the collective's error here).
             self.group.abort()
-            reason = self.followers.failure() or f"tensor-parallel rank 0 failed: {exc}"
+            reason = self.followers.failure(wait_s=1.0) or f"tensor-parallel rank 0 failed: {exc}"
             raise TensorParallelError(reason) from exc
         self._last_sampled = (output.req_ids, output.sampled_token_ids)
         return output

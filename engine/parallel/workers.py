@@ -37,6 +37,7 @@ from engine.parallel.group import (
     TPGroup,
     choose_collectives,
     join_group,
+    rank_device,
 )
 from engine.worker.kv_cache import map_shared_kv_cache
 
@@ -44,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 300.0  # a follower imports torch and loads its slice of the model first
 _CLOSE_TIMEOUT_S = 10.0
+_SPAWN_HINT = (
+    " before joining (a script that builds an engine with tensor_parallel_size > 1 must do so"
+    ' under `if __name__ == "__main__":`: each rank\'s process imports the script again)'
+)
 
 # The previous step's sampled tokens, by request: what every rank must have sampled.
 Sampled = tuple[list[str], list[list[int]]]
@@ -68,21 +73,38 @@ class Followers:
 
     def __init__(self, config: EngineConfig, arch: ModelArchConfig, size: int) -> None:
         self.size = size
+        self.threads = max(1, torch.get_num_threads() // size)
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        self._failure: str | None = None
+        self._closed = False
+        self._lock = threading.Lock()  # the pipes are read from the watcher and the engine
+        self._shm: ShmGroup | None = None
+        try:
+            self.group = self._start(config, arch)
+            self._expect("joined")  # every rank has mapped the region: it may go
+        except BaseException:
+            self.close()
+            raise
+        if self._shm is not None:
+            self._shm.unlink()
+        self._watcher = threading.Thread(target=self._watch, name="pdserve-tp-watch", daemon=True)
+        self._watcher.start()
+
+    def _start(self, config: EngineConfig, arch: ModelArchConfig) -> TPGroup:
+        """Start ranks 1..n-1; rank 0's side of their group."""
         device, dtype = torch.device(config.model.device), _dtype(config.model.dtype)
         kind = choose_collectives(config.parallel.collectives, device, dtype)
-        self.threads = max(1, torch.get_num_threads() // size)
-        ctx = multiprocessing.get_context("spawn")
         store = None
         if kind == "shm":
             from engine.layers import cpu_kernels
 
-            shm, spec = ShmGroup.create(size, cpu_kernels.load())
+            self._shm, spec = ShmGroup.create(self.size, cpu_kernels.load())
         else:
-            store, spec = TorchGroup.host_store(size, device)
-        self._conns: list[Connection] = []
-        self._procs: list[Any] = []
-        cores = _cores_by_rank(size, self.threads)
-        for rank in range(1, size):
+            store, spec = TorchGroup.host_store(self.size, device)
+        ctx = multiprocessing.get_context("spawn")
+        cores = _cores_by_rank(self.size, self.threads)
+        for rank in range(1, self.size):
             ours, theirs = ctx.Pipe()
             args = FollowerArgs(config, arch, spec, rank, self.threads, cores[rank])
             process = ctx.Process(
@@ -92,14 +114,7 @@ class Followers:
             theirs.close()
             self._conns.append(ours)
             self._procs.append(process)
-        self.group: TPGroup = shm if kind == "shm" else TorchGroup(spec, 0, store)
-        self._failure: str | None = None
-        self._closed = False
-        self._expect("joined")  # every rank has mapped the region: it may go from /dev/shm
-        if kind == "shm":
-            shm.unlink()
-        self._watcher = threading.Thread(target=self._watch, name="pdserve-tp-watch", daemon=True)
-        self._watcher.start()
+        return self._shm if self._shm is not None else TorchGroup(spec, 0, store)
 
     @property
     def pids(self) -> list[int]:
@@ -121,11 +136,12 @@ class Followers:
     def _expect(self, what: str) -> None:
         for rank, conn in enumerate(self._conns, start=1):
             if not conn.poll(_JOIN_TIMEOUT_S):
-                raise TensorParallelError(f"tensor-parallel rank {rank} did not start in time")
+                raise TensorParallelError(f"tensor-parallel rank {rank} did not get {what} in time")
             try:
                 kind, detail = conn.recv()
             except EOFError:
-                raise TensorParallelError(f"tensor-parallel rank {rank} exited") from None
+                hint = _SPAWN_HINT if what == "joined" else ""
+                raise TensorParallelError(f"tensor-parallel rank {rank} exited{hint}") from None
             if kind != what:
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed: {detail}")
 
@@ -144,17 +160,20 @@ class Followers:
         except OSError:
             raise TensorParallelError(self.failure() or "a tensor-parallel rank exited") from None
 
-    def failure(self) -> str | None:
-        """Why the group failed, once a rank died or said why (None: it did not)."""
-        for rank, conn in enumerate(self._conns, start=1):
-            try:
-                if self._failure is None and conn.poll():
-                    kind, detail = conn.recv()
-                    if kind == "error":
-                        self._failure = f"tensor-parallel rank {rank} failed: {detail}"
-            except (EOFError, OSError):
-                continue
-        return self._failure
+    def failure(self, wait_s: float = 0.0) -> str | None:
+        """Why the group failed, once a rank died or said why (None: it did not). `wait_s`:
+        how long to wait for a rank's reason (rank 0 woke from an aborted collective: the
+        rank that aborted it sends why just before)."""
+        with self._lock:
+            for rank, conn in enumerate(self._conns, start=1):
+                try:
+                    if self._failure is None and conn.poll(wait_s):
+                        kind, detail = conn.recv()
+                        if kind == "error":
+                            self._failure = f"tensor-parallel rank {rank} failed: {detail}"
+                except (EOFError, OSError):
+                    continue
+            return self._failure
 
     def _watch(self) -> None:
         """A follower that exits while the engine runs fails every rank's collectives."""
@@ -163,19 +182,20 @@ class Followers:
         if self._closed:
             return
         rank = sentinels[ready[0]]
-        self.failure()
-        if self._failure is None:
-            process = self._procs[rank - 1]
-            process.join(1.0)  # reaped: its exit code is known
-            code = process.exitcode
-            self._failure = f"tensor-parallel rank {rank} exited (code {code})"
-        logger.error("%s; the engine stops", self._failure)
+        process = self._procs[rank - 1]
+        process.join(1.0)  # reaped: its exit code is known
+        reason = self.failure() or f"tensor-parallel rank {rank} exited (code {process.exitcode})"
+        with self._lock:
+            self._failure = reason
+        logger.error("%s; the engine stops", reason)
         self.group.abort()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._shm is not None:
+            self._shm.unlink()  # gone already once every rank joined
         for conn in self._conns:
             with contextlib.suppress(OSError):
                 conn.send_bytes(b"")  # the follower's loop ends
@@ -186,7 +206,8 @@ class Followers:
                 process.join(_CLOSE_TIMEOUT_S)
         for conn in self._conns:
             conn.close()
-        self.group.close()
+        if hasattr(self, "group"):
+            self.group.close()
 
 
 def start_followers(config: EngineConfig, arch: ModelArchConfig) -> Followers | None:
@@ -227,6 +248,9 @@ def follower_main(conn: Connection, args: FollowerArgs) -> None:
         os.sched_setaffinity(0, args.cores)
     group: TPGroup | None = None
     try:
+        device = rank_device(args.config.model.device, args.rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL binds the group to the current device
         group = join_group(args.spec, args.rank)
         conn.send(("joined", None))
         runner = _build_runner(args, group)
@@ -242,10 +266,10 @@ def follower_main(conn: Connection, args: FollowerArgs) -> None:
         pass  # rank 0 is gone: nothing to report to
     except BaseException as exc:  # reported to rank 0, which fails the engine
         logger.exception("tensor-parallel rank %d failed", args.rank)
+        with contextlib.suppress(OSError):
+            conn.send(("error", _one_line(exc)))  # first: rank 0 reads it once woken
         if group is not None:
             group.abort()
-        with contextlib.suppress(OSError):
-            conn.send(("error", _one_line(exc)))
         raise SystemExit(1) from None
 
 

@@ -44,10 +44,23 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
 def create_shared_kv_file(spec: KVCacheSpec, num_blocks: int) -> str:
     """A zeroed file in /dev/shm the size of a cache of `spec` (the tensor-parallel ranks of
     one engine on one host map it: one cache, each rank attending over its heads)."""
+    return reserve_shared_file("pdserve-kv-", num_blocks * spec.bytes_per_block, "the KV cache")
+
+
+def reserve_shared_file(prefix: str, nbytes: int, what: str) -> str:
+    """A zeroed file of `nbytes` in /dev/shm, its pages reserved now: a sparse file on a full
+    tmpfs would kill the first process to touch a missing page (SIGBUS) mid-step."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    fd, path = tempfile.mkstemp(prefix="pdserve-kv-", dir=base)
+    fd, path = tempfile.mkstemp(prefix=prefix, dir=base)
     try:
-        os.ftruncate(fd, num_blocks * spec.bytes_per_block)  # reads as zeros until written
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        os.unlink(path)
+        raise ValueError(
+            f"no room in {base or tempfile.gettempdir()} for {what} the tensor-parallel ranks "
+            f"share ({nbytes / 2**20:.0f} MiB): {exc.strerror}; give the container a larger "
+            "/dev/shm (Kubernetes: an emptyDir of medium Memory) or a smaller KV cache"
+        ) from None
     finally:
         os.close(fd)
     return path

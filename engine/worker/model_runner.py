@@ -23,7 +23,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_fused import FusedDecodeStep
 from engine.models.loader import load_model
 from engine.outputs import TokenLogprobs
-from engine.parallel.group import SINGLE_RANK, TPGroup
+from engine.parallel.group import SINGLE_RANK, TPGroup, rank_device
 from engine.parallel.layout import TPLayout
 from engine.request import SamplingParams
 from engine.sample import LogprobsOutput, Sampler, SamplingMetadata
@@ -68,7 +68,7 @@ class ModelRunner:
         # Tensor parallelism: this rank's slice of the model, and its group (engine/parallel/).
         self.layout = layout or TPLayout(arch)
         self.group = group
-        self.device = torch.device(config.model.device)
+        self.device = rank_device(config.model.device, self.layout.rank)
         # Ranks on one CPU host share one KV cache of every head (engine/parallel/rank0.py).
         self.shares_kv_cache = self.layout.can_share_kv_cache and self.device.type == "cpu"
         self.dtype = _DTYPES[config.model.dtype]

@@ -84,6 +84,13 @@ def run(config: LatencyBenchConfig) -> dict[str, Any]:
         enable_prefix_caching=False,
         tensor_parallel_size=config.tensor_parallel_size,
     )
+    try:
+        return _report(llm, config)
+    finally:
+        llm.close()  # a split engine's ranks end with it
+
+
+def _report(llm: Any, config: LatencyBenchConfig) -> dict[str, Any]:
     device = torch.device(llm.engine.config.model.device)
     dtype = llm.engine.runner.dtype
     model = llm.engine.runner.model
@@ -114,7 +121,6 @@ def run(config: LatencyBenchConfig) -> dict[str, Any]:
         if group.size > 1:  # rank 0's time in all-reduce / all-gather, over the batch's runs
             share = (group.seconds - collective_s) / (time.perf_counter() - start)
             entry["collective_share"] = round(share, 3)
-    llm.close()
     if config.profile_dir:
         report["profile"] = _profile(llm, _prompts(rng, vocab, config.input_len, 1), config)
     return report

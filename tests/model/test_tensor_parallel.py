@@ -71,6 +71,20 @@ def test_tp2_matches_transformers_and_tp1(hf_refs, arch):
         llm.close()
 
 
+def test_torch_attention_reads_its_heads_of_the_shared_cache(hf_refs):
+    # The reference backend gathers slots by the cache's strides: a rank's view of its heads
+    # of a cache of every head must read its own heads, not its neighbour's.
+    ref = hf_refs["llama_gqa"]
+    llm = make_llm(ref, tensor_parallel_size=2, attention_backend="torch")
+    try:
+        runner = llm.engine.runner
+        assert runner.kv_cache.shape[4] == 2 and runner.kv_layers[0].shape[3] == 1
+        assert type(runner.attn_backend).__name__ == "TorchReferenceBackend"
+        check_against_hf(ref, llm, prompts())
+    finally:
+        llm.close()
+
+
 def test_kv_heads_replicate_when_ranks_outnumber_them(hf_refs):
     # 4 q heads, 2 KV heads, 4 ranks: each rank one q head and the KV head it reads.
     ref = hf_refs["llama_gqa"]
@@ -129,6 +143,18 @@ def test_a_rank_that_dies_fails_the_step_with_its_name(hf_refs):
                 engine.step()
     finally:
         engine.close()
+
+
+def test_a_rank_that_dies_while_the_engine_is_idle_is_reported(hf_refs):
+    # No step fails (nothing runs); the watcher still learns of it: Serve's health check asks.
+    llm = make_llm(hf_refs["llama_gqa"], tensor_parallel_size=2)
+    try:
+        assert llm.engine.tensor_parallel_failure() is None
+        llm.engine.followers._procs[0].kill()
+        assert wait_until(lambda: llm.engine.tensor_parallel_failure() is not None, 10)
+        assert "rank 1 exited" in llm.engine.tensor_parallel_failure()
+    finally:
+        llm.close()
 
 
 def test_a_rank_whose_engine_is_gone_exits(hf_refs, tmp_path):

@@ -67,3 +67,11 @@ def test_gguf_slices_are_dequantized_alone(hf_refs, tmp_path, monkeypatch, tenso
     assert per_rank  # _check_slices' reference loads did read whole tensors (the hook works)
     # 4 ranks: o_proj's 16 columns cut a quantization block: dequantized whole, then cut.
     _check_slices(gguf_path, arch, 4)
+
+
+def test_gguf_biases_are_sliced_with_their_rows(hf_refs, tmp_path):
+    # Qwen2: q, k and v carry biases (1-D tensors), split like their matrices' rows.
+    gguf_path = write_gguf(Path(hf_refs["qwen2_bias"].path), tmp_path / "q.gguf", "Q8_0")
+    arch = ModelArchConfig.from_pretrained(gguf_path)
+    assert arch.qkv_bias
+    _check_slices(gguf_path, arch, 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.worker.host_memory import (
@@ -55,3 +56,21 @@ def test_buffers_start_on_a_huge_page_boundary_and_outlive_nothing_they_need():
 def test_zeros_on_huge_pages_matches_torch_zeros():
     tensor = zeros_on_huge_pages((5, HUGE_PAGE_BYTES // 4), torch.float32)
     assert torch.equal(tensor, torch.zeros(5, HUGE_PAGE_BYTES // 4))
+
+
+def test_a_shared_file_that_does_not_fit_is_refused_by_name(monkeypatch):
+    # tmpfs full (a container's 64 MiB /dev/shm): refused at start-up, not a SIGBUS mid-step.
+    import errno
+    import os
+
+    from engine.worker import kv_cache
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(kv_cache.os, "posix_fallocate", full)
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    with pytest.raises(ValueError, match=r"no room in .* for the KV cache .*1024 MiB"):
+        kv_cache.reserve_shared_file("pdserve-test-", 1 << 30, "the KV cache")
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert after == before  # the file made for it is gone

@@ -31,20 +31,23 @@ def gather_slots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the given slots ([B, S] blocks and offsets) as [B, S, Hkv, D] each.
 
-    One `index_select` over the cache seen as rows of Hkv * D values is several times faster
-    than advanced indexing. The rows of this layer follow from the view's strides, so any
-    layout in which a slot's (Hkv, D) values are contiguous works.
+    One `index_select` over the cache seen as rows of one slot's values is several times
+    faster than advanced indexing. The rows of this layer follow from the view's strides, so
+    any layout in which a slot's (Hkv, D) values are contiguous works — a tensor-parallel
+    rank's view of its heads of a cache of every head too (a slot's row is then every head,
+    of which this view's are a contiguous part).
     """
     heads, dim = kv_cache.shape[-2:]
-    row = heads * dim
-    storage_rows = kv_cache.untyped_storage().nbytes() // (kv_cache.element_size() * row)
-    flat = kv_cache.as_strided((storage_rows, row), (row, 1), 0)
-    first_row = kv_cache.storage_offset() // row
-    block_stride, kv_stride = kv_cache.stride(0) // row, kv_cache.stride(1) // row
+    token = kv_cache.stride(2)  # elements from a slot's values to the next slot's
+    storage_rows = kv_cache.untyped_storage().nbytes() // (kv_cache.element_size() * token)
+    flat = kv_cache.as_strided((storage_rows, token), (token, 1), 0)
+    first_row, head_offset = divmod(int(kv_cache.storage_offset()), token)
+    block_stride, kv_stride = kv_cache.stride(0) // token, kv_cache.stride(1) // token
     rows = (slot_block * block_stride + slot_offset + first_row).reshape(-1)
     shape = (*slot_block.shape, heads, dim)
-    keys = flat.index_select(0, rows).view(shape)
-    values = flat.index_select(0, rows + kv_stride).view(shape)
+    columns = slice(head_offset, head_offset + heads * dim)
+    keys = flat.index_select(0, rows)[:, columns].reshape(shape)
+    values = flat.index_select(0, rows + kv_stride)[:, columns].reshape(shape)
     return keys, values
 
 

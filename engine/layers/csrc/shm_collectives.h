@@ -1,5 +1,6 @@
 // All-reduce and all-gather between the tensor-parallel ranks of one engine, which are
-// processes on one host, through a shared memory region (engine/parallel/shm_group.py maps it).
+// processes on one host, through a shared memory region (engine/parallel/group.py's ShmGroup
+// maps it).
 //
 // Why not gloo: on the 2-core CI machine a gloo all-reduce of one decode step's hidden states
 // takes 0.7-1.5 ms (its I/O threads wake through the kernel), and a step makes two per layer.
