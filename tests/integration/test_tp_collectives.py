@@ -1,6 +1,7 @@
 """The tensor-parallel ranks' shared-memory collectives between real processes: sums and
-gathers across slot-sized chunks, the same bits on every rank, and a waiting rank woken with
-an error when the group is aborted."""
+gathers across slot-sized chunks, the same bits on every rank; ranks that disagree on a
+collective fail instead of mixing unrelated numbers; a waiting rank woken with an error when
+the group is aborted."""
 
 from __future__ import annotations
 
@@ -51,6 +52,31 @@ def test_shm_all_reduce_and_all_gather_agree_bit_for_bit_across_processes():
     finally:
         group.close()
         follower.kill()
+
+
+def _gathering_follower(spec: GroupSpec, conn) -> None:
+    group = join_group(spec, 1)
+    try:
+        group.all_gather(torch.ones(4, 4))  # 64 bytes, as rank 0's all-reduce of 16 floats
+        conn.send("no error")
+    except RuntimeError as exc:
+        conn.send(str(exc))
+
+
+def test_ranks_in_different_collectives_fail_rather_than_mix_numbers():
+    group, spec = ShmGroup.create(2, cpu_kernels.load(), SLOT_BYTES)
+    context = peer_context()
+    ours, theirs = context.Pipe()
+    follower = context.Process(target=_gathering_follower, args=(spec, theirs))
+    follower.start()
+    try:
+        with pytest.raises(RuntimeError, match="out of step"):
+            group.all_reduce(torch.ones(16))
+        assert ours.poll(30)
+        assert "out of step" in ours.recv()
+    finally:
+        follower.join(30)
+        group.close()
 
 
 def test_an_aborted_group_wakes_a_waiting_rank_with_an_error():

@@ -11,9 +11,11 @@
 // the ranks sample from identical logits (engine/parallel/workers.py checks they agree).
 //
 // Region layout (bytes): one 64-byte line per rank for its published sequence number, one
-// line for the abort flag, then two banks of n slots of `slot_bytes` each. Collective number s
-// uses bank s % 2: a rank writes bank s % 2 again only at s + 2, after every rank published
-// s + 1, which each does only after it finished reading collective s.
+// line for the abort flag, two banks of one line per rank for the signature of what it
+// published (the collective and its size), then two banks of n slots of `slot_bytes` each.
+// Collective number s uses bank s % 2: a rank writes bank s % 2 again only at s + 2, after
+// every rank published s + 1, which each does only after it finished reading collective s.
+// Ranks that disagree on a collective (a bug that would sum unrelated numbers) fail loudly.
 
 #pragma once
 
@@ -43,13 +45,22 @@ struct Region {
   std::atomic<uint64_t>* abort_flag() const {
     return reinterpret_cast<std::atomic<uint64_t>*>(base + size * kLine);
   }
+  uint64_t* signature(uint64_t seq, int64_t r) const {
+    return reinterpret_cast<uint64_t*>(base + (size + 1 + (seq & 1) * size + r) * kLine);
+  }
   uint8_t* slot(uint64_t seq, int64_t r) const {
-    return base + (size + 1) * kLine + ((seq & 1) * size + r) * slot_bytes;
+    return base + (3 * size + 1) * kLine + ((seq & 1) * size + r) * slot_bytes;
   }
 };
 
 inline int64_t region_bytes(int64_t size, int64_t slot_bytes) {
-  return (size + 1) * kLine + 2 * size * slot_bytes;
+  return (3 * size + 1) * kLine + 2 * size * slot_bytes;
+}
+
+// What a rank publishes with a sequence number: which collective, and how many bytes.
+enum Op : uint64_t { kAllReduce = 1, kAllGather = 2 };
+inline uint64_t signature_of(Op op, int64_t bytes) {
+  return (static_cast<uint64_t>(op) << 56) | static_cast<uint64_t>(bytes);
 }
 
 inline Region region_of(const torch::Tensor& region, int64_t rank, int64_t size,
@@ -65,7 +76,8 @@ inline Region region_of(const torch::Tensor& region, int64_t rank, int64_t size,
 // Publish `seq` for this rank and wait until every rank has. Spins (a step's collectives come
 // microseconds apart), then yields the core; every ~1 ms of waiting it checks the abort flag
 // (a rank died: the engine process sets it) and, in a follower, that its engine still runs.
-inline void publish_and_wait(const Region& g, uint64_t seq) {
+inline void publish_and_wait(const Region& g, uint64_t seq, uint64_t signature) {
+  *g.signature(seq, g.rank) = signature;  // ordered before the sequence number (release)
   g.published(g.rank)->store(seq, std::memory_order_release);
   auto last_check = std::chrono::steady_clock::now();
   for (int64_t r = 0; r < g.size; ++r) {
@@ -86,6 +98,8 @@ inline void publish_and_wait(const Region& g, uint64_t seq) {
       TORCH_CHECK(g.parent_pid == 0 || getppid() == g.parent_pid,
                   "the engine process of this tensor-parallel rank is gone");
     }
+    TORCH_CHECK(*g.signature(seq, r) == signature, "tensor-parallel rank ", r,
+                " is in another collective than rank ", g.rank, ": the ranks are out of step");
   }
 }
 
@@ -104,7 +118,7 @@ inline void all_reduce(const torch::Tensor& region, int64_t rank, int64_t size,
     const int64_t n = std::min(chunk, x.numel() - start);
     const uint64_t seq = next_seq(g);
     std::memcpy(g.slot(seq, rank), data + start, n * sizeof(float));
-    publish_and_wait(g, seq);
+    publish_and_wait(g, seq, signature_of(kAllReduce, n * sizeof(float)));
     at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
       float* out = data + start;
       const float* first = reinterpret_cast<const float*>(g.slot(seq, 0));
@@ -136,7 +150,7 @@ inline void all_gather(const torch::Tensor& region, int64_t rank, int64_t size,
     const int64_t rows = std::min(rows_per_chunk, local.size(0) - start);
     const uint64_t seq = next_seq(g);
     std::memcpy(g.slot(seq, rank), src + start * row_bytes, rows * row_bytes);
-    publish_and_wait(g, seq);
+    publish_and_wait(g, seq, signature_of(kAllGather, rows * row_bytes));
     for (int64_t r = 0; r < size; ++r) {
       const uint8_t* part = g.slot(seq, r);
       for (int64_t row = 0; row < rows; ++row)
