@@ -60,6 +60,7 @@ def run(config: TPBenchConfig) -> dict[str, Any]:
     from engine.llm import LLM
 
     model = config.model or str(_default_model())
+    shown = config.model or f"random weights in {DEFAULT_SHAPE}'s shape"
     threads = torch.get_num_threads()
     args = dict(
         max_model_len=config.input_len + config.output_len,
@@ -77,7 +78,7 @@ def run(config: TPBenchConfig) -> dict[str, Any]:
     )
     engines = {1: (single, threads), config.tensor_parallel_size: (split, torch.get_num_threads())}
     try:
-        return _measure(config, model, threads, engines)
+        return _measure(config, shown, threads, engines)
     finally:
         torch.set_num_threads(threads)
         split.close()

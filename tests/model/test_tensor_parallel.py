@@ -46,6 +46,32 @@ def assert_same_within(reference: list, sharded: list, tolerance: float = 1e-4) 
             assert len(set(ids) ^ set(ref_ids)) <= 2
 
 
+def _logits_of(llm: LLM, prompt_list: list[list[int]]) -> list:
+    """Every step's logits, as rank 0's sampler gets them (gathered over the ranks)."""
+    model = llm.engine.runner.model
+    seen: list = []
+    compute = model.compute_logits
+
+    def recording(hidden):
+        logits = compute(hidden)
+        seen.append(logits.clone())
+        return logits
+
+    model.compute_logits = recording
+    try:
+        llm.generate(prompt_list, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    finally:
+        del model.compute_logits
+    return seen
+
+
+def assert_logits_within(reference: list, sharded: list, tolerance: float = 1e-4) -> None:
+    assert len(reference) == len(sharded)  # the same steps: the same batches
+    for ref, got in zip(reference, sharded, strict=True):
+        assert ref.shape == got.shape
+        assert float((ref - got).abs().max()) <= tolerance
+
+
 def _sharded(llm: LLM, size: int) -> None:
     """The engine did split: followers run, and rank 0 holds 1/size of the q heads."""
     engine = llm.engine
@@ -61,12 +87,15 @@ def _sharded(llm: LLM, size: int) -> None:
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_tp2_matches_transformers_and_tp1(hf_refs, arch):
     ref = hf_refs[arch]
-    single = _tokens_and_logprobs(make_llm(ref), prompts())
+    one = make_llm(ref)
+    single, single_logits = _tokens_and_logprobs(one, prompts()), _logits_of(one, prompts())
+    one.close()
     llm = make_llm(ref, tensor_parallel_size=2)
     try:
         _sharded(llm, 2)
         check_against_hf(ref, llm, prompts())
         assert_same_within(single, _tokens_and_logprobs(llm, prompts()))
+        assert_logits_within(single_logits, _logits_of(llm, prompts()))
     finally:
         llm.close()
 
@@ -115,13 +144,14 @@ def test_smollm2_at_three_ranks_matches_one(engine_device):
     texts = ("The capital of France is", "def fibonacci(n):\n", "Once upon a time")
     one = LLM(path, max_model_len=128, **engine_device)
     prompt_list = [one.tokenizer.encode(text) for text in texts]
-    single = _tokens_and_logprobs(one, prompt_list)
+    single, single_logits = _tokens_and_logprobs(one, prompt_list), _logits_of(one, prompt_list)
     one.close()
     three = LLM(path, max_model_len=128, tensor_parallel_size=3, **engine_device)
     try:
         _sharded(three, 3)
         assert three.engine.runner.layout.num_kv_heads == 1  # 3 KV heads over 3 ranks
         assert_same_within(single, _tokens_and_logprobs(three, prompt_list))
+        assert_logits_within(single_logits, _logits_of(three, prompt_list))
     finally:
         three.close()
 
