@@ -54,7 +54,7 @@ class EngineCore:
                 self.followers.close()
             raise
         # As of the last step (engine/stats.py): shipped with its outputs, read by anyone.
-        self.stats: EngineStats = self.scheduler.make_stats()
+        self.stats: EngineStats = self._make_stats()
 
     def _build(
         self,
@@ -151,8 +151,17 @@ class EngineCore:
 
     def refresh_stats(self) -> EngineStats:
         """The statistics again, where something happened between steps (engine thread)."""
-        self.stats = self.scheduler.make_stats()
+        self.stats = self._make_stats()
         return self.stats
+
+    def _make_stats(self) -> EngineStats:
+        stats = self.scheduler.make_stats()
+        group = self.runner.group
+        if group.size == 1:
+            return stats
+        return replace(
+            stats, tensor_parallel_size=group.size, tp_collective_us=int(group.seconds * 1e6)
+        )
 
     def _step(self) -> list[EngineCoreOutput]:
         timer = self.runner.step_timer

@@ -44,6 +44,10 @@ class EngineStats:
     # The KV connector's counters (KVConnectorBase.stats: loads, blocks read and verified,
     # checksum failures...); empty without KV transfer.
     kv_transfer: dict[str, int] = field(default_factory=dict)
+    tensor_parallel_size: int = 1
+    # Counter: rank 0's time in all-reduce and all-gather (exchanging, and waiting for the
+    # slower ranks), microseconds; 0 at one rank.
+    tp_collective_us: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -69,6 +73,8 @@ class EngineStats:
             "num_waiting": self.num_waiting,
             "num_held_requests": self.num_held_requests,
             "kv_cache_usage": self.kv_cache_usage,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "tp_collective_seconds": self.tp_collective_us / 1e6,
             "kv_checksum_failures": self.kv_transfer.get("checksum_failures", 0),
             "kv_faults_injected": self.kv_transfer.get("faults_injected", 0),
             **{f"kv_{name}": self.kv_transfer.get(name, 0) for name in _KV_HEALTH},

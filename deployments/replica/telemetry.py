@@ -90,6 +90,19 @@ def _record_kv_transfer(
     span.end(end_time=_ns(timing.kv_load_end))
 
 
+def _spec_decode_counters() -> dict[str, Any]:
+    from ray.util import metrics
+
+    return {
+        field: metrics.Counter(f"pdserve_spec_decode_{field}", help_text)
+        for field, help_text in (
+            ("num_drafts", "Verification steps of requests with drafts"),
+            ("num_draft_tokens", "Draft tokens verified"),
+            ("num_accepted_tokens", "Draft tokens accepted"),
+        )
+    }
+
+
 def _kv_check_counters() -> dict[str, Any]:
     """What the reader's checks found in the KV it read (connector/checksums.py), by the
     connector counter each follows: blocks that matched their producer's checksum, blocks that
@@ -172,16 +185,14 @@ class EngineMetrics:
         )
         # Speculative decoding (vLLM's spec_decode counters): acceptance rate = accepted / draft
         # tokens, mean accepted length = 1 + accepted / drafts.
-        self.spec_counters = {
-            field: metrics.Counter(f"pdserve_spec_decode_{field}", help_text)
-            for field, help_text in (
-                ("num_drafts", "Verification steps of requests with drafts"),
-                ("num_draft_tokens", "Draft tokens verified"),
-                ("num_accepted_tokens", "Draft tokens accepted"),
-            )
-        }
+        self.spec_counters = _spec_decode_counters()
         self.spec_acceptance = metrics.Gauge(
             "pdserve_spec_decode_acceptance_rate", "Accepted / draft tokens since the engine began"
+        )
+        self.tp_collective_seconds = metrics.Counter(
+            "pdserve_tp_collective_seconds",
+            "Rank 0's time in tensor-parallel all-reduce and all-gather (exchanging, and "
+            "waiting for the slower ranks)",
         )
         self._seen: EngineStats | None = None  # the last sample's reading
 
@@ -220,6 +231,8 @@ class EngineMetrics:
         for side in ("produced", "verified"):
             if (micros := kv_delta(f"checksum_us_{side}")) > 0:
                 self.kv_checksum_seconds.inc(micros / 1e6, {"side": side})
+        if (micros := stats.tp_collective_us - (seen.tp_collective_us if seen else 0)) > 0:
+            self.tp_collective_seconds.inc(micros / 1e6)
         self._seen = stats
 
     def observe_transfer(self, timing: RequestTiming, transport: str, block_bytes: int) -> None:

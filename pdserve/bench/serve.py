@@ -19,7 +19,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -168,15 +168,21 @@ async def _one(
     return result
 
 
-async def _run_app(
-    app: str, vocab_size: int, config: ServeBenchConfig, progress: Any
-) -> tuple[list[RequestResult], float]:
+class AppRun(NamedTuple):
+    results: list[RequestResult]
+    duration_s: float
+    # Tensor-parallel engines: per role, ranks and rank 0's share of the run in collectives.
+    parallel: dict[str, dict[str, float]]
+
+
+async def _run_app(app: str, vocab_size: int, config: ServeBenchConfig, progress: Any) -> AppRun:
     metadata = _metadata(app, config)
     async with grpc.aio.insecure_channel(config.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         for prompt in warmup_prompts(config, vocab_size):
             await _one(stub, prompt, config.output_len, config, metadata)
         results: list[RequestResult] = []
+        before = await _engines(stub, metadata)
         start = time.perf_counter()
 
         async def send(prompt: list[int], output_len: int, kind: str) -> RequestResult:
@@ -188,12 +194,36 @@ async def _run_app(
             return result
 
         await drive(config, vocab_size, send)
-        return results, time.perf_counter() - start
+        duration = time.perf_counter() - start
+        after = await _engines(stub, metadata)
+        return AppRun(results, duration, _collective_shares(before, after, duration))
+
+
+async def _engines(stub: Any, metadata: Any) -> dict[str, pb.EngineStats]:
+    """Every engine replica's statistics, by replica id (the app's Health)."""
+    health = await stub.Health(pb.HealthRequest(), timeout=30, metadata=metadata)
+    return {engine.replica_id: engine for engine in health.engines}
+
+
+def _collective_shares(
+    before: dict[str, pb.EngineStats], after: dict[str, pb.EngineStats], duration_s: float
+) -> dict[str, dict[str, float]]:
+    """Per role of split engines: their ranks, and the most any replica's rank 0 spent in
+    all-reduce and all-gather, as a share of the run."""
+    shares: dict[str, dict[str, float]] = {}
+    for replica_id, engine in after.items():
+        if engine.tensor_parallel_size <= 1 or replica_id not in before:
+            continue
+        spent = engine.tp_collective_seconds - before[replica_id].tp_collective_seconds
+        role = shares.setdefault(engine.role, {"tensor_parallel_size": engine.tensor_parallel_size})
+        share = round(spent / max(duration_s, 1e-9), 4)
+        role["collective_share"] = max(role.get("collective_share", 0.0), share)
+    return shares
 
 
 async def _run_apps_together(
     vocab_size: int, config: ServeBenchConfig, progress: Any
-) -> list[tuple[list[RequestResult], float]]:
+) -> list[AppRun]:
     """Every app's workload at once: the machine's ups and downs hit them all alike, so their
     latencies compare fairly on a noisy host (their throughputs share the machine)."""
     runs = (_run_app(app, vocab_size, config, progress) for app in config.apps)
@@ -288,9 +318,11 @@ def run(config: ServeBenchConfig) -> dict[str, Any]:
                 runs = asyncio.run(_run_apps_together(vocab, config, bar))
             else:
                 runs = [asyncio.run(_run_app(app, vocab, config, bar)) for app in config.apps]
-        for app, (results, duration) in zip(config.apps, runs, strict=True):
-            raw[app] = results
-            report["results"][app] = summarize_results(results, duration, config)
+        for app, run_ in zip(config.apps, runs, strict=True):
+            raw[app] = run_.results
+            report["results"][app] = summarize_results(run_.results, run_.duration_s, config)
+            if run_.parallel:
+                report["results"][app]["tensor_parallel"] = run_.parallel
     names = list(report["results"])
     if len(names) > 1:
         first = report["results"][names[0]]
@@ -314,9 +346,7 @@ def _ratios_by_kind(first: dict[str, Any], other: dict[str, Any]) -> dict[str, A
     return out
 
 
-def _deployed(
-    name: str, config: ServeBenchConfig, progress: Any
-) -> tuple[list[RequestResult], float]:
+def _deployed(name: str, config: ServeBenchConfig, progress: Any) -> AppRun:
     """Start configuration `name` on local Ray, run the workload against it, stop it."""
     import dataclasses
 

@@ -159,6 +159,29 @@ def test_prefill_and_decode_of_other_sizes_answer_as_one_rank(served, offline, a
     assert wait_until(lambda: served.engines_idle(app), 30), "blocks held after the requests"
 
 
+def test_bench_serve_reports_the_split_roles_time_in_collectives(served) -> None:
+    from pdserve.bench.serve import ServeBenchConfig, run
+
+    report = run(
+        ServeBenchConfig(
+            target=served.target,
+            apps=[PREFILL_2_DECODE_1],
+            num_prompts=4,
+            input_len=24,
+            output_len=8,
+            warmup=1,
+            progress=False,
+            concurrency=2,
+        )
+    )
+    result = report["results"][PREFILL_2_DECODE_1]
+    assert result["completed"] == 4 and result["failed"] == 0
+    split = result["tensor_parallel"]
+    assert set(split) == {"prefill"}  # the decode replica has one rank
+    assert split["prefill"]["tensor_parallel_size"] == 2
+    assert 0 < split["prefill"]["collective_share"] < 1
+
+
 def test_a_decode_rank_killed_mid_stream_migrates_its_streams(served, offline) -> None:
     client = served.clients[PREFILL_1_DECODE_2]
     (follower,) = _rank_pids("DecodeServer", PREFILL_1_DECODE_2)

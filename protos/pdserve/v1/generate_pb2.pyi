@@ -182,7 +182,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("role", "replica_id", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_held_requests", "kv_cache_usage", "state", "kv_checksum_failures", "kv_faults_injected", "kv_reads_failed", "kv_fenced_reads", "kv_unanswered_reads", "kv_faults_lost", "kv_faults_died", "kv_timed_out_reads")
+    __slots__ = ("role", "replica_id", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_held_requests", "kv_cache_usage", "state", "kv_checksum_failures", "kv_faults_injected", "kv_reads_failed", "kv_fenced_reads", "kv_unanswered_reads", "kv_faults_lost", "kv_faults_died", "kv_timed_out_reads", "tensor_parallel_size", "tp_collective_seconds")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,8 @@ class EngineStats(_message.Message):
     KV_FAULTS_LOST_FIELD_NUMBER: _ClassVar[int]
     KV_FAULTS_DIED_FIELD_NUMBER: _ClassVar[int]
     KV_TIMED_OUT_READS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_COLLECTIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     role: str
     replica_id: str
     num_blocks: int
@@ -217,7 +219,9 @@ class EngineStats(_message.Message):
     kv_faults_lost: int
     kv_faults_died: int
     kv_timed_out_reads: int
-    def __init__(self, role: _Optional[str] = ..., replica_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[str] = ..., kv_checksum_failures: _Optional[int] = ..., kv_faults_injected: _Optional[int] = ..., kv_reads_failed: _Optional[int] = ..., kv_fenced_reads: _Optional[int] = ..., kv_unanswered_reads: _Optional[int] = ..., kv_faults_lost: _Optional[int] = ..., kv_faults_died: _Optional[int] = ..., kv_timed_out_reads: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    tp_collective_seconds: float
+    def __init__(self, role: _Optional[str] = ..., replica_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[str] = ..., kv_checksum_failures: _Optional[int] = ..., kv_faults_injected: _Optional[int] = ..., kv_reads_failed: _Optional[int] = ..., kv_fenced_reads: _Optional[int] = ..., kv_unanswered_reads: _Optional[int] = ..., kv_faults_lost: _Optional[int] = ..., kv_faults_died: _Optional[int] = ..., kv_timed_out_reads: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tp_collective_seconds: _Optional[float] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
     __slots__ = ("status", "engines")
