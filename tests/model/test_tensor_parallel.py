@@ -9,6 +9,7 @@ engine's step with an error that names it, and a rank whose engine is gone exits
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -237,3 +238,44 @@ def test_bench_tp_reports_both_engines_side_by_side():
         ratio = entry["tp2_decode_tokens_per_s"] / entry["tp1_decode_tokens_per_s"]
         assert entry["tp2_to_tp1"] == pytest.approx(ratio, abs=2e-3)
         assert 0 < entry["collective_share"] < 1  # the split engine did exchange
+
+
+def test_async_scheduling_speculation_and_grammars_at_two_ranks(hf_refs):
+    # Every rank runs the same runner code: steps scheduled ahead, drafts verified, grammars
+    # masking the logits (each rank compiles its own) give one rank's tokens.
+    ref = hf_refs["llama_gqa"]
+    for extra in (
+        {"async_scheduling": True},
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    ):
+        llm = make_llm(ref, tensor_parallel_size=2, **extra)
+        try:
+            check_against_hf(ref, llm, prompts(2))
+            if "speculative_config" in extra:  # drafts were verified, not only proposed
+                assert llm.engine.refresh_stats().spec_decode.num_drafts > 0
+        finally:
+            llm.close()
+    from engine.request import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        max_tokens=40,
+        temperature=0.7,
+        seed=9,
+        structured_outputs=StructuredOutputsParams(json=json.dumps(schema)),
+    )
+    texts = ["Answer in JSON:", "Give me an object"]
+    one = LLM("tiny", max_model_len=128)
+    expected = [o.outputs[0].text for o in one.generate(texts, params)]
+    one.close()
+    two = LLM("tiny", max_model_len=128, tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].text for o in two.generate(texts, params)] == expected
+        assert all(text.startswith("{") for text in expected)  # the grammar held
+    finally:
+        two.close()
