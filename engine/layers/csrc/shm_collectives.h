@@ -74,12 +74,15 @@ inline Region region_of(const torch::Tensor& region, int64_t rank, int64_t size,
 }
 
 // Publish `seq` for this rank and wait until every rank has. Spins (a step's collectives come
-// microseconds apart), then yields the core; every ~1 ms of waiting it checks the abort flag
-// (a rank died: the engine process sets it) and, in a follower, that its engine still runs.
+// microseconds apart), then yields the core, and past 2 ms sleeps 50 us between looks (a rank
+// that waits long, e.g. for one the host has descheduled, must not take the core it needs);
+// every ~1 ms of waiting it checks the abort flag (a rank died: the engine process sets it)
+// and, in a follower, that its engine still runs.
 inline void publish_and_wait(const Region& g, uint64_t seq, uint64_t signature) {
   *g.signature(seq, g.rank) = signature;  // ordered before the sequence number (release)
   g.published(g.rank)->store(seq, std::memory_order_release);
-  auto last_check = std::chrono::steady_clock::now();
+  const auto start = std::chrono::steady_clock::now();
+  auto last_check = start;
   for (int64_t r = 0; r < g.size; ++r) {
     int64_t spins = 0;
     while (g.published(r)->load(std::memory_order_acquire) < seq) {
@@ -89,8 +92,12 @@ inline void publish_and_wait(const Region& g, uint64_t seq, uint64_t signature) 
 #endif
         continue;
       }
-      sched_yield();
       const auto now = std::chrono::steady_clock::now();
+      if (now - start < std::chrono::milliseconds(2)) {
+        sched_yield();
+      } else {
+        usleep(50);
+      }
       if (now - last_check < std::chrono::milliseconds(1)) continue;
       last_check = now;
       TORCH_CHECK(g.abort_flag()->load(std::memory_order_relaxed) == 0,
