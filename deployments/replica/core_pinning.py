@@ -83,6 +83,16 @@ def pin_process_threads(cores: Sequence[int]) -> None:
             os.sched_setaffinity(int(tid), cores)
 
 
+def rank_0_cores(cores: Sequence[int], ranks: int) -> tuple[int, ...]:
+    """The first of `ranks` equal shares of `cores` (rank 0's; the other ranks take the later
+    shares, as engine/parallel/workers.py pins them); none where there is not a core each.
+
+    # cores (4, 5, 6, 7), 2 ranks -> (4, 5); 3 ranks -> (4,); 5 ranks -> ()
+    """
+    per_rank = len(cores) // ranks
+    return tuple(sorted(cores)[:per_rank]) if per_rank else ()
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where an engine replica computes (logged)."""

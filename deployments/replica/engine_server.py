@@ -23,7 +23,12 @@ from deployments.cluster.request_routers import KV_COMPAT_HASH
 from deployments.cluster.sla_autoscaling import DEFAULT_LOOK_BACK_S, RecentLatencies
 from deployments.credentials import kv_secret
 from deployments.protocol import EngineRequest, ReplicaProbe
-from deployments.replica.core_pinning import CoreClaim, place_engine
+from deployments.replica.core_pinning import (
+    CoreClaim,
+    pin_process_threads,
+    place_engine,
+    rank_0_cores,
+)
 from deployments.replica.kv_publisher import KVEventPublisher
 from deployments.replica.telemetry import EngineMetrics, record_engine_spans
 from deployments.serve_context import replica_name, serve_replica_id
@@ -70,6 +75,8 @@ class EngineServer:
         engine_args = self.role_engine_args(engine_args)
         self.engine = AsyncEngine(model, **engine_args, kv_transfer_config=kv)
         self.engine.on_death = _exit_when_a_rank_died
+        if self._cores is not None:
+            _keep_rank_0_to_its_cores(self._cores, self.engine.core.rank_pids())
         core = self.engine.core
         self.model_name = model
         self.transport = core.kv_transport
@@ -235,6 +242,18 @@ def _start_sampler(server: EngineServer, period_s: float = 1.0) -> threading.Eve
 
     threading.Thread(target=run, name="engine-metrics", daemon=True).start()
     return stop
+
+
+def _keep_rank_0_to_its_cores(claim: CoreClaim, followers: list[int]) -> None:
+    """A replica of several ranks claimed the cores of all of them; its followers pinned
+    themselves to the last ones (engine/parallel/workers.py). This process, rank 0, keeps to
+    the first share, so that no rank's threads run where another rank computes."""
+    if not followers:
+        return
+    share = rank_0_cores(claim.cores, len(followers) + 1)
+    if share:
+        pin_process_threads(share)
+        logger.info("tensor-parallel rank 0 pinned to cores %s", list(share))
 
 
 def _on_cpu(engine_args: dict[str, Any]) -> bool:

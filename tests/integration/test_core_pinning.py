@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from deployments.replica.core_pinning import claim_cores, pin_process_threads, place_engine
+from deployments.replica.core_pinning import (
+    claim_cores,
+    pin_process_threads,
+    place_engine,
+    rank_0_cores,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -129,3 +134,10 @@ def test_a_replica_with_a_fraction_of_a_cpu_or_no_free_core_shares_them(restore_
     assert claim is not None and placement.cores == tuple(every)
     assert torch.get_num_threads() == len(every)
     claim.release()
+
+
+def test_rank_0_of_a_split_replica_keeps_to_the_first_share_of_its_cores():
+    # Followers pin themselves to the last shares (engine/parallel/workers.py): no overlap.
+    assert rank_0_cores((7, 4, 6, 5), 2) == (4, 5)
+    assert rank_0_cores((4, 5, 6, 7), 3) == (4,)
+    assert rank_0_cores((4, 5), 3) == ()  # fewer cores than ranks: nobody is pinned
