@@ -2,9 +2,9 @@
 (a placement-group bundle each) answers as the offline single-rank engine does, greedy and
 seeded; a rank killed mid-stream ends every stream with its output or a clear error, and
 Serve replaces the replica, ranks and all. Prefill and decode replicas of different sizes,
-both ways (prefill 2 + decode 1 over NIXL, prefill 1 + decode 2 over gRPC), answer the same,
-disaggregated, and hold no block afterwards; a decode rank killed mid-stream moves each
-stream to the prefill replica (migration), which finishes it token for token."""
+both ways (prefill 2 + decode 1, prefill 1 + decode 2), each over NIXL and over gRPC, answer
+the same, disaggregated, and hold no block afterwards; a decode rank killed mid-stream moves
+each stream to the prefill replica (migration), which finishes it token for token."""
 
 from __future__ import annotations
 
@@ -30,8 +30,11 @@ from tests.waiting import wait_until
 pytestmark = pytest.mark.integration
 
 ENGINE_ARGS = {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20}
-PREFILL_2_DECODE_1 = "p2d1"
-PREFILL_1_DECODE_2 = "p1d2"
+PREFILL_2_DECODE_1 = "p2d1"  # over NIXL
+PREFILL_1_DECODE_2 = "p1d2"  # over gRPC
+# The same two directions over the other transport.
+PREFILL_2_DECODE_1_GRPC = "p2d1g"
+PREFILL_1_DECODE_2_NIXL = "p1d2n"
 SETTINGS = AppSettings(
     app={
         "model": "tiny",
@@ -48,6 +51,12 @@ SETTINGS = AppSettings(
             "transport": "grpc",
             "max_migrations": 2,
         },
+        PREFILL_2_DECODE_1_GRPC: {
+            "colocated": False,
+            "decode_tensor_parallel_size": 1,
+            "transport": "grpc",
+        },
+        PREFILL_1_DECODE_2_NIXL: {"colocated": False, "prefill_tensor_parallel_size": 1},
     },
 )
 DEPLOYMENT = "EngineServer"  # the colocated deployment
@@ -137,12 +146,20 @@ def _request(text: str, params: SamplingParams) -> object:
     )
 
 
-@pytest.mark.parametrize("app", [PREFILL_2_DECODE_1, PREFILL_1_DECODE_2])
-def test_prefill_and_decode_of_other_sizes_answer_as_one_rank(served, offline, app) -> None:
+@pytest.mark.parametrize(
+    ("app", "sizes"),
+    [
+        (PREFILL_2_DECODE_1, (2, 1)),
+        (PREFILL_1_DECODE_2, (1, 2)),
+        (PREFILL_2_DECODE_1_GRPC, (2, 1)),
+        (PREFILL_1_DECODE_2_NIXL, (1, 2)),
+    ],
+)
+def test_prefill_and_decode_of_other_sizes_answer_as_one_rank(served, offline, app, sizes) -> None:
     client = served.clients[app]
     prefill_ranks = 1 + len(_rank_pids("PrefillServer", app))
     decode_ranks = 1 + len(_rank_pids("DecodeServer", app))
-    assert (prefill_ranks, decode_ranks) == ((2, 1) if app == PREFILL_2_DECODE_1 else (1, 2))
+    assert (prefill_ranks, decode_ranks) == sizes
     for round_, params in enumerate(
         (
             SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
@@ -150,7 +167,8 @@ def test_prefill_and_decode_of_other_sizes_answer_as_one_rank(served, offline, a
         )
     ):
         # Prompts no engine has seen: a cached one would skip the prefill replica.
-        texts = [f"Disaggregated {app} story {round_}.{i} starts when" for i in range(3)]
+        # (Unique from the first token: a shared first block would be a cache hit too.)
+        texts = [f"{round_}.{i} {app}: a disaggregated story starts when" for i in range(3)]
         expected = [list(o.outputs[0].token_ids) for o in offline.generate(texts, params)]
         for text, tokens in zip(texts, expected, strict=True):
             reply = client.complete(_request(text, params))
