@@ -309,10 +309,10 @@ def ongoing_requests(actor_name: str) -> int:
     return int(ray.get(actor.get_num_ongoing_requests.remote(), timeout=10))
 
 
-def sigkill_replica(actor_name: str) -> int:
-    """SIGKILL a replica actor's process (a crash, the kernel's OOM killer): no clean-up runs
-    in it. Its pid comes from the GCS actor table (Ray's private state API: the public one
-    needs the dashboard, which these tests leave off)."""
+def replica_pid(actor_name: str) -> int:
+    """A live replica actor's process id, from the GCS actor table (Ray's private state API:
+    the public one needs the dashboard, which these tests leave off). The query can take
+    seconds on a loaded machine: a test that must kill at a moment looks the pid up first."""
     from ray._private import state
 
     (entry,) = [
@@ -320,6 +320,12 @@ def sigkill_replica(actor_name: str) -> int:
         for actor in state.actors().values()
         if actor.get("Name") == actor_name and actor.get("State") == "ALIVE"
     ]
-    pid = int(entry["Pid"])
+    return int(entry["Pid"])
+
+
+def sigkill_replica(actor_name: str) -> int:
+    """SIGKILL a replica actor's process (a crash, the kernel's OOM killer): no clean-up runs
+    in it."""
+    pid = replica_pid(actor_name)
     os.kill(pid, signal.SIGKILL)
     return pid

@@ -8,6 +8,8 @@ serve_app/test_replica_kills.py.)"""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,8 +30,8 @@ from tests.integration.serving import (
     ServedApp,
     ongoing_requests,
     replica_actors,
+    replica_pid,
     running_replicas,
-    sigkill_replica,
 )
 from tests.waiting import wait_until
 
@@ -93,13 +95,17 @@ def expected(offline: LLM, texts: list[str]) -> list[list[int]]:
 
 
 def start_streams(client: GenerationClient, texts: list[str]) -> list[tuple[list[Any], Any]]:
-    """Each stream, with its first three chunks read (the decode leg is under way)."""
-    streams = []
-    for text in texts:
+    """Each stream, with its first three chunks read (the decode leg is under way). Started
+    together: one after the other, the first could finish before the last is under way (and
+    a kill then finds it done, not moving)."""
+
+    def start(text: str) -> tuple[list[Any], Any]:
         request = generate_request(text, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
         call = client.stream(request, timeout=180)
-        streams.append(([next(call) for _ in range(3)], call))
-    return streams
+        return [next(call) for _ in range(3)], call
+
+    with ThreadPoolExecutor(len(texts)) as pool:
+        return list(pool.map(start, texts))
 
 
 def finish(streams: list[tuple[list[Any], Any]]) -> tuple[list[list[int]], list[int]]:
@@ -150,10 +156,13 @@ def test_abort_finds_the_request_on_whichever_router_replica_holds_it(served, cl
 
 def test_sigkill_of_a_decode_replica_loses_no_stream(served, client, offline) -> None:
     texts = prompts(6, "a")
+    pids = {
+        e.replica_id: replica_pid(actor_name(e.replica_id)) for e in decode_engines(client.health())
+    }
     streams = start_streams(client, texts)
     busiest = max(decode_engines(client.health()), key=lambda e: e.num_running)
     assert busiest.num_running >= 1
-    sigkill_replica(actor_name(busiest.replica_id))
+    os.kill(pids[busiest.replica_id], signal.SIGKILL)  # looked up before: no delay now
     tokens, migrations = finish(streams)
     assert tokens == expected(offline, texts)
     assert sum(m > 0 for m in migrations) >= 1, migrations  # the killed replica's streams moved
@@ -165,9 +174,11 @@ def test_with_no_decode_replica_left_the_prefill_replica_takes_over(
     served, client, offline
 ) -> None:
     texts = prompts(4, "b")
+    # The pids first: looking them up can take seconds, by which time a stream may be done.
+    pids = [replica_pid(actor_name(e.replica_id)) for e in decode_engines(client.health())]
     streams = start_streams(client, texts)
-    for engine in decode_engines(client.health()):
-        sigkill_replica(actor_name(engine.replica_id))
+    for pid in pids:  # every decode replica at once
+        os.kill(pid, signal.SIGKILL)
     tokens, migrations = finish(streams)
     assert tokens == expected(offline, texts)
     assert all(m >= 1 for m in migrations), migrations  # every stream moved, to the prefill
