@@ -6,6 +6,7 @@ the group is aborted."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -30,12 +31,19 @@ def _follower(spec: GroupSpec, conn) -> None:
     conn.send((summed.numpy().tobytes(), gathered.numpy().tobytes()))
 
 
-def test_shm_all_reduce_and_all_gather_agree_bit_for_bit_across_processes():
+def _group_with_follower(target) -> tuple[ShmGroup, Any, Any]:
+    """Rank 0's group here, rank 1 in a process running `target(spec, conn)`; our end of
+    its pipe."""
     group, spec = ShmGroup.create(2, cpu_kernels.load(), SLOT_BYTES)
     context = peer_context()
     ours, theirs = context.Pipe()
-    follower = context.Process(target=_follower, args=(spec, theirs))
+    follower = context.Process(target=target, args=(spec, theirs))
     follower.start()
+    return group, follower, ours
+
+
+def test_shm_all_reduce_and_all_gather_agree_bit_for_bit_across_processes():
+    group, follower, ours = _group_with_follower(_follower)
     try:
         x0, local0 = _inputs(0)
         x1, local1 = _inputs(1)
@@ -64,11 +72,7 @@ def _gathering_follower(spec: GroupSpec, conn) -> None:
 
 
 def test_ranks_in_different_collectives_fail_rather_than_mix_numbers():
-    group, spec = ShmGroup.create(2, cpu_kernels.load(), SLOT_BYTES)
-    context = peer_context()
-    ours, theirs = context.Pipe()
-    follower = context.Process(target=_gathering_follower, args=(spec, theirs))
-    follower.start()
+    group, follower, ours = _group_with_follower(_gathering_follower)
     try:
         with pytest.raises(RuntimeError, match="out of step"):
             group.all_reduce(torch.ones(16))
