@@ -193,15 +193,16 @@ def test_a_rank_whose_engine_is_gone_exits(hf_refs, tmp_path):
     # must notice and exit, not linger holding cores and memory.
     pid_file = tmp_path / "follower.pid"
     script = textwrap.dedent(f"""
+        import os, sys
         from engine.llm import LLM
         llm = LLM({hf_refs["llama_gqa"].path!r}, tensor_parallel_size=2, max_model_len=96,
                   device="cpu")
-        open({str(pid_file)!r}, "w").write(str(llm.engine.followers._procs[0].pid))
-        import time
-        while True:
-            time.sleep(1)
+        with open({str(pid_file)!r} + ".tmp", "w") as f:
+            f.write(str(llm.engine.followers._procs[0].pid))
+        os.replace({str(pid_file)!r} + ".tmp", {str(pid_file)!r})  # whole, or not there
+        sys.stdin.read()  # serves until killed
     """)
-    engine = subprocess.Popen([sys.executable, "-c", script])
+    engine = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE)
     try:
         assert wait_until(lambda: pid_file.read_text().strip(), 120), "the engine did not start"
         follower = int(pid_file.read_text())
