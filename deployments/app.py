@@ -208,7 +208,7 @@ class AppConfig:
             raise ValueError(f"{role} tensor_parallel_size must be an integer >= 1, got {size!r}")
         return size
 
-    def role_engine_args(self, engine_args: dict[str, Any], role: str) -> dict[str, Any]:
+    def sized_engine_args(self, engine_args: dict[str, Any], role: str) -> dict[str, Any]:
         """`engine_args` with the role's tensor_parallel_size."""
         return {**engine_args, "tensor_parallel_size": self.tensor_parallel_size(role)}
 
@@ -328,7 +328,7 @@ def _engines(config: AppConfig, engine_args: dict[str, Any]) -> list[Any]:
             ),
             **_decode_router(config, "colocated"),
         )
-        colocated_args = config.role_engine_args(engine_args, "colocated")
+        colocated_args = config.sized_engine_args(engine_args, "colocated")
         return [engine.bind(config.model, colocated_args, None, **extras)]
     kv = config.kv_transfer_config()
     prefill = PrefillDeployment.options(
@@ -344,8 +344,8 @@ def _engines(config: AppConfig, engine_args: dict[str, Any]) -> list[Any]:
         **_decode_router(config, "decode"),
     )
     return [
-        decode.bind(config.model, config.role_engine_args(engine_args, "decode"), kv, **extras),
-        prefill.bind(config.model, config.role_engine_args(engine_args, "prefill"), kv, **extras),
+        decode.bind(config.model, config.sized_engine_args(engine_args, "decode"), kv, **extras),
+        prefill.bind(config.model, config.sized_engine_args(engine_args, "prefill"), kv, **extras),
     ]
 
 

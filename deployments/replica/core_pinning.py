@@ -84,13 +84,15 @@ def pin_process_threads(cores: Sequence[int]) -> None:
 
 
 def rank_0_cores(cores: Sequence[int], ranks: int) -> tuple[int, ...]:
-    """The first of `ranks` equal shares of `cores` (rank 0's; the other ranks take the later
-    shares, as engine/parallel/workers.py pins them); none where there is not a core each.
+    """Rank 0's equal share of a replica's `cores` (the other ranks take the later shares:
+    engine/parallel/layout.py's split, which they pin themselves by); none where there is
+    not a core each.
 
     # cores (4, 5, 6, 7), 2 ranks -> (4, 5); 3 ranks -> (4,); 5 ranks -> ()
     """
-    per_rank = len(cores) // ranks
-    return tuple(sorted(cores)[:per_rank]) if per_rank else ()
+    from engine.parallel.layout import cores_by_rank
+
+    return cores_by_rank(list(cores), ranks, len(cores) // ranks)[0]
 
 
 @dataclass(frozen=True)

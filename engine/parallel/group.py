@@ -107,12 +107,13 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + rank)
 
 
-def choose_collectives(collectives: str, device: torch.device, dtype: torch.dtype) -> str:
+def choose_collectives(collectives: str, device: torch.device, dtype: str) -> str:
     """`auto`: shared memory for float32 on CPUs (what it sums), torch.distributed otherwise."""
-    if collectives == "shm" and (device.type != "cpu" or dtype != torch.float32):
+    shm_fits = device.type == "cpu" and dtype == "float32"
+    if collectives == "shm" and not shm_fits:
         raise ValueError("collectives 'shm' are for float32 models on CPUs")
     if collectives == "auto":
-        return "shm" if device.type == "cpu" and dtype == torch.float32 else "torch"
+        return "shm" if shm_fits else "torch"
     return collectives
 
 

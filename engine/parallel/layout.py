@@ -131,3 +131,18 @@ def check_tensor_parallel(arch: ModelArchConfig, size: int) -> None:
             f"tensor_parallel_size={size} does not divide {' or '.join(problems)}; "
             "choose a size that divides the model's heads"
         )
+
+
+def cores_by_rank(allowed: list[int], size: int, threads: int) -> list[tuple[int, ...]]:
+    """Each rank's cores out of `allowed`, `threads` each: rank 0 the first, ranks 1..n-1 the
+    last (a share of its own each); none for anyone where there are fewer than size x threads.
+
+        # allowed 0..4, 2 ranks of 2 threads -> [(0, 1), (3, 4)]
+    """
+    allowed = sorted(allowed)
+    if threads < 1 or len(allowed) < size * threads:
+        return [() for _ in range(size)]
+    end = len(allowed)
+    return [tuple(allowed[:threads])] + [
+        tuple(allowed[end - (size - rank) * threads :][:threads]) for rank in range(1, size)
+    ]

@@ -39,6 +39,7 @@ from engine.parallel.group import (
     join_group,
     rank_device,
 )
+from engine.parallel.layout import cores_by_rank
 from engine.worker.kv_cache import map_shared_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -93,8 +94,8 @@ class Followers:
 
     def _start(self, config: EngineConfig, arch: ModelArchConfig) -> TPGroup:
         """Start ranks 1..n-1; rank 0's side of their group."""
-        device, dtype = torch.device(config.model.device), _dtype(config.model.dtype)
-        kind = choose_collectives(config.parallel.collectives, device, dtype)
+        device = torch.device(config.model.device)
+        kind = choose_collectives(config.parallel.collectives, device, config.model.dtype)
         store = None
         if kind == "shm":
             from engine.layers import cpu_kernels
@@ -103,7 +104,10 @@ class Followers:
         else:
             store, spec = TorchGroup.host_store(self.size, device)
         ctx = multiprocessing.get_context("spawn")
-        cores = _cores_by_rank(self.size, self.threads)
+        # Followers pin themselves to their share; rank 0 is the caller's process, whose
+        # threads are its own to place (a Serve replica keeps to rank 0's share).
+        affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        cores = cores_by_rank(affinity, self.size, self.threads)
         for rank in range(1, self.size):
             ours, theirs = ctx.Pipe()
             args = FollowerArgs(config, arch, spec, rank, self.threads, cores[rank])
@@ -219,22 +223,6 @@ def start_followers(config: EngineConfig, arch: ModelArchConfig) -> Followers | 
     followers = Followers(config, arch, size)
     torch.set_num_threads(followers.threads)
     return followers
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def _cores_by_rank(size: int, threads: int) -> list[tuple[int, ...]]:
-    """Cores for each rank where this process may use `threads` of them per rank (ranks
-    1..n-1 take the last ones; rank 0's threads stay where they are); none where too few."""
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(allowed) < size * threads:
-        return [() for _ in range(size)]
-    return [()] + [
-        tuple(allowed[len(allowed) - (size - rank) * threads :][:threads])
-        for rank in range(1, size)
-    ]
 
 
 # ---------------------------------------------------------------------- follower process

@@ -128,3 +128,11 @@ def test_a_rank_that_sampled_other_tokens_than_rank_0_stops():
     assert not thread.is_alive()
     assert len(failure) == 1 and isinstance(failure[0], TensorParallelError)
     assert "other tokens than rank 0" in str(failure[0])
+
+
+def test_each_rank_gets_a_share_of_cores_of_its_own():
+    from engine.parallel.layout import cores_by_rank
+
+    assert cores_by_rank([4, 0, 1, 2, 3], 2, 2) == [(0, 1), (3, 4)]  # core 2 left over
+    assert cores_by_rank([0, 1, 2], 3, 1) == [(0,), (1,), (2,)]
+    assert cores_by_rank([0, 1], 3, 1) == [(), (), ()]  # too few: nobody is pinned
