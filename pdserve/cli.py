@@ -82,6 +82,7 @@ _BENCHES = {
     "kv": "KV block transfer between two processes",
     "handoff": "TTFT of a prefill -> decode hand-off, and its KV checksums' share",
     "latency": "decode tokens/s against the bandwidth bound",
+    "perplexity": "accuracy of quantized linears: perplexity, greedy agreement",
     "tp": "decode tokens/s at tensor_parallel_size N against 1, same cores",
     "spec": "n-gram speculative decoding vs plain, one stream",
     "chaos": "load on a local app while its replicas are killed",

@@ -142,6 +142,14 @@ def int_list(text: str) -> tuple[int, ...]:
         ) from None
 
 
+def str_list(text: str) -> tuple[str, ...]:
+    """Comma-separated names: "quantized,blocked"."""
+    items = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return items
+
+
 def _default(item: dataclasses.Field[Any]) -> Any:
     """The field's default; dataclasses.MISSING for a field without one (a required flag)."""
     if item.default_factory is not dataclasses.MISSING:

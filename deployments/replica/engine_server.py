@@ -17,6 +17,9 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import torch
+
+from engine.models.catalog import resolve_model
+from engine.models.quantized_loading import gguf_has_quantized
 from ray import serve
 
 from deployments.cluster.request_routers import KV_COMPAT_HASH
@@ -72,7 +75,7 @@ class EngineServer:
             kv.setdefault("side_channel_host", node_ip())
             kv.setdefault("side_channel_port", 0)
             kv["secret"] = kv_secret(kv.get("secret", ""))
-        engine_args = self.role_engine_args(engine_args)
+        engine_args = self.role_engine_args(model, engine_args)
         self.engine = AsyncEngine(model, **engine_args, kv_transfer_config=kv)
         self.engine.on_death = _exit_when_a_rank_died
         if self._cores is not None:
@@ -92,7 +95,7 @@ class EngineServer:
         )
 
     @staticmethod
-    def role_engine_args(engine_args: dict[str, Any]) -> dict[str, Any]:
+    def role_engine_args(model: str, engine_args: dict[str, Any]) -> dict[str, Any]:
         """The engine arguments this role runs with (the prefill role adjusts them)."""
         return engine_args
 
@@ -293,13 +296,18 @@ class PrefillServer(EngineServer):
     role = "prefill"
 
     @staticmethod
-    def role_engine_args(engine_args: dict[str, Any]) -> dict[str, Any]:
-        """On CPUs a prefill-only engine packs its linears for oneDNN, whose GEMM runs long
-        prompts ~1.3x faster than the decode-tuned blocked kernel `auto` picks (and it never
-        takes the fused decode step). An explicit `linear_backend` wins."""
+    def role_engine_args(model: str, engine_args: dict[str, Any]) -> dict[str, Any]:
+        """On CPUs a prefill-only engine packs its float32 linears for oneDNN, whose GEMM runs
+        long prompts ~1.3x faster than the decode-tuned blocked kernel `auto` picks (and it
+        never takes the fused decode step). A GGUF file's quantized blocks stay what `auto`
+        makes of them: faster still (SmolLM2 Q4_1, 8 x 512 tokens: 1,043 tokens/s against
+        oneDNN's 705), and the decode replicas compute the same KV. An explicit
+        `linear_backend` wins."""
         if engine_args.get("linear_backend", "auto") != "auto":
             return engine_args
         if not _on_cpu(engine_args) or not torch.backends.mkldnn.is_available():
+            return engine_args
+        if gguf_has_quantized(str(resolve_model(model))):
             return engine_args
         return {**engine_args, "linear_backend": "onednn"}
 

@@ -31,7 +31,9 @@ from torch.profiler import record_function
 
 from engine.layers import cpu_kernels
 
-LINEAR_BACKENDS = ("auto", "torch", "onednn", "blocked")
+# "quantized", "quantized_float": GGUF matrices compute on their blocks
+# (engine/layers/quantized.py; chosen at load, before packing), the rest as under "auto".
+LINEAR_BACKENDS = ("auto", "torch", "onednn", "blocked", "quantized", "quantized_float")
 _EXACT_ROWS = 64
 _WARM_UP_MAX_ELEMENTS = 1 << 23
 

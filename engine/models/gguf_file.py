@@ -26,6 +26,8 @@ from engine.parallel.layout import SKIP, TensorSlice, TPLayout
 if TYPE_CHECKING:  # the metadata (config, tokenizer) is read without torch: the router does
     import torch
 
+    from engine.layers.quantized import QuantizedTensor
+
 # GGUF `general.architecture` -> the Hugging Face architecture the engine builds.
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",  # Llama 2/3 and Mistral files both say "llama"
@@ -67,6 +69,12 @@ def open_gguf(path: str | Path) -> Any:
     except OSError as err:
         raise ValueError(f"cannot read {path.name}: {err.strerror}") from None
     return _open_gguf(path, stat.st_mtime_ns, stat.st_size)
+
+
+def forget_readers() -> None:
+    """Drop the cached readers: a parsed vocabulary holds ~60 MB of Python objects, kept only
+    while an engine starts (config, tokenizer, weights); the next open parses again."""
+    _open_gguf.cache_clear()
 
 
 @functools.lru_cache(maxsize=2)
@@ -158,10 +166,15 @@ def _rope_scaling(key: Any) -> dict[str, Any] | None:
 
 
 def gguf_tensors(
-    reader: Any, config: ModelArchConfig, name: str, layout: TPLayout | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
+    reader: Any,
+    config: ModelArchConfig,
+    name: str,
+    layout: TPLayout | None = None,
+    keep: frozenset[str] = frozenset(),
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file, dequantized: this
-    rank's slice of it where `layout` splits the model."""
+    rank's slice of it where `layout` splits the model. The matrices named in `keep` come in
+    their block types instead (`QuantizedTensor`), sliced and un-permuted the same way."""
     import torch
 
     from engine.models.loader import pad_slice
@@ -175,6 +188,9 @@ def gguf_tensors(
         where = layout.tensor_slice(hf_name)
         if where == SKIP:
             continue
+        if hf_name in keep:
+            yield hf_name, _quantized_rows(tensor, where, layout, unpermute, hf_name)
+            continue
         if where is None:
             weights = torch.from_numpy(_dequantize(tensor, name))
         else:
@@ -187,6 +203,51 @@ def gguf_tensors(
         elif unpermute and hf_name.endswith("k_proj.weight"):
             weights = _unpermute(weights, layout.num_kv_heads)
         yield hf_name, weights
+    _drop_pages(reader)
+
+
+def _drop_pages(reader: Any) -> None:
+    """Let go of the file's pages this process read: the weights now live in the model, and
+    the kernel keeps the mapped pages resident (counted in the engine's memory) until told.
+    The mapping stays valid; a later read pages the bytes in again."""
+    import mmap
+
+    mapped = getattr(getattr(reader.data, "base", None), "_mmap", None)
+    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mapped.madvise(mmap.MADV_DONTNEED)
+
+
+def _quantized_rows(
+    tensor: Any, where: TensorSlice | None, layout: TPLayout, unpermute: bool, hf_name: str
+) -> QuantizedTensor:
+    """A matrix's stored rows, undequantized: this rank's rows (zero rows past the end of a
+    padded vocabulary: scale 0), or its whole blocks of columns."""
+    import gguf
+    import torch
+
+    from engine.layers.quantized import QuantizedTensor
+    from engine.models.loader import pad_slice
+
+    rows, cols = (int(n) for n in reversed(tensor.shape.tolist()))
+    data = tensor.data  # uint8 [rows, row bytes]
+    if where is not None:
+        dim, start, stop = where
+        if dim == 0:
+            part = torch.from_numpy(np.array(data[start : min(stop, rows)]))
+            raw = pad_slice(part, 0, stop - start)
+        else:
+            _, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+            raw = torch.from_numpy(
+                np.array(data[:, start // 32 * block_bytes : stop // 32 * block_bytes])
+            )
+            cols = stop - start
+    else:
+        raw = torch.from_numpy(np.array(data))
+    if unpermute and hf_name.endswith("q_proj.weight"):  # whole rows move: exact on blocks
+        raw = _unpermute(raw, layout.num_heads)
+    elif unpermute and hf_name.endswith("k_proj.weight"):
+        raw = _unpermute(raw, layout.num_kv_heads)
+    return QuantizedTensor(raw.contiguous(), tensor.tensor_type.name, cols)
 
 
 def _dequantize_slice(tensor: Any, name: str, where: TensorSlice) -> torch.Tensor:

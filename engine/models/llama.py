@@ -190,8 +190,10 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding with the output head (again after the loader makes
         the parameters real, which unties)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        embed = self.model.embed_tokens
+        # A table kept on its quantized blocks is already shared (QuantEmbedding).
+        if self.config.tie_word_embeddings and isinstance(embed, nn.Embedding):
+            self.lm_head.weight = embed.weight
 
     def forward(
         self,

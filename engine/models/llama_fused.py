@@ -1,9 +1,10 @@
 """The fused decode step: a whole decode-only step of a Llama-family model in one C++ call.
 
-Used on CPUs for float32 models whose linears are packed in column blocks (`BlockedLinear`) and
-whose attention runs on the CPU kernel (a tensor-parallel rank too, where its group exchanges
-through shared memory): then a step in which every scheduled request decodes
-one token skips the per-layer Python and torch dispatch (csrc/fused_decode.h says what it
+Used on CPUs for float32 models whose linears are packed in column blocks (`BlockedLinear`) or
+kept on a GGUF file's quantized blocks (`QuantLinear`), and whose attention runs on the CPU
+kernel (a tensor-parallel rank too, where its group exchanges through shared memory): then a
+step in which every scheduled request decodes one token skips the per-layer Python and torch
+dispatch (csrc/fused_decode.h says what it
 fuses). Anything else — prefills, chunks, mixed steps, other devices — goes through the
 modules, which stay the reference the fused step is tested against.
 """
@@ -18,6 +19,7 @@ from torch.profiler import record_function
 from engine.layers.attention import AttentionBackend, AttentionMetadata
 from engine.layers.attention.cpu import CpuBackend
 from engine.layers.linear import BlockedEmbedding, BlockedLinear
+from engine.layers.quantized import QuantEmbedding, QuantLinear
 from engine.parallel.group import ShmGroup
 
 if TYPE_CHECKING:  # engine.models.llama imports this module
@@ -35,6 +37,7 @@ class FusedDecodeStep:
             model.layout.num_kv_heads,
             config.head_dim,
             config.rms_norm_eps,
+            [_quant_weights(layer) for layer in model.model.layers],
         )
         self.scale = config.head_dim**-0.5
         group = model.group
@@ -48,12 +51,13 @@ class FusedDecodeStep:
             return None
         if model.group.size > 1 and not isinstance(model.group, ShmGroup):
             return None  # the C++ step sums the ranks' halves through shared memory only
-        table = model.model.embed_tokens  # an nn.Embedding, or the tied head's blocks
-        rows = table.packed if isinstance(table, BlockedEmbedding) else table.weight
-        if rows.dtype != torch.float32:
-            return None
+        table = model.model.embed_tokens  # an nn.Embedding, the tied head's blocks, quantized
+        if not isinstance(table, QuantEmbedding):
+            rows = table.packed if isinstance(table, BlockedEmbedding) else table.weight
+            if rows.dtype != torch.float32:
+                return None
         for layer in model.model.layers:
-            if not all(isinstance(linear, BlockedLinear) for linear in _linears(layer)):
+            if not all(isinstance(linear, _FUSED_LINEARS) for linear in _linears(layer)):
                 return None
         return cls(model, backend.kernel)
 
@@ -91,6 +95,9 @@ class FusedDecodeStep:
         return out
 
 
+_FUSED_LINEARS = (BlockedLinear, QuantLinear)
+
+
 def _linears(layer: Any) -> tuple[Any, Any, Any, Any]:
     """A decoder layer's qkv, o, gate_up and down projections."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -98,22 +105,38 @@ def _linears(layer: Any) -> tuple[Any, Any, Any, Any]:
 
 
 def _layer_tensors(layer: Any) -> list[torch.Tensor | None]:
-    """In the order csrc/fused_decode.h's Slot enum lists them; absent ones are None."""
+    """In the order csrc/fused_decode.h's Slot enum lists them; absent ones are None (and a
+    quantized linear's float matrix: its weight goes in `_quant_weights`)."""
     attn = layer.self_attn
     qkv, o, gate_up, down = _linears(layer)
     q_norm = attn.q_norm.weight.detach() if attn.qk_norm else None
     k_norm = attn.k_norm.weight.detach() if attn.qk_norm else None
     return [
         layer.input_layernorm.weight.detach(),
-        qkv.packed,
-        qkv.bias,
+        _packed(qkv),
+        _bias(qkv),
         q_norm,
         k_norm,
-        o.packed,
-        o.bias,
+        _packed(o),
+        _bias(o),
         layer.post_attention_layernorm.weight.detach(),
-        gate_up.packed,
-        gate_up.bias,
-        down.packed,
-        down.bias,
+        _packed(gate_up),
+        _bias(gate_up),
+        _packed(down),
+        _bias(down),
     ]
+
+
+def _quant_weights(layer: Any) -> list[Any]:
+    """In the order of csrc/fused_decode.h's Linear enum: each quantized linear's QuantWeight,
+    None for the blocked ones."""
+    linears = _linears(layer)
+    return [lin.weight_q if isinstance(lin, QuantLinear) else None for lin in linears]
+
+
+def _packed(linear: Any) -> torch.Tensor | None:
+    return linear.packed if isinstance(linear, BlockedLinear) else None
+
+
+def _bias(linear: Any) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()

@@ -3,7 +3,11 @@ GGUF file (`gguf_file.py` maps its tensors to the Hugging Face names first).
 
 A tensor-parallel rank reads only its slice of each tensor (`TPLayout.tensor_slice`):
 safetensors reads the slice's bytes, GGUF dequantizes only its rows (and only its columns
-where they start and end on a quantization block)."""
+where they start and end on a quantization block).
+
+With `block_kernels`, a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices are not dequantized: the
+modules that use them are swapped for ones computing on the blocks before anything is
+allocated (engine/models/quantized_loading.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +20,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.layers.quantized import QUANT_TYPES, BlockKernels, QuantizedTensor, QuantLinear
 from engine.models.catalog import is_gguf_path
 from engine.models.config import ModelArchConfig
 from engine.models.llama import STACKED_PROJECTIONS, LlamaForCausalLM, StackedLinear
+from engine.models.quantized_loading import incomplete_modules, quantized_target
 from engine.parallel.group import SINGLE_RANK, TPGroup
 from engine.parallel.layout import SKIP, TensorSlice, TPLayout
 
@@ -59,32 +65,57 @@ def load_model(
     max_positions: int,
     layout: TPLayout | None = None,
     group: TPGroup = SINGLE_RANK,
+    block_kernels: BlockKernels | None = None,
 ) -> LlamaForCausalLM:
     """Build the model without touching memory (meta device), then fill it from disk (this
-    rank's slice of it, under tensor parallelism)."""
+    rank's slice of it, under tensor parallelism). With `block_kernels`, keep what the GGUF
+    file quantized on its blocks; a ValueError if nothing can be."""
     path = Path(path)
     layout = layout or TPLayout(config)
+    keep: frozenset[str] = frozenset()
     with _default_dtype(dtype), torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions, layout, group)
+        if block_kernels is not None:
+            keep = _keep_quantized(model, path, layout, block_kernels)
     # Module.to_empty's empty_like runs torch's Python reference on meta tensors, which
     # imports sympy (seconds in every process that loads a model); empty by shape does not.
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
-    _load_weights(model, checkpoint_tensors(path, config, layout), config)
+    _load_weights(model, checkpoint_tensors(path, config, layout, keep), config)
     model.model.rotary.build(device)
     return model.eval()
 
 
+def _keep_quantized(
+    model: nn.Module, path: Path, layout: TPLayout, kernels: BlockKernels
+) -> frozenset[str]:
+    from engine.models.gguf_file import open_gguf
+    from engine.models.quantized_loading import quantized_plan, swap_quantized_modules
+
+    plan = quantized_plan(open_gguf(path), layout) if is_gguf_path(path) else {}
+    if not plan:
+        raise ValueError(
+            f"the quantized linear backends need a GGUF checkpoint with matrices in "
+            f"{', '.join(QUANT_TYPES)}; {path.name} has none this engine can keep"
+        )
+    return frozenset(swap_quantized_modules(model, plan, kernels))
+
+
 def checkpoint_tensors(
-    path: Path, config: ModelArchConfig, layout: TPLayout | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
+    path: Path,
+    config: ModelArchConfig,
+    layout: TPLayout | None = None,
+    keep: frozenset[str] = frozenset(),
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """(Hugging Face name, tensor) for every weight of the checkpoint, one at a time: this
-    rank's slice of it, where `layout` splits the model."""
+    rank's slice of it, where `layout` splits the model; GGUF matrices named in `keep` in
+    their block types."""
     layout = layout or TPLayout(config)
     if is_gguf_path(path):
-        from engine.models.gguf_file import gguf_tensors, open_gguf
+        from engine.models.gguf_file import forget_readers, gguf_tensors, open_gguf
 
-        yield from gguf_tensors(open_gguf(path), config, path.name, layout)
+        yield from gguf_tensors(open_gguf(path), config, path.name, layout, keep)
+        forget_readers()  # the weights are the last an engine reads of the file
         return
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as shard:
@@ -121,7 +152,9 @@ def pad_slice(part: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def _load_weights(
-    model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], config: ModelArchConfig
+    model: nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor | QuantizedTensor]],
+    config: ModelArchConfig,
 ) -> None:
     params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
     modules = dict(model.named_modules())
@@ -132,6 +165,13 @@ def _load_weights(
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        if isinstance(tensor, QuantizedTensor):
+            quantized = quantized_target(name, modules)
+            if quantized is None:
+                unexpected.append(name)
+            else:
+                quantized[0].load_part(quantized[1], tensor)
+            continue
         target = _target(name, params, modules)
         if target is None:
             unexpected.append(name)
@@ -141,7 +181,7 @@ def _load_weights(
         loaded.add(name if rows is None else f"{param_name}[{rows.start}]")
     if unexpected:
         raise ValueError(f"checkpoint has weights the model does not: {sorted(unexpected)[:8]}")
-    missing = sorted(_expected_names(params, modules) - loaded)
+    missing = sorted(_expected_names(params, modules) - loaded) + incomplete_modules(model)
     if missing:
         raise ValueError(f"checkpoint lacks weights: {missing[:8]}")
 
@@ -158,7 +198,7 @@ def _target(
         module_name = ".".join([*parts[:-2], stacked])
         module = modules.get(module_name)
         param_name = f"{module_name}.{parts[-1]}"
-        if isinstance(module, StackedLinear) and param_name in params:
+        if _stacked(module) and param_name in params:
             return param_name, module.shard_rows(index)
     return None
 
@@ -179,10 +219,17 @@ def _expected_names(params: dict[str, nn.Parameter], modules: dict[str, nn.Modul
     expected: set[str] = set()
     for name in params:
         module = modules.get(name.rsplit(".", 1)[0])
-        if isinstance(module, StackedLinear):
+        if _stacked(module):
             expected.update(
                 f"{name}[{module.shard_rows(i).start}]" for i in range(len(module.shard_sizes))
             )
         else:
             expected.add(name)
     return expected
+
+
+def _stacked(module: nn.Module | None) -> bool:
+    """A layer holding several checkpoint matrices (and biases) one after another."""
+    if isinstance(module, StackedLinear):
+        return True
+    return isinstance(module, QuantLinear) and len(module.shard_sizes) > 1

@@ -18,10 +18,12 @@ from engine.kv_connector import KVConnectorBase
 from engine.layers.attention import get_attention_backend
 from engine.layers.linear import pack_linears
 from engine.layers.linear import warm_up as warm_up_linears
+from engine.layers.quantized import QUANTIZED_BACKENDS
 from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_fused import FusedDecodeStep
 from engine.models.loader import load_model
+from engine.models.quantized_loading import block_kernels
 from engine.outputs import TokenLogprobs
 from engine.parallel.group import SINGLE_RANK, TPGroup, rank_device
 from engine.parallel.layout import TPLayout
@@ -38,6 +40,7 @@ from engine.tokenizer import Tokenizer
 from engine.worker.cuda_graphs import DecodeGraphs, measure_graph_memory
 from engine.worker.draft_model import DraftModelProposer
 from engine.worker.draft_steps import keep_accepted, sample_drafted
+from engine.worker.host_memory import return_freed_memory
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -123,14 +126,24 @@ class ModelRunner:
                 self.device,
                 self.config.scheduler.max_num_batched_tokens,
             )
+        return_freed_memory()
 
     def _build_model(self, path: str, arch: ModelArchConfig) -> LlamaForCausalLM:
         # +1 position: the token sampled at max_model_len - 1 is never fed back, but the
         # rotary table is indexed by every position the runner may see.
+        backend = self.config.model.linear_backend
         model = load_model(
-            path, arch, self.dtype, self.device, self.max_model_len + 1, self.layout, self.group
+            path,
+            arch,
+            self.dtype,
+            self.device,
+            self.max_model_len + 1,
+            self.layout,
+            self.group,
+            block_kernels(path, backend, self.device, self.dtype),
         )
-        if pack_linears(model, self.config.model.linear_backend, self.device):
+        # What stayed float (norms aside: other types, other files) packs as under `auto`.
+        if pack_linears(model, "auto" if backend in QUANTIZED_BACKENDS else backend, self.device):
             warm_up_linears(model, self.config.scheduler.max_num_seqs)
         model.fused_decode = FusedDecodeStep.build(model, self.attn_backend)
         return model

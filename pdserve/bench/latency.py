@@ -12,6 +12,12 @@ are rank 0's share (each rank reads its own with its own threads), and `collecti
 rank 0's time in all-reduce and all-gather. The breakdown comes from a run of its own with the
 engine's StepTimer on (it synchronizes a GPU at each phase); `outside_steps` is the time
 between steps (the offline loop's output processing).
+
+Several `--linear-backends` (e.g. `quantized,blocked`: a GGUF's blocks against its float32
+dequantization) build one engine each, side by side, and alternate whole reports `repeats`
+times, keeping each batch's best; `ratio_to_<backend>` compares the first with the others.
+`--memory` starts each engine alone in a fresh process and reports its resident memory
+beside the file and the KV pool (engine/worker's "memory" script below).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from torch import nn
 from engine.models.catalog import SMOLLM2_MODEL
 from engine.step_timer import PHASES, StepTimer
 from pdserve.bench.stats import decode_seconds
-from pdserve.flags import Flag, int_list
+from pdserve.flags import Flag, int_list, str_list
 
 _BANDWIDTH_BUFFER_BYTES = 512 << 20  # far beyond any last-level cache
 _PROBE_STREAMS = (1, 4, 8)  # sequential streams per thread the CPU read probe tries
@@ -60,6 +66,10 @@ class LatencyBenchConfig:
     llamacpp_python: str = ""
     """a Python with llama-cpp-python (a throwaway venv, never a dependency): it decodes the
     same GGUF file single-stream, alternating with the engine"""
+    linear_backends: tuple[str, ...] = ("auto",)
+    """the engines' linear backends, comma-separated: one engine each, runs alternating"""
+    memory: bool = False
+    """start each engine alone in a fresh process and report its resident memory"""
 
     def __post_init__(self) -> None:
         for name in ("input_len", "repeats"):
@@ -69,25 +79,59 @@ class LatencyBenchConfig:
             raise ValueError(f"output_len must be >= 2 (decode steps), got {self.output_len}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch sizes must be >= 1, got {list(self.batch_sizes)}")
+        if not self.linear_backends or len(set(self.linear_backends)) != len(self.linear_backends):
+            raise ValueError(f"linear backends must be distinct, got {list(self.linear_backends)}")
 
 
 def run(config: LatencyBenchConfig) -> dict[str, Any]:
     from engine.llm import LLM
 
-    llm = LLM(
-        config.model,
-        device=config.device,
-        max_model_len=config.input_len + config.output_len,
-        max_num_seqs=max(config.batch_sizes),
-        seed=config.seed,
-        # Off: the timed runs repeat their prompts, and each should do the same work.
-        enable_prefix_caching=False,
-        tensor_parallel_size=config.tensor_parallel_size,
-    )
+    llms: dict[str, Any] = {}
     try:
-        return _report(llm, config)
+        for backend in config.linear_backends:
+            llms[backend] = LLM(
+                config.model,
+                device=config.device,
+                max_model_len=config.input_len + config.output_len,
+                max_num_seqs=max(config.batch_sizes),
+                seed=config.seed,
+                # Off: the timed runs repeat their prompts, and each should do the same work.
+                enable_prefix_caching=False,
+                tensor_parallel_size=config.tensor_parallel_size,
+                linear_backend=backend,
+            )
+        if len(llms) == 1:
+            report = _report(llms[config.linear_backends[0]], config)
+        else:
+            report = _side_by_side(llms, config)
     finally:
-        llm.close()  # a split engine's ranks end with it
+        for llm in llms.values():
+            llm.close()  # a split engine's ranks end with it
+    if config.memory:
+        from pdserve.bench.memory import engine_memory
+
+        report["memory"] = {b: engine_memory(config.model, b) for b in config.linear_backends}
+    return report
+
+
+def _side_by_side(llms: dict[str, Any], config: LatencyBenchConfig) -> dict[str, Any]:
+    """Whole reports of each engine in turn, `repeats` times (one run each per turn): each
+    batch's best run per engine, and the first engine's decode speed over the others'."""
+    once = dataclasses.replace(config, repeats=1)
+    best: dict[str, dict[str, Any]] = {}
+    for _ in range(config.repeats):
+        for backend, llm in llms.items():
+            report = _report(llm, once)
+            kept = best.setdefault(backend, report)
+            for size, entry in report["batches"].items():
+                if entry["decode_tokens_per_s"] > kept["batches"][size]["decode_tokens_per_s"]:
+                    kept["batches"][size] = entry
+    first, *others = config.linear_backends
+    for size, entry in best[first]["batches"].items():
+        for other in others:
+            theirs = best[other]["batches"][size]["decode_tokens_per_s"]
+            entry[f"ratio_to_{other}"] = round(entry["decode_tokens_per_s"] / theirs, 3)
+    return {"benchmark": "latency", "config": asdict(config), "engines": best}
 
 
 def _report(llm: Any, config: LatencyBenchConfig) -> dict[str, Any]:
@@ -107,6 +151,7 @@ def _report(llm: Any, config: LatencyBenchConfig) -> dict[str, Any]:
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "torch_threads": torch.get_num_threads(),
+        "linear_backend": llm.engine.config.model.linear_backend,
         "weight_bytes": weights,
         "read_bandwidth_gbps": round(bandwidth / 1e9, 2),
         "bandwidth_bound_tokens_per_s": round(bound, 1),
@@ -300,9 +345,13 @@ def weight_bytes(model: nn.Module) -> int:
     (a tied output head is the embedding table, counted once; an untied embedding table is
     left out: a step reads only the rows of its tokens)."""
     from engine.layers.linear import BlockedLinear, PackedLinear
+    from engine.layers.quantized import QuantLinear
 
     seen: set[int] = set()
     total = 0
+    for module in model.modules():  # on their blocks (a tied table: as the head's, once)
+        if isinstance(module, QuantLinear) and module.weight_q is not None:
+            total += module.weight_q.nbytes
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     heads = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     for module in model.modules():
@@ -354,4 +403,5 @@ FLAGS = {
     "batch_sizes": Flag(parse=int_list),
     "profile_dir": Flag(name="--profile", metavar="DIR"),
     "llamacpp_python": Flag(metavar="PYTHON"),
+    "linear_backends": Flag(parse=str_list),
 }

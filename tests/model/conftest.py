@@ -38,3 +38,10 @@ def hf_refs(tmp_path_factory, engine_device) -> dict[str, HFReference]:
         name: HFReference(name, tmp_path_factory.mktemp(name), engine_device)
         for name in ARCHITECTURES
     }
+
+
+@pytest.fixture(scope="session")
+def float_weights(engine_device) -> dict[str, str]:
+    """Engine arguments for a GGUF file's float32 path (dequantized at load): on CPUs `auto`
+    would compute on its quantized blocks, which transformers' dequantizing oracle does not."""
+    return {"linear_backend": "blocked"} if engine_device["device"] == "cpu" else {}

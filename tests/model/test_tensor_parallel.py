@@ -140,14 +140,14 @@ def test_gloo_collectives_give_the_same_tokens(hf_refs):
         llm.close()
 
 
-def test_smollm2_at_three_ranks_matches_one(engine_device):
+def test_smollm2_at_three_ranks_matches_one(engine_device, float_weights):
     path = str(resolve_model("smollm2"))
     texts = ("The capital of France is", "def fibonacci(n):\n", "Once upon a time")
-    one = LLM(path, max_model_len=128, **engine_device)
+    one = LLM(path, max_model_len=128, **engine_device, **float_weights)
     prompt_list = [one.tokenizer.encode(text) for text in texts]
     single, single_logits = _tokens_and_logprobs(one, prompt_list), _logits_of(one, prompt_list)
     one.close()
-    three = LLM(path, max_model_len=128, tensor_parallel_size=3, **engine_device)
+    three = LLM(path, max_model_len=128, tensor_parallel_size=3, **engine_device, **float_weights)
     try:
         _sharded(three, 3)
         assert three.engine.runner.layout.num_kv_heads == 1  # 3 KV heads over 3 ranks

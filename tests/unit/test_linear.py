@@ -199,13 +199,15 @@ def test_blocked_backend_refuses_where_the_kernels_cannot_build(monkeypatch, cap
 def test_prefill_engines_pack_for_onednn_on_cpus_unless_told_otherwise():
     from deployments.replica.engine_server import DecodeServer, PrefillServer
 
-    assert PrefillServer.role_engine_args({"max_model_len": 64}) == {
+    assert PrefillServer.role_engine_args("tiny", {"max_model_len": 64}) == {
         "max_model_len": 64,
         "linear_backend": "onednn",  # no GPU here: "auto" means a CPU
     }
-    assert PrefillServer.role_engine_args({"device": "cpu"})["linear_backend"] == "onednn"
+    assert PrefillServer.role_engine_args("tiny", {"device": "cpu"})["linear_backend"] == "onednn"
     explicit = {"linear_backend": "blocked"}
-    assert PrefillServer.role_engine_args(explicit) == explicit
+    assert PrefillServer.role_engine_args("tiny", explicit) == explicit
     on_gpu = {"device": "cuda"}
-    assert PrefillServer.role_engine_args(on_gpu) == on_gpu
-    assert DecodeServer.role_engine_args({}) == {}  # decode engines keep auto: blocked + fused
+    assert PrefillServer.role_engine_args("tiny", on_gpu) == on_gpu
+    # A GGUF's quantized blocks stay quantized (auto): the decode side computes the same KV.
+    assert PrefillServer.role_engine_args("smollm2", {}) == {}
+    assert DecodeServer.role_engine_args("tiny", {}) == {}  # auto: blocked + fused

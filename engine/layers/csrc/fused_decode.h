@@ -8,7 +8,8 @@
 // added in its epilogue -> RMSNorm -> gate_up linear -> SiLU(gate) * up -> down linear with the
 // residual; buffers are allocated once per step and reused by every layer. The module path
 // (engine/models/llama.py) stays the reference this must agree with (tests/unit/test_fused_decode.py).
-// The linears' weights are packed in column blocks (blocked_gemm.h), shared with the module path.
+// The linears' weights are packed in column blocks (blocked_gemm.h), shared with the module path,
+// or kept on their GGUF quantized blocks (quant_gemm.h): each linear is one or the other.
 //
 // A tensor-parallel rank (`join`) holds its share of the heads and of the MLP: its o and down
 // linears give partial sums, summed over the ranks through shared memory (shm_collectives.h)
@@ -26,6 +27,7 @@
 
 #include "blocked_gemm.h"
 #include "paged_attention.h"
+#include "quant_gemm.h"
 #include "shm_collectives.h"
 #include "vec_math.h"
 
@@ -35,8 +37,15 @@ namespace pdserve::fused {
 enum Slot { kInNorm, kQkv, kQkvBias, kQNorm, kKNorm, kO, kOBias, kPostNorm, kGateUp, kGateUpBias,
             kDown, kDownBias, kSlots };
 
+// The four linears, in the order Python passes their quantized weights.
+enum Linear { kQkvLinear, kOLinear, kGateUpLinear, kDownLinear, kLinears };
+constexpr Slot kLinearSlot[kLinears] = {kQkv, kO, kGateUp, kDown};
+
+using QuantWeights = std::vector<std::shared_ptr<quant::QuantWeight>>;
+
 struct Layer {
   const float* p[kSlots] = {};
+  std::shared_ptr<quant::QuantWeight> q[kLinears];  // set: that linear computes on its blocks
 };
 
 inline const float* data_or_null(const c10::optional<torch::Tensor>& t) {
@@ -77,7 +86,7 @@ class Decoder {
  public:
   Decoder(const std::vector<std::vector<c10::optional<torch::Tensor>>>& layers,
           torch::Tensor final_norm, int64_t heads, int64_t kv_heads, int64_t head_dim,
-          double eps)
+          double eps, const std::vector<QuantWeights>& quant_layers)
       : final_norm_(std::move(final_norm)), heads_(heads), kv_heads_(kv_heads),
         head_dim_(head_dim), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(!layers.empty() && heads > 0 && kv_heads > 0 && heads % kv_heads == 0 &&
@@ -85,12 +94,23 @@ class Decoder {
                 "bad model geometry");
     hidden_ = final_norm_.size(0);
     const auto& first = layers[0];
-    TORCH_CHECK(first.size() == kSlots && first[kDown].has_value() && first[kDown]->dim() == 3,
+    TORCH_CHECK(first.size() == kSlots, "bad layer list");
+    TORCH_CHECK(quant_layers.empty() || quant_layers.size() == layers.size(),
+                "one list of quantized weights per layer, or none");
+    const auto quant = [&](size_t l) {
+      return quant_layers.empty() ? QuantWeights(kLinears) : quant_layers[l];
+    };
+    // The MLP's inner width: from the down projection, packed [N/16, inner, 16] or quantized.
+    const QuantWeights first_quant = quant(0);
+    TORCH_CHECK(first_quant.size() == kLinears, "each layer passes ", kLinears,
+                " quantized weights (or None)");
+    const auto& down_q = first_quant[kDownLinear];
+    TORCH_CHECK(down_q != nullptr || (first[kDown].has_value() && first[kDown]->dim() == 3),
                 "bad layer list");
-    inner_ = first[kDown]->size(1);
+    inner_ = down_q != nullptr ? down_q->in_features() : first[kDown]->size(1);
     qk_norm_ = first[kQNorm].has_value();
     keep_.push_back(final_norm_);
-    for (const auto& tensors : layers) layers_.push_back(adopt(tensors));
+    for (size_t l = 0; l < layers.size(); ++l) layers_.push_back(adopt(layers[l], quant(l)));
   }
 
   // hidden [B, H] (the embedded input tokens, one per request) -> the final-normed hidden
@@ -136,8 +156,7 @@ class Decoder {
       for_rows(rows, [&](int64_t r) {
         rms_norm_rows(hp + r * hidden_, 0, xp + r * hidden_, 0, w.p[kInNorm], 1, hidden_, eps_);
       });
-      blocked::linear_into(xp, hidden_, w.p[kQkv], qkv_width, hidden_, w.p[kQkvBias], nullptr, 0,
-                           qkvp, qkv_width, rows);
+      linear(w, kQkvLinear, xp, hidden_, w.p[kQkvBias], nullptr, 0, qkvp, qkv_width, rows);
       for_rows(rows, [&](int64_t r) {
         float* q = qkvp + r * qkv_width;
         if (qk_norm_) {
@@ -150,25 +169,23 @@ class Decoder {
       attention::paged_decode_attention(attn, query, kv_caches[l], block_table, seq_lens, window,
                                         scale);
       if (group_size_ == 1) {
-        blocked::linear_into(attn.data_ptr<float>(), q_width, w.p[kO], hidden_, q_width,
-                             w.p[kOBias], hp, hidden_, hp, hidden_, rows);
+        linear(w, kOLinear, attn.data_ptr<float>(), q_width, w.p[kOBias], hp, hidden_, hp, hidden_,
+               rows);
       } else {
-        blocked::linear_into(attn.data_ptr<float>(), q_width, w.p[kO], hidden_, q_width,
-                             w.p[kOBias], nullptr, 0, partial.data_ptr<float>(), hidden_, rows);
+        linear(w, kOLinear, attn.data_ptr<float>(), q_width, w.p[kOBias], nullptr, 0,
+               partial.data_ptr<float>(), hidden_, rows);
         add_reduced(partial, hp);
       }
       for_rows(rows, [&](int64_t r) {
         rms_norm_rows(hp + r * hidden_, 0, xp + r * hidden_, 0, w.p[kPostNorm], 1, hidden_, eps_);
       });
-      blocked::linear_into(xp, hidden_, w.p[kGateUp], 2 * inner_, hidden_, w.p[kGateUpBias],
-                           nullptr, 0, gp, 2 * inner_, rows);
+      linear(w, kGateUpLinear, xp, hidden_, w.p[kGateUpBias], nullptr, 0, gp, 2 * inner_, rows);
       silu_mul(gp, ap, rows);
       if (group_size_ == 1) {
-        blocked::linear_into(ap, inner_, w.p[kDown], hidden_, inner_, w.p[kDownBias], hp, hidden_,
-                             hp, hidden_, rows);
+        linear(w, kDownLinear, ap, inner_, w.p[kDownBias], hp, hidden_, hp, hidden_, rows);
       } else {
-        blocked::linear_into(ap, inner_, w.p[kDown], hidden_, inner_, w.p[kDownBias], nullptr, 0,
-                             partial.data_ptr<float>(), hidden_, rows);
+        linear(w, kDownLinear, ap, inner_, w.p[kDownBias], nullptr, 0, partial.data_ptr<float>(),
+               hidden_, rows);
         add_reduced(partial, hp);
       }
     }
@@ -197,6 +214,24 @@ class Decoder {
   }
 
  private:
+  // y = x W^T (+ bias) (+ residual) for one of the layer's linears, on whichever weights it has
+  // (x has the linear's in_features, y its out_features; y may be the residual).
+  void linear(const Layer& w, Linear which, const float* x, int64_t x_stride, const float* bias,
+              const float* residual, int64_t res_stride, float* y, int64_t y_stride,
+              int64_t rows) const {
+    const auto& q = w.q[which];
+    if (q != nullptr) {
+      q->into(x, x_stride, rows, bias, residual, res_stride, y, y_stride);
+      return;
+    }
+    const int64_t n = which == kQkvLinear      ? (heads_ + 2 * kv_heads_) * head_dim_
+                      : which == kGateUpLinear ? 2 * inner_
+                                               : hidden_;
+    const int64_t k = which == kOLinear ? heads_ * head_dim_ : which == kDownLinear ? inner_ : hidden_;
+    blocked::linear_into(x, x_stride, w.p[kLinearSlot[which]], n, k, bias, residual, res_stride, y,
+                         y_stride, rows);
+  }
+
   // hp += the sum over the ranks of `partial` (which the sum overwrites).
   void add_reduced(const torch::Tensor& partial, float* hp) const {
     const auto start = std::chrono::steady_clock::now();
@@ -230,18 +265,31 @@ class Decoder {
 
   static constexpr int64_t kParallelRows = 4;
 
-  Layer adopt(const std::vector<c10::optional<torch::Tensor>>& tensors) {
+  Layer adopt(const std::vector<c10::optional<torch::Tensor>>& tensors, const QuantWeights& quant) {
     TORCH_CHECK(tensors.size() == kSlots, "each layer passes ", kSlots, " tensors (or None)");
+    TORCH_CHECK(quant.size() == kLinears, "each layer passes ", kLinears, " quantized weights (or None)");
     const int64_t d = head_dim_, qkv_width = (heads_ + 2 * kv_heads_) * d;
     const int64_t expected[kSlots][2] = {
         {hidden_, 0},    {qkv_width, hidden_}, {qkv_width, 0}, {d, 0},
         {d, 0},          {hidden_, heads_ * d}, {hidden_, 0},  {hidden_, 0},
         {2 * inner_, hidden_}, {2 * inner_, 0}, {hidden_, inner_}, {hidden_, 0}};
     Layer layer;
+    for (int l = 0; l < kLinears; ++l) {
+      const auto& q = quant[l];
+      if (q == nullptr) continue;
+      const int64_t s = kLinearSlot[l];
+      TORCH_CHECK(!tensors[s].has_value(), "linear ", l, " has both float and quantized weights");
+      TORCH_CHECK(q->out_features() == expected[s][0] && q->in_features() == expected[s][1],
+                  "quantized linear ", l, " has the wrong shape");
+      layer.q[l] = q;
+    }
     for (int s = 0; s < kSlots; ++s) {
       const auto& t = tensors[s];
+      const bool quantized = (s == kQkv && layer.q[kQkvLinear]) || (s == kO && layer.q[kOLinear]) ||
+                             (s == kGateUp && layer.q[kGateUpLinear]) ||
+                             (s == kDown && layer.q[kDownLinear]);
       const bool optional = s == kQkvBias || s == kOBias || s == kGateUpBias || s == kDownBias ||
-                            s == kQNorm || s == kKNorm;
+                            s == kQNorm || s == kKNorm || quantized;
       TORCH_CHECK(t.has_value() || optional, "layer tensor ", s, " is required");
       if (!t.has_value()) continue;
       TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous(),
@@ -275,7 +323,11 @@ class Decoder {
 inline void bind(pybind11::module& m) {
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&,
-                          torch::Tensor, int64_t, int64_t, int64_t, double>())
+                          torch::Tensor, int64_t, int64_t, int64_t, double,
+                          const std::vector<QuantWeights>&>(),
+           pybind11::arg("layers"), pybind11::arg("final_norm"), pybind11::arg("heads"),
+           pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"),
+           pybind11::arg("quant_layers") = std::vector<QuantWeights>())
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("join", &Decoder::join)
       .def("take_collective_seconds", &Decoder::take_collective_seconds);

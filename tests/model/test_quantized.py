@@ -1,0 +1,146 @@
+"""Engines computing on a GGUF file's quantized blocks against the same file's float32 path
+(`blocked`: dequantized at load, the oracle that equals transformers, tests/model/test_gguf.py).
+
+`quantized_float` multiplies float32 activations by the blocks: the float path's tokens, every
+type. `quantized` (what `auto` picks on CPUs) quantizes activations to int8 per block of 32,
+as llama.cpp does: not the float path's bits, so SmolLM2's Q4_1 file is held to its float
+path's perplexity within 1%, and the rest to what must hold whatever the rounding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.layers.linear import BlockedLinear
+from engine.layers.quantized import QuantEmbedding, QuantLinear
+from engine.llm import LLM
+from engine.models.catalog import resolve_model
+from engine.request import SamplingParams
+from engine.testing.gguf_writer import write_gguf
+from pdserve.bench import perplexity as ppl
+from tests.model.test_parity import GREEDY, prompts
+
+pytestmark = pytest.mark.usefixtures("two_threads")
+
+ENGINE_ARGS = dict(max_model_len=96, block_size=4, num_gpu_blocks_override=400, device="cpu")
+
+
+def _on_blocks(llm: LLM) -> None:
+    """Every linear, the embedding and the head compute on blocks; the fused decode step is on."""
+    model = llm.engine.runner.model
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            assert isinstance(linear, QuantLinear) and linear.weight_q is not None
+            assert not hasattr(linear, "weight")  # no float copy of the matrix
+    assert isinstance(model.lm_head, QuantLinear)
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    if model.config.tie_word_embeddings:  # one table for both
+        assert model.lm_head.weight_q is model.model.embed_tokens.weight_q
+    assert model.fused_decode is not None
+
+
+def _greedy(llm: LLM, prompt_list, params=GREEDY) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_list], params)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+# The architectures the GGUF writer handles (not llama3 rope scaling, not mistral).
+GGUF_ARCHITECTURES = ["llama_gqa", "qwen2_bias", "qwen3_qk_norm"]
+
+
+@pytest.mark.parametrize("arch", GGUF_ARCHITECTURES)
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0", "Q4_1"])
+def test_float_activations_on_blocks_give_the_float_paths_tokens(
+    hf_refs, tmp_path, arch, tensor_type
+):
+    ref = hf_refs[arch]
+    path = str(write_gguf(Path(ref.path), tmp_path / f"{arch}.gguf", tensor_type))
+    float_path = LLM(path, **ENGINE_ARGS, linear_backend="blocked")
+    expected = _greedy(float_path, prompts())
+    assert isinstance(float_path.engine.runner.model.model.layers[0].mlp.down_proj, BlockedLinear)
+    float_path.close()
+    llm = LLM(path, **ENGINE_ARGS, linear_backend="quantized_float")
+    _on_blocks(llm)
+    assert llm.engine.runner.model.lm_head.weight_q.float_activations
+    assert _greedy(llm, prompts()) == expected
+    llm.close()
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_1"])
+def test_four_bit_files_on_blocks_answer_alike_alone_and_in_a_batch(hf_refs, tmp_path, tensor_type):
+    """4-bit random weights with int8 activations are too coarse for token equality with the
+    float path (a rounding difference moves an activation across an int8 step). What must
+    hold: the blocks are used, and a request's tokens do not depend on what it is batched
+    with (each row is quantized and multiplied alone), which P/D and migration rely on."""
+    ref = hf_refs["qwen2_bias"]  # biases on q/k/v: float parameters beside quantized weights
+    path = str(write_gguf(Path(ref.path), tmp_path / "q.gguf", tensor_type))
+    llm = LLM(path, **ENGINE_ARGS)  # auto: int8 activations on the blocks
+    _on_blocks(llm)
+    assert not llm.engine.runner.model.lm_head.weight_q.float_activations
+    together = _greedy(llm, prompts()[:5])
+    assert [_greedy(llm, [p])[0] for p in prompts()[:5]] == together
+    llm.close()
+
+
+def test_tensor_parallel_ranks_compute_on_their_slices_of_the_blocks(hf_refs, tmp_path):
+    ref = hf_refs["llama_gqa"]
+    path = str(write_gguf(Path(ref.path), tmp_path / "m.gguf", "Q8_0"))
+    single = _greedy(LLM(path, **ENGINE_ARGS), prompts()[:4])
+    two = LLM(path, **ENGINE_ARGS, tensor_parallel_size=2)
+    try:
+        _on_blocks(two)
+        down = two.engine.runner.model.model.layers[0].mlp.down_proj
+        assert down.in_features == 64  # half of the 128-wide MLP: whole blocks of columns
+        assert _greedy(two, prompts()[:4]) == single
+    finally:
+        two.close()
+
+
+def test_the_quantized_backend_refuses_what_it_cannot_do(hf_refs, tmp_path):
+    ref = hf_refs["llama_gqa"]
+    with pytest.raises(ValueError, match="need a GGUF checkpoint with matrices in Q4_0"):
+        LLM(ref.path, **ENGINE_ARGS, linear_backend="quantized")
+    f32 = str(write_gguf(Path(ref.path), tmp_path / "f32.gguf", "F32"))
+    with pytest.raises(ValueError, match="has none this engine can keep"):
+        LLM(f32, **ENGINE_ARGS, linear_backend="quantized")
+    q8 = str(write_gguf(Path(ref.path), tmp_path / "q8.gguf", "Q8_0"))
+    with pytest.raises(ValueError, match="needs a CPU device and dtype float32"):
+        LLM(q8, **ENGINE_ARGS | {"dtype": "bfloat16"}, linear_backend="quantized")
+    llm = LLM(f32, **ENGINE_ARGS)  # auto on an F32 file: the float path, no error
+    assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj, BlockedLinear)
+    llm.close()
+
+
+def test_smollm2_on_its_q4_1_blocks_keeps_its_float_paths_perplexity():
+    path = str(resolve_model("smollm2"))
+    results = {}
+    for backend in ("quantized", "blocked"):
+        llm = LLM(path, device="cpu", linear_backend=backend, max_model_len=512)
+        if backend == "quantized":
+            _on_blocks(llm)
+        windows = ppl.text_windows(llm, 256)[:4]  # ~1,000 tokens of the fixed English text
+        results[backend] = ppl.perplexity(llm, windows)
+        llm.close()
+    assert results["quantized"] <= results["blocked"] * 1.01, results
+    assert results["blocked"] < 40  # a real model reading English, not noise
+
+
+def test_the_embedding_on_blocks_is_the_float_tables_rows(tmp_path, hf_refs):
+    ref = hf_refs["qwen3_qk_norm"]  # tied: the head's table
+    path = str(write_gguf(Path(ref.path), tmp_path / "t.gguf", "Q8_0"))
+    blocks = LLM(path, **ENGINE_ARGS).engine.runner.model.model.embed_tokens
+    floats = LLM(path, **ENGINE_ARGS, linear_backend="torch").engine.runner.model.model
+    ids = torch.tensor([[0, 5, 319], [7, 7, 1]])
+    assert torch.equal(blocks(ids), floats.embed_tokens(ids))
+    with pytest.raises(IndexError, match="outside the embedding table"):
+        blocks(torch.tensor([320]))
+
+
+def test_seeded_sampling_on_blocks_is_reproducible(hf_refs, tmp_path):
+    path = str(write_gguf(Path(hf_refs["llama_gqa"].path), tmp_path / "m.gguf", "Q4_1"))
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
+    first = _greedy(LLM(path, **ENGINE_ARGS), prompts()[:3], params)
+    assert _greedy(LLM(path, **ENGINE_ARGS), prompts()[:3], params) == first
