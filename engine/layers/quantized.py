@@ -1,7 +1,8 @@
 """Linear layers and embedding tables that compute on a GGUF file's quantized blocks.
 
-A GGUF matrix in Q4_0, Q4_1 or Q8_0 is kept in its block type (csrc/quant_gemm.h rearranges
-the blocks into SIMD tiles of the same bytes and says how the products are computed): a
+A GGUF matrix in Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K is kept in its block type
+(csrc/quant_formats.h rearranges the blocks into SIMD tiles; csrc/quant_gemm.h says how the
+products are computed): a
 `QuantLinear` multiplies by it, a `QuantEmbedding` looks rows up in it (a tied head and its
 embedding share one table). The loader (engine/models/quantized_loading.py) puts these modules
 in the model before any float weight is allocated, and hands them the raw rows of the file.
@@ -23,9 +24,8 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-# GGML type name -> its id (what csrc/quant_gemm.h's `Type` takes).
-QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-BLOCK = 32  # weights per block, in every type above
+# GGML type name -> its id (what csrc/quant_formats.h's `Type` takes).
+QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 
 QUANTIZED_BACKENDS = ("quantized", "quantized_float")
@@ -51,8 +51,8 @@ class BlockKernels:
 @dataclass(frozen=True)
 class QuantizedTensor:
     """A checkpoint matrix in its block type: `raw` holds its rows as the file stores them
-    (uint8 [rows, in_features / 32 * block bytes]); a rank's slice is whole rows, or whole
-    blocks of columns."""
+    (uint8 [rows, in_features / block weights * block bytes]); a rank's slice is whole rows,
+    or whole blocks of columns."""
 
     raw: torch.Tensor
     type_name: str

@@ -236,9 +236,9 @@ def _quantized_rows(
             part = torch.from_numpy(np.array(data[start : min(stop, rows)]))
             raw = pad_slice(part, 0, stop - start)
         else:
-            _, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+            block, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
             raw = torch.from_numpy(
-                np.array(data[:, start // 32 * block_bytes : stop // 32 * block_bytes])
+                np.array(data[:, start // block * block_bytes : stop // block * block_bytes])
             )
             cols = stop - start
     else:

@@ -15,7 +15,6 @@ from typing import Any
 from torch import nn
 
 from engine.layers.quantized import (
-    BLOCK,
     QUANT_TYPES,
     QUANTIZED_BACKENDS,
     BlockKernels,
@@ -38,6 +37,8 @@ _LAYER_LINEARS = {
 def quantized_plan(reader: Any, layout: TPLayout) -> dict[str, str]:
     """Hugging Face weight name -> block type, for the file's matrices this rank can keep on
     their blocks."""
+    import gguf
+
     plan: dict[str, str] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
@@ -50,7 +51,8 @@ def quantized_plan(reader: Any, layout: TPLayout) -> dict[str, str]:
         if where is not None:
             assert not isinstance(where, str)
             dim, start, stop = where
-            if dim == 1 and (start % BLOCK or stop % BLOCK):
+            block = gguf.GGML_QUANT_SIZES[tensor.tensor_type][0]
+            if dim == 1 and (start % block or stop % block):
                 continue  # this rank's columns start or end inside a block
         plan[name] = type_name
     return plan

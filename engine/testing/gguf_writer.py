@@ -9,6 +9,7 @@ does the writing and the quantizing; this module only lays the tensors out the l
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import gguf
@@ -117,8 +118,31 @@ def _add_tensor(
     if qtype == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, array.astype(np.float16))
         return
-    quantized = gguf.quants.quantize(array, qtype)
+    if qtype.name in _K_HALVES:  # the gguf package cannot quantize these
+        quantized = random_k_blocks(qtype, *array.shape, seed=zlib.crc32(name.encode()))
+    else:
+        quantized = gguf.quants.quantize(array, qtype)
     writer.add_tensor(name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
+
+
+# Where each K type's float16 fields (d, dmin) sit in its block.
+_K_HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_k_blocks(
+    qtype: gguf.GGMLQuantizationType, rows: int, cols: int, seed: int
+) -> np.ndarray:
+    """Random blocks of a K type for a [rows, cols] matrix (uint8 [rows, row bytes]): every
+    byte pattern is a valid block once its float16 scales are sane ones. The `gguf` package
+    cannot quantize K types, so files written with them hold these: for tests of loading and
+    of kernels (the weights are noise of the right shape), not of what a model says."""
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // block, block_bytes), dtype=np.uint8)
+    for offset in _K_HALVES[qtype.name]:
+        scale = rng.uniform(0.0005, 0.002, size=(rows, cols // block)).astype(np.float16)
+        raw[..., offset : offset + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
 
 
 def _permute(weights: np.ndarray, num_heads: int) -> np.ndarray:

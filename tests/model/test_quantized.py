@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.layers.linear import BlockedLinear
-from engine.layers.quantized import QuantEmbedding, QuantLinear
+from engine.layers.quantized import QUANT_TYPES, QuantEmbedding, QuantLinear
 from engine.llm import LLM
 from engine.models.catalog import resolve_model
 from engine.request import SamplingParams
@@ -144,3 +144,22 @@ def test_seeded_sampling_on_blocks_is_reproducible(hf_refs, tmp_path):
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
     first = _greedy(LLM(path, **ENGINE_ARGS), prompts()[:3], params)
     assert _greedy(LLM(path, **ENGINE_ARGS), prompts()[:3], params) == first
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_type_files_compute_on_their_blocks(tmp_path, tensor_type):
+    """The tiny model (widths of whole 256-weight blocks) written with random K-type blocks
+    (engine/testing/gguf_writer.py): float activations give the float path's tokens; int8
+    activations run on the same blocks, a request's tokens independent of its batch."""
+    path = str(write_gguf(resolve_model("tiny"), tmp_path / "k.gguf", tensor_type))
+    args = {**ENGINE_ARGS, "max_model_len": 64}
+    expected = _greedy(LLM(path, **args, linear_backend="blocked"), prompts()[:4])
+    exact = LLM(path, **args, linear_backend="quantized_float")
+    _on_blocks(exact)
+    types = exact.engine.runner.model.model.layers[0].mlp.down_proj.weight_q.types
+    assert types == [QUANT_TYPES[tensor_type]]
+    assert _greedy(exact, prompts()[:4]) == expected
+    int8 = LLM(path, **args)
+    _on_blocks(int8)
+    together = _greedy(int8, prompts()[:4])
+    assert [_greedy(int8, [p])[0] for p in prompts()[:4]] == together

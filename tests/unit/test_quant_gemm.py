@@ -1,7 +1,10 @@
 """Linears on llama.cpp's quantized blocks (csrc/quant_gemm.h) against the definitions.
 
-Blocks come from the `gguf` package's own quantizer (what llama.cpp writes), so the kernel reads
-the file's format, not one of ours. With int8 activations, three references:
+Q4_0, Q4_1 and Q8_0 blocks come from the `gguf` package's own quantizer (what llama.cpp writes);
+it cannot quantize the K types, whose blocks are random bytes (every byte pattern is a valid
+block, its scales aside, set to sane float16s). Either way the reference dequantization is the
+`gguf` package's, so the kernel reads the file's format, not one of ours. With int8
+activations, three references:
 - the same integer arithmetic in float64: activations quantized per block of 32 exactly as the
   kernel does, times the dequantized weights — equal to float32 rounding;
 - the portable loop (what CPUs without AVX-512 VNNI run): bit-equal to the vector kernel;
@@ -20,10 +23,12 @@ from gguf import GGMLQuantizationType, quants
 
 from engine.layers import cpu_kernels
 from engine.layers.quantized import QUANT_TYPES, BlockKernels, QuantizedTensor
+from engine.testing.gguf_writer import random_k_blocks
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # the kernel splits columns over threads
 
 TYPES = list(QUANT_TYPES)
+K_TYPES = {"Q4_K", "Q5_K", "Q6_K"}
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +41,23 @@ def build_weight(kernel, in_features: int, parts, float_activations: bool = Fals
 
 
 def _blocks(weight: torch.Tensor, type_name: str) -> tuple[QuantizedTensor, torch.Tensor]:
-    """GGUF rows of `weight` in `type_name`, and their dequantization (the float path's W)."""
+    """GGUF rows of `weight` in `type_name` (K types: random blocks of its shape), and their
+    dequantization (the float path's W)."""
     qtype = GGMLQuantizationType[type_name]
-    raw = quants.quantize(weight.numpy(), qtype)
+    if type_name in K_TYPES:
+        raw = random_k_blocks(qtype, *weight.shape, seed=weight.shape[0] * 31 + weight.shape[1])
+    else:
+        raw = quants.quantize(weight.numpy(), qtype)
     dequantized = quants.dequantize(raw, qtype).reshape(weight.shape).astype(np.float32)
     tensor = QuantizedTensor(
         torch.from_numpy(raw.reshape(weight.shape[0], -1)), type_name, weight.shape[1]
     )
     return tensor, torch.from_numpy(dequantized)
+
+
+def _in_features(type_name: str, in_features: int) -> int:
+    """K types hold 256 weights a block: widths rounded up to whole blocks."""
+    return -(-in_features // 256) * 256 if type_name in K_TYPES else in_features
 
 
 def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +76,7 @@ def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (37, 64), (33, 96), (80, 576)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 32])
 def test_matmul_on_blocks_equals_its_definition(kernel, type_name, out_features, in_features, rows):
+    in_features = _in_features(type_name, in_features)
     torch.manual_seed(out_features * 1000 + in_features + rows)
     tensor, dequantized = _blocks(torch.randn(out_features, in_features), type_name)
     weight = build_weight(kernel, in_features, {0: tensor})
@@ -69,7 +84,8 @@ def test_matmul_on_blocks_equals_its_definition(kernel, type_name, out_features,
     bias, residual = torch.randn(out_features), torch.randn(rows, out_features)
     got = weight.forward(x, bias, residual)
     exact = _quantized_activations(x) @ dequantized.double().T + bias.double() + residual.double()
-    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-4)
+    # float32 accumulation over the sub-blocks: errors relative to the outputs' scale
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max())
     assert torch.equal(got, weight.forward(x, bias, residual, portable=True))
     float_path = x @ dequantized.T + bias + residual
     assert ((got - float_path).norm() / float_path.norm()).item() < 0.02
@@ -81,6 +97,7 @@ def test_matmul_on_blocks_equals_its_definition(kernel, type_name, out_features,
 def test_float_activations_give_the_blocked_float_kernels_bits(
     kernel, type_name, out_features, in_features, rows
 ):
+    in_features = _in_features(type_name, in_features)
     torch.manual_seed(out_features + in_features * 7 + rows)
     tensor, dequantized = _blocks(torch.randn(out_features, in_features), type_name)
     weight = build_weight(kernel, in_features, {0: tensor}, float_activations=True)
@@ -97,27 +114,35 @@ def test_float_activations_give_the_blocked_float_kernels_bits(
 def test_parts_in_different_types_stack_like_one_matrix(kernel, type_name):
     torch.manual_seed(1)
     other = "Q8_0" if type_name != "Q8_0" else "Q4_0"
-    q, dq_q = _blocks(torch.randn(24, 64), type_name)
-    v, dq_v = _blocks(torch.randn(8, 64), other)
-    weight = build_weight(kernel, 64, {1: v, 0: q})  # handed over out of order
+    q, dq_q = _blocks(torch.randn(24, 256), type_name)
+    v, dq_v = _blocks(torch.randn(8, 256), other)
+    weight = build_weight(kernel, 256, {1: v, 0: q})  # handed over out of order
     assert weight.out_features == 32 and weight.types == [
         QUANT_TYPES[type_name],
         QUANT_TYPES[other],
     ]
-    x = torch.randn(5, 64)
+    x = torch.randn(5, 256)
     exact = _quantized_activations(x) @ torch.cat([dq_q, dq_v]).double().T
     torch.testing.assert_close(weight.forward(x).double(), exact, rtol=1e-5, atol=1e-4)
-    # Each part's rows padded to whole tiles of 16: q's 24 to 32, v's 8 to 16.
-    assert weight.nbytes == q.raw.shape[1] * 32 + v.raw.shape[1] * 16
 
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_rows_are_the_float_paths_rows_exactly(kernel, type_name):
     torch.manual_seed(2)
-    tensor, dequantized = _blocks(torch.randn(50, 96), type_name)
-    weight = build_weight(kernel, 96, {0: tensor})
+    width = _in_features(type_name, 96)
+    tensor, dequantized = _blocks(torch.randn(50, width), type_name)
+    weight = build_weight(kernel, width, {0: tensor})
     ids = torch.tensor([0, 49, 17, 16, 17])
     assert torch.equal(weight.rows(ids), dequantized[ids])
+
+
+@pytest.mark.parametrize(("type_name", "in_features"), [("Q4_1", 64), ("Q8_0", 64), ("Q5_K", 256)])
+def test_tiles_take_about_the_files_bytes(kernel, type_name, in_features):
+    """Tiles hold the blocks' bytes (Q5_K: a byte per 5-bit code, 1.45x), padded to 16 rows."""
+    tensor, _ = _blocks(torch.randn(24, in_features), type_name)
+    weight = build_weight(kernel, in_features, {0: tensor})
+    growth = {"Q4_1": 1.0, "Q8_0": 1.0, "Q5_K": (320 + 8 * 512) / (16 * 176)}[type_name]
+    assert weight.nbytes == pytest.approx(tensor.raw.shape[1] * 32 * growth)
 
 
 def test_zero_activations_and_zero_rows(kernel):
@@ -137,7 +162,9 @@ def test_misshapen_weights_are_refused(kernel):
     with pytest.raises(RuntimeError, match="raw rows must be"):
         weight.add(torch.zeros(4, 30, dtype=torch.uint8), QUANT_TYPES["Q8_0"])
     with pytest.raises(RuntimeError, match="unsupported block type"):
-        weight.add(torch.zeros(4, 40, dtype=torch.uint8), 12)
+        weight.add(torch.zeros(4, 40, dtype=torch.uint8), 10)  # Q2_K
+    with pytest.raises(RuntimeError, match="multiple of 256"):  # K types: 256 weights a block
+        weight.add(torch.zeros(4, 144, dtype=torch.uint8), QUANT_TYPES["Q4_K"])
     weight.add(torch.zeros(4, 68, dtype=torch.uint8), QUANT_TYPES["Q8_0"])
     with pytest.raises(RuntimeError, match="x must be float32"):
         weight.forward(torch.zeros(2, 32))

@@ -1,6 +1,6 @@
 // The CPU kernel module (one build, cached per machine by engine/layers/cpu_kernels.py):
 // paged decode attention and K/V writes (paged_attention.h), float32 linears over column-blocked
-// weights (blocked_gemm.h), linears on llama.cpp's quantized blocks (quant_gemm.h), the fused decode step of the Llama family (fused_decode.h), its
+// weights (blocked_gemm.h), linears on llama.cpp's quantized blocks (quant_weight.h), the fused decode step of the Llama family (fused_decode.h), its
 // vectorized SiLU (vec_math.h), KV block checksums (block_checksum.h), the tensor-parallel
 // ranks' shared-memory collectives (shm_collectives.h), and a read-bandwidth probe.
 
@@ -10,7 +10,7 @@
 #include "blocked_gemm.h"
 #include "fused_decode.h"
 #include "paged_attention.h"
-#include "quant_gemm.h"
+#include "quant_weight.h"
 #include "shm_collectives.h"
 #include "vec_math.h"
 

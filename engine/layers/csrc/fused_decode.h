@@ -9,7 +9,7 @@
 // residual; buffers are allocated once per step and reused by every layer. The module path
 // (engine/models/llama.py) stays the reference this must agree with (tests/unit/test_fused_decode.py).
 // The linears' weights are packed in column blocks (blocked_gemm.h), shared with the module path,
-// or kept on their GGUF quantized blocks (quant_gemm.h): each linear is one or the other.
+// or kept on their GGUF quantized blocks (quant_weight.h): each linear is one or the other.
 //
 // A tensor-parallel rank (`join`) holds its share of the heads and of the MLP: its o and down
 // linears give partial sums, summed over the ranks through shared memory (shm_collectives.h)
@@ -27,7 +27,7 @@
 
 #include "blocked_gemm.h"
 #include "paged_attention.h"
-#include "quant_gemm.h"
+#include "quant_weight.h"
 #include "shm_collectives.h"
 #include "vec_math.h"
 
