@@ -130,7 +130,8 @@ def block_kernels(path: str, backend: str, device: Any, dtype: Any) -> BlockKern
     """The kernels when this engine keeps `path`'s quantized matrices on their blocks, else
     None. `quantized` and `quantized_float` insist (ValueError where they cannot); `auto`
     chooses `quantized` for float32 engines on CPUs loading a GGUF file with matrices in
-    those types."""
+    those types, where an int8 vector kernel (AVX-512 VNNI or AVX2) was built: the portable
+    loop is the oracle the vector kernels are tested against, slower than float32."""
     import torch
 
     from engine.layers import cpu_kernels
@@ -148,6 +149,8 @@ def block_kernels(path: str, backend: str, device: Any, dtype: Any) -> BlockKern
         if backend != "auto":
             raise ValueError(f"linear backend {backend!r}: {exc}") from None
         return None
+    if backend == "auto" and module.quant_int8_kernels()[0] == "portable":
+        return None  # the portable loop is the oracle, not a speed-up: dequantize instead
     return BlockKernels(module, float_activations=backend == "quantized_float")
 
 

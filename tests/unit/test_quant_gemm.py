@@ -7,7 +7,8 @@ block, its scales aside, set to sane float16s). Either way the reference dequant
 activations, three references:
 - the same integer arithmetic in float64: activations quantized per block of 32 exactly as the
   kernel does, times the dequantized weights — equal to float32 rounding;
-- the portable loop (what CPUs without AVX-512 VNNI run): bit-equal to the vector kernel;
+- the portable loop: the AVX-512 VNNI kernel (what this machine runs) and the AVX2 kernel (what
+  CPUs without AVX-512 VNNI run) are bit-equal to it;
 - dequantize-then-matmul in float32 (the float path): close, the difference being activation
   quantization, which `pdserve bench perplexity` measures on a real model.
 With float activations (`quantized_float`): the blocked float32 kernel on the dequantized
@@ -86,7 +87,9 @@ def test_matmul_on_blocks_equals_its_definition(kernel, type_name, out_features,
     exact = _quantized_activations(x) @ dequantized.double().T + bias.double() + residual.double()
     # float32 accumulation over the sub-blocks: errors relative to the outputs' scale
     torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max())
-    assert torch.equal(got, weight.forward(x, bias, residual, portable=True))
+    portable = weight.forward(x, bias, residual, kernel="portable")
+    assert torch.equal(got, portable)
+    assert torch.equal(weight.forward(x, bias, residual, kernel="avx2"), portable)
     float_path = x @ dequantized.T + bias + residual
     assert ((got - float_path).norm() / float_path.norm()).item() < 0.02
 
@@ -107,7 +110,7 @@ def test_float_activations_give_the_blocked_float_kernels_bits(
     got = weight.forward(x, bias, residual)
     packed = kernel.pack_blocked(dequantized)
     assert torch.equal(got, kernel.blocked_linear(x, packed, out_features, bias, residual))
-    assert torch.equal(got, weight.forward(x, bias, residual, portable=True))
+    assert torch.equal(got, weight.forward(x, bias, residual, kernel="portable"))
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -172,8 +175,12 @@ def test_misshapen_weights_are_refused(kernel):
         weight.rows(torch.tensor([4]))
 
 
-def test_this_machine_runs_the_vector_kernel(kernel):
-    """The CI machine has AVX-512 VNNI: the kernel the tests above hold to the portable loop is
-    the one the engine runs."""
-    flags = cpu_kernels._cpu_flags()
-    assert kernel.quant_has_vnni() == ("avx512_vnni" in flags and "avx512f" in flags)
+def test_this_machine_runs_the_vector_kernels(kernel):
+    """The CI machine has AVX-512 VNNI and AVX2: the kernels the tests above hold to the
+    portable loop are the ones engines run here and on AVX2-only CPUs."""
+    flags = cpu_kernels._cpu_flags().split()
+    expected = ["avx512_vnni"] if {"avx512_vnni", "avx512f"} <= set(flags) else []
+    expected += ["avx2"] if "avx2" in flags else []
+    assert kernel.quant_int8_kernels() == [*expected, "portable"]
+    with pytest.raises(RuntimeError, match="kernel must be"):
+        kernel.QuantWeight(32).forward(torch.zeros(1, 32), kernel="sse")

@@ -21,14 +21,17 @@
 // so the results are the float path's bits, at the file's memory. Slower than int8: 16
 // multiply-adds per instruction, and the dequantization on top.
 //
-// Without AVX-512 VNNI (int8) or AVX-512F (float) a portable loop computes the same integers,
-// the same weights and the same chains; tests hold the vector kernels to it.
+// Int8 kernels: AVX-512 VNNI where the CPU has it; else AVX2 (vpmaddubsw + vpmaddwd: the same
+// integers, Q8_0's codes taken back to signed bytes whose sign moves onto the activation, as
+// llama.cpp does, so no pair sum saturates); else a portable loop. Float activations: AVX-512F
+// or the portable loop. All compute the same integers, the same weights and the same chains:
+// tests hold every vector kernel to the portable loop, bit for bit.
 
 #pragma once
 
 #include <torch/extension.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -38,6 +41,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "quant_formats.h"
 
@@ -340,25 +345,147 @@ struct VnniGroup {
 };
 #endif
 
-inline bool has_vnni() {
-#ifdef PDSERVE_QUANT_VNNI
-  return true;
-#else
-  return false;
+#if defined(__AVX2__)
+// Half h (columns 8h .. 8h + 7) of quad q's codes: 8 lanes of 4 unsigned bytes (Q8_0: signed).
+template <int64_t T>
+inline __m256i avx2_quad(const uint8_t* codes, int q, int h) {
+  if constexpr (!nibbles(T)) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * q + 32 * h));
+    return T == kQ8_0 ? _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))) : v;
+  }
+  const __m256i v =
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * (q / 2) + 32 * h));
+  return _mm256_and_si256(q % 2 == 0 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+}
+
+// Each lane's sum of 4 code * activation products, as int32.
+template <int64_t T>
+inline __m256i avx2_dot4(__m256i codes, __m256i x) {
+  if constexpr (T == kQ8_0)  // signed codes: |w| times x with w's sign
+    return _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(x, codes)),
+        _mm256_set1_epi16(1));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
+}
+
+inline __m256 avx2_halves(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Half h of the column scales (d * sc) of 16-weight sub-block j, as tile_scale computes them.
+template <int64_t T>
+inline __m256 avx2_scales(const uint8_t* tile, int64_t j, int h) {
+  const __m256 d = avx2_halves(tile + 16 * h);
+  if constexpr (T == kQ4_K || T == kQ5_K || T == kQ6_K) {
+    const int64_t at = (T == kQ6_K ? kQ6ScaleOffset : kScaleOffset) + j * kCols + 8 * h;
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + at));
+    const __m256i ints = T == kQ6_K ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(ints));
+  }
+  return d;
+}
+
+template <int64_t T>
+inline __m256 avx2_minimums(const uint8_t* tile, int64_t j, int h) {
+  const __m256 m = avx2_halves(tile + kMinOffset + 16 * h);
+  if constexpr (T == kQ4_K || T == kQ5_K) {
+    const __m128i bytes =
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + kSubMinOffset + j * kCols + 8 * h));
+    return _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+  }
+  return m;
+}
+
+// One row against one tile group, half h of its columns at a time: the VNNI kernel's
+// arithmetic in 8-lane vectors.
+template <int64_t T>
+inline void row_avx2(const Operands& o, int64_t g, int64_t m) {
+  constexpr int64_t subs = sub_blocks(T);
+  constexpr int32_t offset = T == kQ8_0 ? 0 : code_offset(T);  // Q8_0: codes made signed
+  alignas(32) float out[kCols];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < o.nb; ++b) {
+      const uint8_t* tile = tile_at(o, g, b);
+      for (int64_t j = 0; j < subs; ++j) {
+        const uint8_t* codes = tile + header_bytes(T) + j * code_bytes(T);
+        const XBlock& xb = o.x[m * o.nb * subs + b * subs + j];
+        const int32_t* xq = reinterpret_cast<const int32_t*>(xb.q);
+        __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+        for (int q = 0; q < 4; ++q)
+          lo = _mm256_add_epi32(lo, avx2_dot4<T>(avx2_quad<T>(codes, q, h), _mm256_set1_epi32(xq[q])));
+        for (int q = 4; q < 8; ++q)
+          hi = _mm256_add_epi32(hi, avx2_dot4<T>(avx2_quad<T>(codes, q, h), _mm256_set1_epi32(xq[q])));
+        const __m256 dx = _mm256_set1_ps(xb.d);
+        if constexpr (T == kQ6_K) {
+          lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(offset * xb.s_lo));
+          hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(offset * xb.s_hi));
+          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(avx2_scales<T>(tile, 2 * j, h), dx), acc);
+          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(avx2_scales<T>(tile, 2 * j + 1, h), dx), acc);
+          continue;
+        }
+        __m256i dot = _mm256_add_epi32(lo, hi);
+        if constexpr (offset != 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(offset * xb.s));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(avx2_scales<T>(tile, j, h), dx), acc);
+        if constexpr (T == kQ4_1)
+          acc = _mm256_fmadd_ps(avx2_minimums<T>(tile, j, h), _mm256_set1_ps(xb.ds), acc);
+        if constexpr (T == kQ4_K || T == kQ5_K)
+          acc = _mm256_fnmadd_ps(avx2_minimums<T>(tile, j, h), _mm256_set1_ps(xb.ds), acc);
+      }
+    }
+    _mm256_store_ps(out + 8 * h, acc);
+  }
+  store(o, g, m, out);
+}
+
+template <int64_t T>
+inline void groups_avx2(const Operands& o, int64_t rows, int64_t begin, int64_t end) {
+  for (int64_t g = begin; g < end; ++g)
+    for (int64_t m = 0; m < rows; ++m) row_avx2<T>(o, g, m);
+}
+
+inline void avx2_by_type(const Operands& o, int64_t rows, int64_t begin, int64_t end) {
+  switch (o.type) {
+    case kQ4_0: return groups_avx2<kQ4_0>(o, rows, begin, end);
+    case kQ4_1: return groups_avx2<kQ4_1>(o, rows, begin, end);
+    case kQ8_0: return groups_avx2<kQ8_0>(o, rows, begin, end);
+    case kQ4_K: return groups_avx2<kQ4_K>(o, rows, begin, end);
+    case kQ5_K: return groups_avx2<kQ5_K>(o, rows, begin, end);
+    default: return groups_avx2<kQ6_K>(o, rows, begin, end);
+  }
+}
 #endif
+
+// Which kernel computes: the best this build has, or one named (tests hold each to portable).
+enum class Kernel { kBest, kPortable, kAvx2 };
+
+// The int8 kernels this build has, best first.
+inline std::vector<std::string> int8_kernels() {
+  std::vector<std::string> names;
+#ifdef PDSERVE_QUANT_VNNI
+  names.push_back("avx512_vnni");
+#endif
+#if defined(__AVX2__)
+  names.push_back("avx2");
+#endif
+  names.push_back("portable");
+  return names;
 }
 
 // Every row against tile groups [begin, end).
-inline void groups(const Operands& o, int64_t rows, int64_t begin, int64_t end, bool portable) {
+inline void groups(const Operands& o, int64_t rows, int64_t begin, int64_t end, Kernel kernel) {
   if (o.x == nullptr) {  // float activations
 #if defined(__AVX512F__)
-    if (!portable) return tiled_by_type<FloatGroup>(o, rows, begin, end);
+    if (kernel == Kernel::kBest) return tiled_by_type<FloatGroup>(o, rows, begin, end);
 #endif
     for (int64_t g = begin; g < end; ++g) group_portable_float(o, g, 0, rows);
     return;
   }
 #ifdef PDSERVE_QUANT_VNNI
-  if (!portable) return tiled_by_type<VnniGroup>(o, rows, begin, end);
+  if (kernel == Kernel::kBest) return tiled_by_type<VnniGroup>(o, rows, begin, end);
+#endif
+#if defined(__AVX2__)
+  if (kernel != Kernel::kPortable) return avx2_by_type(o, rows, begin, end);
 #endif
   for (int64_t g = begin; g < end; ++g) group_portable(o, g, 0, rows);
 }

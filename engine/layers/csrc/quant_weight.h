@@ -57,7 +57,7 @@ class QuantWeight {
   // Raw entry (the fused decode step's): shapes checked by the caller; y may be the residual.
   void into(const float* x, int64_t x_stride, int64_t rows, const float* bias,
             const float* residual, int64_t res_stride, float* y, int64_t y_stride,
-            bool portable = false) const {
+            Kernel kernel = Kernel::kBest) const {
     if (rows <= 0) return;
     std::vector<XBlock> xq(float_activations_ ? 0 : static_cast<size_t>(rows * k_ / kQK));
     if (!float_activations_) quantize_rows(x, x_stride, rows, k_, xq.data());
@@ -73,7 +73,7 @@ class QuantWeight {
       // One contiguous range of tile groups per thread: the weights stream once.
       const int64_t grain = std::max<int64_t>(1, (groups_n + threads - 1) / threads);
       at::parallel_for(0, groups_n, grain, [&](int64_t begin, int64_t end) {
-        groups(o, rows, begin, end, portable);
+        groups(o, rows, begin, end, kernel);
       });
       offset += p.n;
     }
@@ -81,7 +81,10 @@ class QuantWeight {
 
   // x [M, K] (rows contiguous); bias [N] or None; residual [M, N] or None (after the bias).
   torch::Tensor forward(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias,
-                        const c10::optional<torch::Tensor>& residual, bool portable) const {
+                        const c10::optional<torch::Tensor>& residual,
+                        const std::string& kernel) const {
+    TORCH_CHECK(kernel == "best" || kernel == "portable" || kernel == "avx2",
+                "kernel must be best, portable or avx2");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 &&
                     x.size(1) == k_,
                 "x must be float32 [M, ", k_, "] with contiguous rows");
@@ -103,8 +106,11 @@ class QuantWeight {
       r = residual->data_ptr<float>();
       res_stride = residual->stride(0);
     }
+    const Kernel which = kernel == "portable" ? Kernel::kPortable
+                         : kernel == "avx2"   ? Kernel::kAvx2
+                                              : Kernel::kBest;
     into(x.data_ptr<float>(), x.stride(0), rows, b, r, res_stride, y.data_ptr<float>(), n_,
-         portable);
+         which);
     return y;
   }
 
@@ -149,9 +155,9 @@ inline void bind(pybind11::module& m) {
       .def_property_readonly("types", &QuantWeight::types)
       .def("forward", &QuantWeight::forward, pybind11::arg("x"),
            pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none(),
-           pybind11::arg("portable") = false, NoGil())
+           pybind11::arg("kernel") = "best", NoGil())
       .def("rows", &QuantWeight::rows, "Rows of W as float32 (embedding lookups)", NoGil());
-  m.def("quant_has_vnni", &has_vnni, "Whether the AVX-512 VNNI kernel was built");
+  m.def("quant_int8_kernels", &int8_kernels, "The int8 kernels built here, best first");
 }
 
 }  // namespace pdserve::quant
