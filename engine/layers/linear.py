@@ -69,21 +69,24 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
-class BlockedLinear(nn.Module):
-    """y = x W^T + b with W in column blocks [N/16, K, 16] (any number of rows, any leading
-    dims); `residual` adds a skip connection in the same pass."""
+class _ColumnBlocks(nn.Module):
+    """A linear layer whose W a kernel packs once in column blocks of 16 (`_pack`) and
+    multiplies with `_op`; `residual` adds a skip connection in the same pass (any number of
+    rows, any leading dims)."""
 
     packed: torch.Tensor
     bias: torch.Tensor | None
+    _pack = _op = _label = ""
 
     def __init__(self, linear: nn.Linear, kernel: Any) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self._kernel = kernel
-        self.register_buffer("packed", kernel.pack_blocked(linear.weight.detach()), False)
+        self.register_buffer("packed", getattr(kernel, self._pack)(linear.weight.detach()), False)
         bias = None if linear.bias is None else linear.bias.detach().contiguous()
         self.register_buffer("bias", bias, False)
+        self._call = getattr(kernel, self._op)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         leading = x.shape[:-1]
@@ -92,24 +95,37 @@ class BlockedLinear(nn.Module):
             rows = rows.contiguous()
         if residual is not None:
             residual = residual.reshape(-1, self.out_features)
-        with record_function("pdserve::blocked_linear"):  # named in profiler traces
-            out = self._kernel.blocked_linear(
-                rows, self.packed, self.out_features, self.bias, residual
-            )
+        with record_function(f"pdserve::{self._op}"):  # named in profiler traces
+            out = self._call(rows, self.packed, self.out_features, self.bias, residual)
         return out.view(*leading, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, blocked"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self._label}"
+
+
+class BlockedLinear(_ColumnBlocks):
+    """y = x W^T + b, float32, with W in column blocks [N/16, K, 16] (csrc/blocked_gemm.h)."""
+
+    _pack, _op, _label = "pack_blocked", "blocked_linear", "blocked"
+
+
+class BF16Linear(_ColumnBlocks):
+    """y = x W^T + b for bfloat16 engines on CPUs with AVX-512 BF16 (csrc/bf16_gemm.h): W in
+    column blocks of pairs [N/16, K/2, 16, 2], packed once; float32 accumulation, the output
+    rounded to bfloat16 once, as torch's bfloat16 linear does (at one row ~2x its speed)."""
+
+    _pack, _op, _label = "pack_bf16", "bf16_linear", "bf16 pairs"
 
 
 class BlockedEmbedding(nn.Module):
-    """The embedding table of a tied head packed as a `BlockedLinear`: token j's row is lane
-    j % 16 of block j // 16 over every k. The gather copies floats, so rows are exactly the
-    table's; the head and the embedding share one tensor."""
+    """The embedding table of a tied head packed as a `BlockedLinear` (or a `BF16Linear`):
+    token j's row is lane j % 16 of block j // 16 over every k (of every pair of k). The gather
+    copies values, so rows are exactly the table's; the head and the embedding share one
+    tensor."""
 
     packed: torch.Tensor
 
-    def __init__(self, head: BlockedLinear) -> None:
+    def __init__(self, head: BlockedLinear | BF16Linear) -> None:
         super().__init__()
         self.num_embeddings = head.out_features
         self.embedding_dim = head.in_features
@@ -122,7 +138,8 @@ class BlockedEmbedding(nn.Module):
             raise IndexError(f"token id outside the embedding table of {self.num_embeddings}")
         width = self.packed.shape[2]  # output columns per block
         block = torch.div(flat, width, rounding_mode="floor")
-        rows = self.packed[block, :, flat - block * width]  # [tokens, embedding_dim]
+        rows = self.packed[block, :, flat - block * width]  # [tokens, k] or [tokens, k/2, 2]
+        rows = rows.reshape(flat.numel(), -1)[:, : self.embedding_dim]  # an odd k's zero pair
         return rows.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -169,9 +186,10 @@ def warm_up(model: nn.Module, max_rows: int) -> None:
 def pack_linears(model: nn.Module, backend: str, device: torch.device) -> int:
     """Swap the model's nn.Linear layers for packed ones where `backend` says so; returns how
     many were packed. `auto`: on a CPU, float32 weights go to `blocked` (to `onednn` where the
-    kernels cannot be built), anything else stays; `blocked` and `onednn` insist (ValueError
-    where they cannot); `torch` leaves every layer alone. A tied float32 head goes to
-    `blocked` under any packing backend, its embedding with it (`BlockedEmbedding`)."""
+    kernels cannot be built), bfloat16 ones to `BF16Linear` where the CPU has AVX-512 BF16,
+    anything else stays; `blocked` and `onednn` insist (ValueError where they cannot); `torch`
+    leaves every layer alone. A tied head goes to `blocked` (or `BF16Linear`) under any
+    packing backend, its embedding with it (`BlockedEmbedding`)."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear backend {backend!r}; choose from {LINEAR_BACKENDS}")
     if backend == "torch":
@@ -183,7 +201,7 @@ def pack_linears(model: nn.Module, backend: str, device: torch.device) -> int:
     make = _packer(backend)
     if make is None:
         return 0
-    heads: dict[int, BlockedLinear] = {}  # by the id of the weight a head shares
+    heads: dict[int, BlockedLinear | BF16Linear] = {}  # by the id of the weight a head shares
     packed = _swap_linears(model, backend, make, heads)
     _embed_from_heads(model, heads)  # also after an early stop: a packed head keeps one table
     return packed
@@ -193,7 +211,7 @@ def _swap_linears(
     model: nn.Module,
     backend: str,
     make: Callable[[nn.Linear], nn.Module],
-    heads: dict[int, BlockedLinear],
+    heads: dict[int, BlockedLinear | BF16Linear],
 ) -> int:
     """pack_linears' swap of every nn.Linear; tied heads it blocks are added to `heads`."""
     tied = _tied_output_heads(model)
@@ -209,9 +227,17 @@ def _swap_linears(
                     heads[id(child.weight)] = head
                     packed += 1
                 continue
+            if child.weight.dtype == torch.bfloat16 and backend != "onednn":
+                bf16 = _bf16_linear(child)
+                if bf16 is None and backend == "blocked":
+                    raise ValueError(_BLOCKED_DTYPES)
+                if bf16 is not None:
+                    setattr(parent, name, bf16)
+                    packed += 1
+                continue
             if child.weight.dtype != torch.float32 and backend != "onednn":
                 if backend == "blocked":
-                    raise ValueError("linear backend 'blocked' needs float32 weights")
+                    raise ValueError(_BLOCKED_DTYPES)
                 continue
             try:
                 setattr(parent, name, make(child))
@@ -224,16 +250,33 @@ def _swap_linears(
     return packed
 
 
-def _blocked_head(linear: nn.Linear) -> BlockedLinear | None:
-    """A tied float32 head in column blocks (whatever the backend: oneDNN has no way to share
-    the table with the embedding); None where the kernels cannot build."""
-    if linear.weight.dtype != torch.float32 or linear.bias is not None:
+_BLOCKED_DTYPES = (
+    "linear backend 'blocked' needs float32 weights, or bfloat16 ones on a CPU with AVX-512 BF16"
+)
+
+
+def _blocked_head(linear: nn.Linear) -> BlockedLinear | BF16Linear | None:
+    """A tied float32 (bfloat16) head in column blocks (whatever the backend: oneDNN has no
+    way to share the table with the embedding); None where the kernels cannot build."""
+    if linear.bias is not None:
+        return None
+    if linear.weight.dtype == torch.bfloat16:
+        return _bf16_linear(linear)
+    if linear.weight.dtype != torch.float32:
         return None
     kernel = _cpu_kernels()
     return None if kernel is None else BlockedLinear(linear, kernel)
 
 
-def _embed_from_heads(model: nn.Module, heads: dict[int, BlockedLinear]) -> None:
+def _bf16_linear(linear: nn.Linear) -> BF16Linear | None:
+    """`linear` packed for AVX-512 BF16, or None where this CPU or build has no such kernel."""
+    kernel = _cpu_kernels()
+    if kernel is None or not kernel.bf16_available():
+        return None
+    return BF16Linear(linear, kernel)
+
+
+def _embed_from_heads(model: nn.Module, heads: dict[int, BlockedLinear | BF16Linear]) -> None:
     """Each embedding whose table became a blocked head reads it there; the row-major table
     is then referenced by nothing and freed."""
     for parent in list(model.modules()):

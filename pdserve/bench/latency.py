@@ -59,6 +59,8 @@ class LatencyBenchConfig:
     """the prompts' random tokens"""
     device: str = "auto"
     """cpu or cuda (auto: cuda when there is one)"""
+    dtype: str = "auto"
+    """the engines' dtype: float32, bfloat16, float16 (auto: float32 on CPUs)"""
     tensor_parallel_size: int = 1
     """ranks the engine is split over (each with this process's threads / ranks)"""
     profile_dir: str = ""
@@ -92,6 +94,7 @@ def run(config: LatencyBenchConfig) -> dict[str, Any]:
             llms[backend] = LLM(
                 config.model,
                 device=config.device,
+                dtype=config.dtype,
                 max_model_len=config.input_len + config.output_len,
                 max_num_seqs=max(config.batch_sizes),
                 seed=config.seed,
@@ -344,7 +347,7 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes a decode step reads from the weights: every parameter and packed linear once
     (a tied output head is the embedding table, counted once; an untied embedding table is
     left out: a step reads only the rows of its tokens)."""
-    from engine.layers.linear import BlockedLinear, PackedLinear
+    from engine.layers.linear import BF16Linear, BlockedLinear, PackedLinear
     from engine.layers.quantized import QuantLinear
 
     seen: set[int] = set()
@@ -355,7 +358,7 @@ def weight_bytes(model: nn.Module) -> int:
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     heads = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     for module in model.modules():
-        if isinstance(module, (PackedLinear, BlockedLinear)):  # packed: not parameters
+        if isinstance(module, (PackedLinear, BlockedLinear, BF16Linear)):  # not parameters
             element = module.packed.element_size()
             total += module.in_features * module.out_features * element
             if module.bias is not None:

@@ -10,7 +10,7 @@ import torch
 from engine.layers.attention import TorchReferenceBackend
 from engine.layers.attention.cpu import CpuBackend
 from engine.layers.attention.cuda import CudaBackend
-from engine.layers.linear import BlockedLinear, PackedLinear
+from engine.layers.linear import BF16Linear, BlockedLinear, PackedLinear
 from engine.llm import LLM
 from engine.request import SamplingParams
 from engine.worker.draft_model import DraftModelProposer
@@ -107,6 +107,23 @@ def test_onednn_linears_match_hf(hf_refs, arch):
     assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
     assert model.fused_decode is None
     check_against_hf(ref, llm, prompts(5))
+
+
+@pytest.mark.parametrize("arch", ["llama3_rope_tied", "qwen2_bias"])
+def test_bfloat16_engines_pack_their_linears_and_answer_as_torchs_do(hf_refs, arch):
+    """dtype bfloat16 on a CPU with AVX-512 BF16 (this one): every linear, the tied head
+    with its embedding, computes with vdpbf16ps (BF16Linear); the tokens are those of the same
+    engine on torch's bfloat16 linears (bfloat16 is not float32: transformers' float32
+    tokens are not the oracle here)."""
+    ref = hf_refs[arch]
+    args = {**ref.engine_args, "device": "cpu", "dtype": "bfloat16"}
+    torch_linears = make_llm(ref, **args, linear_backend="torch")
+    expected = [o.outputs[0].token_ids for o in torch_linears.generate(prompts(), GREEDY)]
+    llm = make_llm(ref, **args)
+    model = llm.engine.runner.model
+    assert isinstance(model.model.layers[0].mlp.down_proj, BF16Linear)
+    assert isinstance(model.lm_head, BF16Linear)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY)] == expected
 
 
 def test_batched_prefill_backend_matches_hf(hf_refs):

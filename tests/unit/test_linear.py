@@ -8,6 +8,7 @@ from torch import nn
 
 from engine.layers import cpu_kernels
 from engine.layers.linear import (
+    BF16Linear,
     BlockedEmbedding,
     BlockedLinear,
     PackedLinear,
@@ -165,14 +166,54 @@ def test_blocked_embedding_gives_the_tables_rows_exactly(vocab):
                 embedding(torch.tensor([0, bad]))
 
 
-def test_torch_backend_and_half_precision_under_auto_stay_unpacked():
+def test_torch_backend_and_float16_under_auto_stay_unpacked():
     model = Tiny(tied=False)
     assert pack_linears(model, "torch", torch.device("cpu")) == 0
-    half = Tiny(tied=False).to(torch.bfloat16)
+    half = Tiny(tied=False).to(torch.float16)
     assert pack_linears(half, "auto", torch.device("cpu")) == 0
     assert type(half.proj) is nn.Linear
-    with pytest.raises(ValueError, match="'blocked' needs float32"):
+    with pytest.raises(ValueError, match="'blocked' needs float32 weights, or bfloat16"):
+        pack_linears(Tiny(tied=False).to(torch.float16), "blocked", torch.device("cpu"))
+
+
+def test_bfloat16_linears_and_a_tied_head_pack_for_avx512_bf16():
+    kernel = cpu_kernels.load()
+    assert kernel.bf16_available() == ("avx512_bf16" in cpu_kernels._cpu_flags().split())
+    model = Tiny(tied=True).to(torch.bfloat16)
+    table = model.embed.weight.detach().clone()
+    assert pack_linears(model, "auto", torch.device("cpu")) == 2
+    assert isinstance(model.proj, BF16Linear) and isinstance(model.head, BF16Linear)
+    assert isinstance(model.embed, BlockedEmbedding) and model.embed.packed is model.head.packed
+    ids = torch.tensor([[0, 17, 31], [5, 5, 16]])
+    assert torch.equal(model.embed(ids), table[ids])  # the table's rows, exactly
+
+
+def test_bfloat16_without_the_instructions_stays_torch_or_is_refused(monkeypatch):
+    kernel = cpu_kernels.load()
+    monkeypatch.setattr(kernel, "bf16_available", lambda: False)
+    model = Tiny(tied=False).to(torch.bfloat16)
+    assert pack_linears(model, "auto", torch.device("cpu")) == 0
+    assert type(model.proj) is nn.Linear
+    with pytest.raises(ValueError, match="bfloat16 ones on a CPU with AVX-512 BF16"):
         pack_linears(Tiny(tied=False).to(torch.bfloat16), "blocked", torch.device("cpu"))
+
+
+# Odd input widths (the zero pair), output widths off the 16-column block, rows across the
+# 8-row tile.
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 32])
+@pytest.mark.parametrize(("in_features", "out_features"), [(16, 32), (65, 37), (576, 80)])
+def test_bf16_linear_rounds_like_torchs(rows, in_features, out_features):
+    torch.manual_seed(rows + in_features)
+    linear = nn.Linear(in_features, out_features).to(torch.bfloat16)
+    packed = BF16Linear(linear, cpu_kernels.load())
+    x = torch.randn(rows, in_features).bfloat16()
+    residual = torch.randn(rows, out_features).bfloat16()
+    exact = x.double() @ linear.weight.double().T + linear.bias.double() + residual.double()
+    got = packed(x, residual).double()
+    # float32 accumulation, one rounding to bfloat16 (8 bits): within two of its steps
+    torch.testing.assert_close(got, exact, rtol=2 * 2**-8, atol=1e-2)
+    theirs = (linear(x) + residual).double()  # torch rounds twice: after the GEMM, after +
+    assert (got - exact).abs().mean() <= (theirs - exact).abs().mean() * 1.1
 
 
 def test_bad_linear_backend_is_refused():

@@ -1,11 +1,13 @@
 // The CPU kernel module (one build, cached per machine by engine/layers/cpu_kernels.py):
 // paged decode attention and K/V writes (paged_attention.h), float32 linears over column-blocked
-// weights (blocked_gemm.h), linears on llama.cpp's quantized blocks (quant_weight.h), the fused decode step of the Llama family (fused_decode.h), its
+// weights (blocked_gemm.h) and bfloat16 ones (bf16_gemm.h), linears on llama.cpp's quantized
+// blocks (quant_weight.h), the fused decode step of the Llama family (fused_decode.h), its
 // vectorized SiLU (vec_math.h), KV block checksums (block_checksum.h), the tensor-parallel
 // ranks' shared-memory collectives (shm_collectives.h), and a read-bandwidth probe.
 
 #include <torch/extension.h>
 
+#include "bf16_gemm.h"
 #include "block_checksum.h"
 #include "blocked_gemm.h"
 #include "fused_decode.h"
@@ -90,6 +92,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         NoGil());
   pdserve::fused::bind(m);
   pdserve::quant::bind(m);
+  m.def("bf16_available", &pdserve::bf16::available, "Whether the AVX-512 BF16 kernel was built");
+  m.def("pack_bf16", &pdserve::bf16::pack, "W [N, K] bf16 -> [N/16, K/2, 16, 2] pairs");
+  m.def("bf16_linear", &pdserve::bf16::linear, "y = x W^T (+ bias) (+ residual), bfloat16",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"),
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none(),
+        NoGil());
   m.def("block_checksums", &pdserve::checksum::block_checksums,
         "Checksums of KV cache blocks (connector/checksums.py)", NoGil());
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:], float32", NoGil());
