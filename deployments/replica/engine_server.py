@@ -17,9 +17,6 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import torch
-
-from engine.models.catalog import resolve_model
-from engine.models.quantized_loading import gguf_has_quantized
 from ray import serve
 
 from deployments.cluster.request_routers import KV_COMPAT_HASH
@@ -37,6 +34,8 @@ from deployments.replica.telemetry import EngineMetrics, record_engine_spans
 from deployments.serve_context import replica_name, serve_replica_id
 from deployments.telemetry import Tracing, request_attributes
 from engine.async_engine import AsyncEngine
+from engine.models.catalog import resolve_model
+from engine.models.quantized_loading import auto_keeps_blocks
 from engine.outputs import EngineCoreOutput
 from engine.parallel.workers import TensorParallelError
 from engine.request import RequestTiming
@@ -307,7 +306,8 @@ class PrefillServer(EngineServer):
             return engine_args
         if not _on_cpu(engine_args) or not torch.backends.mkldnn.is_available():
             return engine_args
-        if gguf_has_quantized(str(resolve_model(model))):
+        float32 = engine_args.get("dtype", "auto") in ("auto", "float32")  # auto: float32 here
+        if auto_keeps_blocks(str(resolve_model(model)), "cpu", float32):
             return engine_args
         return {**engine_args, "linear_backend": "onednn"}
 

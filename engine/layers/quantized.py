@@ -8,8 +8,9 @@ embedding share one table). The loader (engine/models/quantized_loading.py) puts
 in the model before any float weight is allocated, and hands them the raw rows of the file.
 
 `linear_backend`: "quantized" insists (a ValueError where nothing can be kept quantized);
-"auto" chooses it on CPUs for float32 engines on GGUF files with such tensors. Both quantize
-the activations to int8 per block, as llama.cpp does (fastest; costs some accuracy).
+"auto" chooses it on CPUs with an int8 vector kernel for float32 engines on GGUF files with
+such tensors. Both quantize the activations to int8 per block of 32, like llama.cpp's Q8_0
+(fastest; costs some accuracy).
 "quantized_float" keeps the blocks but multiplies float32 activations by the weights
 dequantized in registers: the float path's bits at the file's memory, more slowly. Every other
 backend dequantizes to float32 at load, the oracle these layers are measured against.
@@ -33,11 +34,13 @@ QUANTIZED_BACKENDS = ("quantized", "quantized_float")
 
 @dataclass(frozen=True)
 class BlockKernels:
-    """The CPU kernel module, and how activations meet the blocks (`quantized_float`: float32,
-    else int8)."""
+    """The CPU kernel module, how activations meet the blocks (`quantized_float`: float32,
+    else int8), and whether a checkpoint with nothing to keep on them is an error (an explicit
+    backend) or loads as floats (`auto`, a draft model)."""
 
     module: Any
     float_activations: bool = False
+    insist: bool = True
 
     def weight(self, in_features: int, parts: dict[int, QuantizedTensor]) -> Any:
         """A QuantWeight of `parts` stacked in index order."""
@@ -57,6 +60,7 @@ class QuantizedTensor:
     raw: torch.Tensor
     type_name: str
     in_features: int
+    name: str  # the Hugging Face name, for errors
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -90,7 +94,7 @@ class QuantLinear(nn.Module):
         rows = self.shard_sizes[index]
         if tensor.shape != (rows, self.in_features):
             raise ValueError(
-                f"quantized weight has shape {tensor.shape}, "
+                f"weight {tensor.name} has shape {tensor.shape}, "
                 f"the config implies {(rows, self.in_features)}"
             )
         self._parts[index] = tensor
@@ -143,7 +147,7 @@ class QuantEmbedding(nn.Module):
         assert index == 0, "an embedding table is one matrix"
         if tensor.shape != (self.num_embeddings, self.embedding_dim):
             raise ValueError(
-                f"quantized embedding has shape {tensor.shape}, "
+                f"weight {tensor.name} has shape {tensor.shape}, "
                 f"the config implies {(self.num_embeddings, self.embedding_dim)}"
             )
         self.weight_q = self._kernels.weight(self.embedding_dim, {0: tensor})

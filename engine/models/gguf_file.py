@@ -247,7 +247,7 @@ def _quantized_rows(
         raw = _unpermute(raw, layout.num_heads)
     elif unpermute and hf_name.endswith("k_proj.weight"):
         raw = _unpermute(raw, layout.num_kv_heads)
-    return QuantizedTensor(raw.contiguous(), tensor.tensor_type.name, cols)
+    return QuantizedTensor(raw.contiguous(), tensor.tensor_type.name, cols, hf_name)
 
 
 def _dequantize_slice(tensor: Any, name: str, where: TensorSlice) -> torch.Tensor:

@@ -5,9 +5,9 @@ A tensor-parallel rank reads only its slice of each tensor (`TPLayout.tensor_sli
 safetensors reads the slice's bytes, GGUF dequantizes only its rows (and only its columns
 where they start and end on a quantization block).
 
-With `block_kernels`, a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices are not dequantized: the
-modules that use them are swapped for ones computing on the blocks before anything is
-allocated (engine/models/quantized_loading.py)."""
+With `block_kernels`, a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices are not
+dequantized: the modules that use them are swapped for ones computing on the blocks before
+anything is allocated (engine/models/quantized_loading.py)."""
 
 from __future__ import annotations
 
@@ -93,12 +93,13 @@ def _keep_quantized(
     from engine.models.quantized_loading import quantized_plan, swap_quantized_modules
 
     plan = quantized_plan(open_gguf(path), layout) if is_gguf_path(path) else {}
-    if not plan:
+    kept = swap_quantized_modules(model, plan, kernels) if plan else set()
+    if not kept and kernels.insist:
         raise ValueError(
             f"the quantized linear backends need a GGUF checkpoint with matrices in "
             f"{', '.join(QUANT_TYPES)}; {path.name} has none this engine can keep"
         )
-    return frozenset(swap_quantized_modules(model, plan, kernels))
+    return frozenset(kept)
 
 
 def checkpoint_tensors(

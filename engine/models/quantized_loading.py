@@ -126,32 +126,50 @@ def incomplete_modules(model: nn.Module) -> list[str]:
     ]
 
 
-def block_kernels(path: str, backend: str, device: Any, dtype: Any) -> BlockKernels | None:
+def block_kernels(
+    path: str, backend: str, device: Any, dtype: Any, insist: bool = True
+) -> BlockKernels | None:
     """The kernels when this engine keeps `path`'s quantized matrices on their blocks, else
-    None. `quantized` and `quantized_float` insist (ValueError where they cannot); `auto`
-    chooses `quantized` for float32 engines on CPUs loading a GGUF file with matrices in
-    those types, where an int8 vector kernel (AVX-512 VNNI or AVX2) was built: the portable
-    loop is the oracle the vector kernels are tested against, slower than float32."""
+    None. `quantized` and `quantized_float` insist (ValueError where they cannot; not for a
+    draft model: `insist=False`); `auto` chooses `quantized` where `auto_keeps_blocks` says."""
     import torch
 
     from engine.layers import cpu_kernels
 
-    if backend not in ("auto", *QUANTIZED_BACKENDS):
+    if backend == "auto":
+        if not auto_keeps_blocks(path, device.type, dtype == torch.float32):
+            return None
+        return BlockKernels(cpu_kernels.load(), insist=False)
+    if backend not in QUANTIZED_BACKENDS:
         return None
-    if backend != "auto":
-        if device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype != torch.float32:
+        if insist:
             raise ValueError(f"linear backend {backend!r} needs a CPU device and dtype float32")
-    elif device.type != "cpu" or dtype != torch.float32 or not gguf_has_quantized(path):
+        return None
+    if not insist and not gguf_has_quantized(path):
         return None
     try:
         module = cpu_kernels.load()
     except cpu_kernels.KernelBuildError as exc:
-        if backend != "auto":
+        if insist:
             raise ValueError(f"linear backend {backend!r}: {exc}") from None
         return None
-    if backend == "auto" and module.quant_int8_kernels()[0] == "portable":
-        return None  # the portable loop is the oracle, not a speed-up: dequantize instead
-    return BlockKernels(module, float_activations=backend == "quantized_float")
+    return BlockKernels(module, float_activations=backend == "quantized_float", insist=insist)
+
+
+def auto_keeps_blocks(path: str, device_type: str, float32: bool) -> bool:
+    """Whether linear_backend `auto` computes on `path`'s blocks: a float32 engine on a CPU,
+    a GGUF file with matrices in the kernels' types, and an int8 vector kernel (AVX-512 VNNI or
+    AVX2) built here — the portable loop is the oracle the vector kernels are tested against,
+    slower than the float32 path."""
+    from engine.layers import cpu_kernels
+
+    if device_type != "cpu" or not float32 or not gguf_has_quantized(path):
+        return False
+    try:
+        return cpu_kernels.load().quant_int8_kernels()[0] != "portable"
+    except cpu_kernels.KernelBuildError:
+        return False
 
 
 def gguf_has_quantized(path: str) -> bool:

@@ -112,13 +112,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
 
     def load_model(self) -> None:
-        self.model = self._build_model(self.config.model.model, self.arch)
+        self.model = self._build_model(self.config.model.model, self.arch, draft=False)
         speculative = self.config.speculative
         if speculative is not None and speculative.uses_draft_model:
             assert speculative.model is not None  # checked by SpeculativeConfig
             arch = ModelArchConfig.from_pretrained(speculative.model)
             self.drafter = DraftModelProposer(
-                self._build_model(speculative.model, arch),
+                self._build_model(speculative.model, arch, draft=True),
                 arch,
                 speculative.num_speculative_tokens,
                 self.max_model_len,
@@ -128,7 +128,7 @@ class ModelRunner:
             )
         return_freed_memory()
 
-    def _build_model(self, path: str, arch: ModelArchConfig) -> LlamaForCausalLM:
+    def _build_model(self, path: str, arch: ModelArchConfig, draft: bool) -> LlamaForCausalLM:
         # +1 position: the token sampled at max_model_len - 1 is never fed back, but the
         # rotary table is indexed by every position the runner may see.
         backend = self.config.model.linear_backend
@@ -140,7 +140,8 @@ class ModelRunner:
             self.max_model_len + 1,
             self.layout,
             self.group,
-            block_kernels(path, backend, self.device, self.dtype),
+            # A draft model keeps its blocks like the target where it can, never insists.
+            block_kernels(path, backend, self.device, self.dtype, insist=not draft),
         )
         # What stayed float (norms aside: other types, other files) packs as under `auto`.
         if pack_linears(model, "auto" if backend in QUANTIZED_BACKENDS else backend, self.device):

@@ -113,7 +113,9 @@ def run(config: LatencyBenchConfig) -> dict[str, Any]:
     if config.memory:
         from pdserve.bench.memory import engine_memory
 
-        report["memory"] = {b: engine_memory(config.model, b) for b in config.linear_backends}
+        report["memory"] = {
+            b: engine_memory(config.model, b, config.dtype) for b in config.linear_backends
+        }
     return report
 
 

@@ -25,7 +25,7 @@ except cpu_kernels.KernelBuildError:
     pass
 baseline, baseline_anon = rss_mb(), rss_mb("RssAnon")
 llm = LLM(sys.argv[1], linear_backend=sys.argv[2], device="cpu", max_model_len=256,
-          kv_cache_memory_bytes=int(sys.argv[3]))
+          kv_cache_memory_bytes=int(sys.argv[3]), dtype=sys.argv[4])
 llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))
 kv = llm.engine.runner.kv_cache
 print(json.dumps({"baseline_mb": baseline, "engine_mb": rss_mb() - baseline,
@@ -36,13 +36,14 @@ print(json.dumps({"baseline_mb": baseline, "engine_mb": rss_mb() - baseline,
 _MEMORY_KV_BYTES = 64 << 20
 
 
-def engine_memory(model: str, backend: str) -> dict[str, Any]:
+def engine_memory(model: str, backend: str, dtype: str = "auto") -> dict[str, Any]:
     """An engine's resident memory beyond the interpreter with torch and the kernels loaded
-    (`baseline_mb`), measured alone in a fresh process with a 64 MiB KV pool, against its file
+    (`baseline_mb`), measured alone in a fresh process on the CPU (one rank) with a 64 MiB KV
+    pool, against its file
     (GGUF) or checkpoint size and the pool: `engine_over_file` = (engine - pool) / file, from
     all resident pages (VmRSS: the code of the libraries it loads, such as the tokenizer's,
     included) and `engine_anon_over_file` from the memory it allocated (RssAnon)."""
-    args = [sys.executable, "-c", _MEMORY_SCRIPT, model, backend, str(_MEMORY_KV_BYTES)]
+    args = [sys.executable, "-c", _MEMORY_SCRIPT, model, backend, str(_MEMORY_KV_BYTES), dtype]
     done = subprocess.run(args, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from engine.layers import cpu_kernels
 from engine.layers.attention import TorchReferenceBackend
 from engine.layers.attention.cpu import CpuBackend
 from engine.layers.attention.cuda import CudaBackend
@@ -109,6 +110,10 @@ def test_onednn_linears_match_hf(hf_refs, arch):
     check_against_hf(ref, llm, prompts(5))
 
 
+@pytest.mark.skipif(
+    "avx512_bf16" not in cpu_kernels._cpu_flags().split(),
+    reason="needs AVX-512 BF16 (the CI machine has it)",
+)
 @pytest.mark.parametrize("arch", ["llama3_rope_tied", "qwen2_bias"])
 def test_bfloat16_engines_pack_their_linears_and_answer_as_torchs_do(hf_refs, arch):
     """dtype bfloat16 on a CPU with AVX-512 BF16 (this one): every linear, the tied head

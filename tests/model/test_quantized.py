@@ -85,11 +85,22 @@ def test_four_bit_files_on_blocks_answer_alike_alone_and_in_a_batch(hf_refs, tmp
     llm.close()
 
 
-def test_tensor_parallel_ranks_compute_on_their_slices_of_the_blocks(hf_refs, tmp_path):
+@pytest.mark.parametrize(
+    ("tensor_type", "backend", "oracle"),
+    [("Q8_0", "quantized", "quantized"), ("Q4_1", "quantized_float", "blocked")],
+)
+def test_tensor_parallel_ranks_compute_on_their_slices_of_the_blocks(
+    hf_refs, tmp_path, tensor_type, backend, oracle
+):
+    """Each rank keeps whole rows, or whole blocks of columns (o and down), on their blocks:
+    int8 activations quantize the same blocks as at one rank; float activations give the
+    float path's tokens."""
     ref = hf_refs["llama_gqa"]
-    path = str(write_gguf(Path(ref.path), tmp_path / "m.gguf", "Q8_0"))
-    single = _greedy(LLM(path, **ENGINE_ARGS), prompts()[:4])
-    two = LLM(path, **ENGINE_ARGS, tensor_parallel_size=2)
+    path = str(write_gguf(Path(ref.path), tmp_path / "m.gguf", tensor_type))
+    one = LLM(path, **ENGINE_ARGS, linear_backend=oracle)
+    single = _greedy(one, prompts()[:4])
+    one.close()
+    two = LLM(path, **ENGINE_ARGS, tensor_parallel_size=2, linear_backend=backend)
     try:
         _on_blocks(two)
         down = two.engine.runner.model.model.layers[0].mlp.down_proj
@@ -131,19 +142,28 @@ def test_smollm2_on_its_q4_1_blocks_keeps_its_float_paths_perplexity():
 def test_the_embedding_on_blocks_is_the_float_tables_rows(tmp_path, hf_refs):
     ref = hf_refs["qwen3_qk_norm"]  # tied: the head's table
     path = str(write_gguf(Path(ref.path), tmp_path / "t.gguf", "Q8_0"))
-    blocks = LLM(path, **ENGINE_ARGS).engine.runner.model.model.embed_tokens
-    floats = LLM(path, **ENGINE_ARGS, linear_backend="torch").engine.runner.model.model
+    on_blocks, on_floats = (
+        LLM(path, **ENGINE_ARGS),
+        LLM(path, **ENGINE_ARGS, linear_backend="torch"),
+    )
+    blocks = on_blocks.engine.runner.model.model.embed_tokens
+    floats = on_floats.engine.runner.model.model
     ids = torch.tensor([[0, 5, 319], [7, 7, 1]])
     assert torch.equal(blocks(ids), floats.embed_tokens(ids))
     with pytest.raises(IndexError, match="outside the embedding table"):
         blocks(torch.tensor([320]))
+    on_blocks.close()
+    on_floats.close()
 
 
 def test_seeded_sampling_on_blocks_is_reproducible(hf_refs, tmp_path):
     path = str(write_gguf(Path(hf_refs["llama_gqa"].path), tmp_path / "m.gguf", "Q4_1"))
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
-    first = _greedy(LLM(path, **ENGINE_ARGS), prompts()[:3], params)
-    assert _greedy(LLM(path, **ENGINE_ARGS), prompts()[:3], params) == first
+    engines = [LLM(path, **ENGINE_ARGS) for _ in range(2)]
+    first, second = (_greedy(llm, prompts()[:3], params) for llm in engines)
+    assert first == second
+    for llm in engines:
+        llm.close()
 
 
 @pytest.mark.parametrize("tensor_type", ["Q4_K", "Q5_K", "Q6_K"])
@@ -153,13 +173,17 @@ def test_k_type_files_compute_on_their_blocks(tmp_path, tensor_type):
     activations run on the same blocks, a request's tokens independent of its batch."""
     path = str(write_gguf(resolve_model("tiny"), tmp_path / "k.gguf", tensor_type))
     args = {**ENGINE_ARGS, "max_model_len": 64}
-    expected = _greedy(LLM(path, **args, linear_backend="blocked"), prompts()[:4])
+    float_path = LLM(path, **args, linear_backend="blocked")
+    expected = _greedy(float_path, prompts()[:4])
+    float_path.close()
     exact = LLM(path, **args, linear_backend="quantized_float")
     _on_blocks(exact)
     types = exact.engine.runner.model.model.layers[0].mlp.down_proj.weight_q.types
     assert types == [QUANT_TYPES[tensor_type]]
     assert _greedy(exact, prompts()[:4]) == expected
+    exact.close()
     int8 = LLM(path, **args)
     _on_blocks(int8)
     together = _greedy(int8, prompts()[:4])
     assert [_greedy(int8, [p])[0] for p in prompts()[:4]] == together
+    int8.close()

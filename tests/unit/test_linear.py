@@ -176,9 +176,14 @@ def test_torch_backend_and_float16_under_auto_stay_unpacked():
         pack_linears(Tiny(tied=False).to(torch.float16), "blocked", torch.device("cpu"))
 
 
+def _has_bf16() -> bool:
+    return "avx512_bf16" in cpu_kernels._cpu_flags().split()
+
+
+@pytest.mark.skipif(not _has_bf16(), reason="needs AVX-512 BF16 (the CI machine has it)")
 def test_bfloat16_linears_and_a_tied_head_pack_for_avx512_bf16():
     kernel = cpu_kernels.load()
-    assert kernel.bf16_available() == ("avx512_bf16" in cpu_kernels._cpu_flags().split())
+    assert kernel.bf16_available()
     model = Tiny(tied=True).to(torch.bfloat16)
     table = model.embed.weight.detach().clone()
     assert pack_linears(model, "auto", torch.device("cpu")) == 2
@@ -200,6 +205,7 @@ def test_bfloat16_without_the_instructions_stays_torch_or_is_refused(monkeypatch
 
 # Odd input widths (the zero pair), output widths off the 16-column block, rows across the
 # 8-row tile.
+@pytest.mark.skipif(not _has_bf16(), reason="needs AVX-512 BF16 (the CI machine has it)")
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 32])
 @pytest.mark.parametrize(("in_features", "out_features"), [(16, 32), (65, 37), (576, 80)])
 def test_bf16_linear_rounds_like_torchs(rows, in_features, out_features):
@@ -237,8 +243,10 @@ def test_blocked_backend_refuses_where_the_kernels_cannot_build(monkeypatch, cap
     assert "no compiler" in caplog.text
 
 
-def test_prefill_engines_pack_for_onednn_on_cpus_unless_told_otherwise():
+def test_prefill_engines_pack_for_onednn_on_cpus_unless_told_otherwise(tmp_path):
     from deployments.replica.engine_server import DecodeServer, PrefillServer
+    from engine.models.catalog import resolve_model
+    from engine.testing.gguf_writer import write_gguf
 
     assert PrefillServer.role_engine_args("tiny", {"max_model_len": 64}) == {
         "max_model_len": 64,
@@ -250,5 +258,9 @@ def test_prefill_engines_pack_for_onednn_on_cpus_unless_told_otherwise():
     on_gpu = {"device": "cuda"}
     assert PrefillServer.role_engine_args("tiny", on_gpu) == on_gpu
     # A GGUF's quantized blocks stay quantized (auto): the decode side computes the same KV.
-    assert PrefillServer.role_engine_args("smollm2", {}) == {}
+    gguf = str(write_gguf(resolve_model("tiny"), tmp_path / "q.gguf", "Q8_0"))
+    assert PrefillServer.role_engine_args(gguf, {}) == {}
+    # ... where auto keeps them: not for a bfloat16 engine, which packs for oneDNN as before
+    bf16 = PrefillServer.role_engine_args(gguf, {"dtype": "bfloat16"})
+    assert bf16["linear_backend"] == "onednn"
     assert DecodeServer.role_engine_args("tiny", {}) == {}  # auto: blocked + fused

@@ -51,7 +51,7 @@ def _blocks(weight: torch.Tensor, type_name: str) -> tuple[QuantizedTensor, torc
         raw = quants.quantize(weight.numpy(), qtype)
     dequantized = quants.dequantize(raw, qtype).reshape(weight.shape).astype(np.float32)
     tensor = QuantizedTensor(
-        torch.from_numpy(raw.reshape(weight.shape[0], -1)), type_name, weight.shape[1]
+        torch.from_numpy(raw.reshape(weight.shape[0], -1)), type_name, weight.shape[1], "w"
     )
     return tensor, torch.from_numpy(dequantized)
 
@@ -141,7 +141,7 @@ def test_rows_are_the_float_paths_rows_exactly(kernel, type_name):
 
 @pytest.mark.parametrize(("type_name", "in_features"), [("Q4_1", 64), ("Q8_0", 64), ("Q5_K", 256)])
 def test_tiles_take_about_the_files_bytes(kernel, type_name, in_features):
-    """Tiles hold the blocks' bytes (Q5_K: a byte per 5-bit code, 1.45x), padded to 16 rows."""
+    """Tiles hold the blocks' bytes (Q5_K: a byte per 5-bit code, 1.57x), padded to 16 rows."""
     tensor, _ = _blocks(torch.randn(24, in_features), type_name)
     weight = build_weight(kernel, in_features, {0: tensor})
     growth = {"Q4_1": 1.0, "Q8_0": 1.0, "Q5_K": (320 + 8 * 512) / (16 * 176)}[type_name]
@@ -152,7 +152,7 @@ def test_zero_activations_and_zero_rows(kernel):
     """A zero block of x has scale 0 (no division by zero); zero rows (a padded vocabulary's)
     give zeros."""
     raw = torch.zeros(20, 2 * 20, dtype=torch.uint8)  # Q4_1: 20 bytes per block, d = m = 0
-    weight = build_weight(kernel, 64, {0: QuantizedTensor(raw, "Q4_1", 64)})
+    weight = build_weight(kernel, 64, {0: QuantizedTensor(raw, "Q4_1", 64, "w")})
     x = torch.zeros(2, 64)
     x[1, 40] = 5.0
     assert torch.equal(weight.forward(x), torch.zeros(2, 20))

@@ -19,8 +19,8 @@
 // i of lane c of chunk j is q[c][8j + i] | q[c][8j + 4 + i] << 4. Wider codes are bytes: Q8_0's
 // q + 128 (vpdpbusd multiplies unsigned by signed; the kernels subtract 128 * sum(x)), Q5_K's
 // 0..31, Q6_K's 0..63. Tiles take the blocks' bytes, except that Q5_K's and Q6_K's codes take a
-// byte each (1.45x and 1.22x the file's bytes for those tensors) and the K types' packed 6-bit
-// scales a byte each (~3%). Tail columns (N not a multiple of 16) are zero tiles: scale 0.
+// byte each, with their scales (1.57x and 1.30x the file's bytes for those tensors), and
+// Q4_K's packed 6-bit scales a byte each (~3%). Tail columns (N not a multiple of 16) are zero tiles: scale 0.
 
 #pragma once
 
@@ -218,15 +218,21 @@ inline float tile_min(const uint8_t* tile, int64_t t, int64_t c, int64_t j) {
 }
 
 // Weight e of column c, exactly as the gguf package dequantizes it (float32, its order of
-// operations, never fused): the float path's weight.
-__attribute__((optimize("fp-contract=off"))) inline float tile_weight(const uint8_t* tile,
-                                                                      int64_t t, int64_t c,
-                                                                      int64_t e) {
+// operations, each product rounded before it is added: the float path's weight). The
+// intermediates are volatile so that no compiler fuses a multiply and an add (the module is
+// built with -ffp-contract=fast for the kernels that want exactly that).
+inline float tile_weight(const uint8_t* tile, int64_t t, int64_t c, int64_t e) {
   const float q = static_cast<float>(tile_q(tile, t, c, e));
   if (t == kQ6_K) return tile_scale(tile, t, c, e / 16) * q;
-  const float scaled = tile_scale(tile, t, c, e / kQK) * q;
-  if (t == kQ4_1) return scaled + tile_min(tile, t, c, 0);
-  if (t == kQ4_K || t == kQ5_K) return scaled - tile_min(tile, t, c, e / kQK);
+  volatile float scaled = tile_scale(tile, t, c, e / kQK) * q;
+  if (t == kQ4_1) {
+    volatile float m = tile_min(tile, t, c, 0);
+    return scaled + m;
+  }
+  if (t == kQ4_K || t == kQ5_K) {
+    volatile float m = tile_min(tile, t, c, e / kQK);
+    return scaled - m;
+  }
   return scaled;
 }
 

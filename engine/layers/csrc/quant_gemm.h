@@ -7,8 +7,10 @@
 // step reads the file's bytes, and the multiply-adds run on 8-bit integers: AVX-512 VNNI's
 // vpdpbusd does 64 of them per instruction against 16 for a float32 FMA.
 //
-// Int8 activations (linear_backend "quantized", llama.cpp's numbers). Activations are quantized
-// per block of 32: dx = max|x| / 127, qx = round(x / dx) in [-127, 127], with sx = sum(qx)
+// Int8 activations (linear_backend "quantized"). Activations are quantized per block of 32 for
+// every type, like llama.cpp's Q8_0 (llama.cpp takes 256-wide Q8_K blocks for the K types, and
+// rounds ties away from zero; here ties go to even): dx = max|x| / 127,
+// qx = round(x * (1 / dx)) in [-127, 127], with sx = sum(qx)
 // (and each half's sum, for Q6_K's sub-blocks of 16). A sub-block's dot product is an exact
 // integer I = sum(code * qx); the output gains scale * dx * (I - offset * sx) (offset: 8 for
 // Q4_0, 128 for Q8_0's stored codes, 32 for Q6_K) and, with a minimum, + m * dx * sx (Q4_1) or
@@ -30,6 +32,8 @@
 #pragma once
 
 #include <torch/extension.h>
+
+#include <ATen/Parallel.h>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -57,30 +61,49 @@ struct XBlock {
   float ds;            // dx * sx (the minimum terms)
 };
 
-// x [rows][k] (row stride x_stride) -> rows * k/32 blocks.
+// Block b of row x quantized: dx = max|x| / 127, qx = round(x * (1 / dx)), ties to even.
+inline void quantize_block(const float* v, XBlock& o) {
+#if defined(__AVX512F__)
+  // The same operations as the loop below, 16 lanes at a time: the same bits.
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float d = amax / 127.f;
+  const __m512 id = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id));  // round to nearest even
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o.q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o.q + 16), _mm512_cvtepi32_epi8(qb));
+  o.s_lo = _mm512_reduce_add_epi32(qa);
+  o.s_hi = _mm512_reduce_add_epi32(qb);
+#else
+  float amax = 0.f;
+  for (int64_t i = 0; i < kQK; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float d = amax / 127.f;
+  const float id = d > 0.f ? 1.f / d : 0.f;
+  int32_t half_sums[2] = {0, 0};
+  for (int64_t i = 0; i < kQK; ++i) {
+    const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * id));
+    o.q[i] = static_cast<int8_t>(q);
+    half_sums[i / 16] += q;
+  }
+  o.s_lo = half_sums[0];
+  o.s_hi = half_sums[1];
+#endif
+  o.d = d;
+  o.s = o.s_lo + o.s_hi;
+  o.ds = d * static_cast<float>(o.s);
+}
+
+// x [rows][k] (row stride x_stride) -> rows * k/32 blocks, rows shared out over the threads
+// when there are enough of them to pay for waking them.
 inline void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k, XBlock* out) {
   const int64_t nb = k / kQK;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* v = x + r * x_stride + b * kQK;
-      XBlock& o = out[r * nb + b];
-      float amax = 0.f;
-      for (int64_t i = 0; i < kQK; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.f;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      int32_t half_sums[2] = {0, 0};
-      for (int64_t i = 0; i < kQK; ++i) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * id));
-        o.q[i] = static_cast<int8_t>(q);
-        half_sums[i / 16] += q;
-      }
-      o.d = d;
-      o.s_lo = half_sums[0];
-      o.s_hi = half_sums[1];
-      o.s = o.s_lo + o.s_hi;
-      o.ds = d * static_cast<float>(o.s);
-    }
-  }
+  const auto some = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < nb; ++b) quantize_block(x + r * x_stride + b * kQK, out[r * nb + b]);
+  };
+  if (rows < 4) return some(0, rows);
+  at::parallel_for(0, rows, 1, some);
 }
 
 // One contiguous range of work for the kernels below.
@@ -209,6 +232,14 @@ inline void tiled_by_type(const Operands& o, int64_t rows, int64_t begin, int64_
   }
 }
 
+// Products and sums rounded one by one, never fused (the float kernel's weights must be the
+// gguf package's bits; the module is built with -ffp-contract=fast): instructions with an
+// explicit rounding mode are not contracted by any compiler.
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+inline __m512 mul_rounded(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, kNearest); }
+inline __m512 add_rounded(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, kNearest); }
+inline __m512 sub_rounded(__m512 a, __m512 b) { return _mm512_sub_round_ps(a, b, kNearest); }
+
 inline __m512 halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -225,9 +256,9 @@ template <int64_t T>
 inline __m512 scales(const uint8_t* tile, int64_t j) {
   const __m512 d = halves(tile);
   if constexpr (T == kQ4_K || T == kQ5_K)
-    return _mm512_mul_ps(d, bytes_as_floats<false>(tile + kScaleOffset + j * kCols));
+    return mul_rounded(d, bytes_as_floats<false>(tile + kScaleOffset + j * kCols));
   if constexpr (T == kQ6_K)
-    return _mm512_mul_ps(d, bytes_as_floats<true>(tile + kQ6ScaleOffset + j * kCols));
+    return mul_rounded(d, bytes_as_floats<true>(tile + kQ6ScaleOffset + j * kCols));
   return d;
 }
 
@@ -236,7 +267,7 @@ template <int64_t T>
 inline __m512 minimums(const uint8_t* tile, int64_t j) {
   const __m512 m = halves(tile + kMinOffset);
   if constexpr (T == kQ4_K || T == kQ5_K)
-    return _mm512_mul_ps(m, bytes_as_floats<false>(tile + kSubMinOffset + j * kCols));
+    return mul_rounded(m, bytes_as_floats<false>(tile + kSubMinOffset + j * kCols));
   return m;
 }
 
@@ -256,8 +287,7 @@ constexpr int32_t code_offset(int64_t t) {
 // a vector as tile_weight does (integer code less its offset, to float, times the scale, then
 // plus Q4_1's or minus the K types' minimum) and multiply-added into each row's accumulator.
 template <int64_t T, int64_t R>
-__attribute__((optimize("fp-contract=off"))) inline void group_float(const Operands& o, int64_t g,
-                                                                     int64_t m0) {
+inline void group_float(const Operands& o, int64_t g, int64_t m0) {
   constexpr int64_t bw = block_weights(T);
   __m512 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -316,17 +346,18 @@ inline void group_vnni(const Operands& o, int64_t g, int64_t m0) {
         const XBlock& xb = o.x[(m0 + r) * o.nb * subs + b * subs + j];
         const int32_t* xq = reinterpret_cast<const int32_t*>(xb.q);
         const __m512 dx = _mm512_set1_ps(xb.d);
-        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-        for (int q = 0; q < 4; ++q) lo = _mm512_dpbusd_epi32(lo, w[q], _mm512_set1_epi32(xq[q]));
-        for (int q = 4; q < 8; ++q) hi = _mm512_dpbusd_epi32(hi, w[q], _mm512_set1_epi32(xq[q]));
         if constexpr (T == kQ6_K) {
+          __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+          for (int q = 0; q < 4; ++q) lo = _mm512_dpbusd_epi32(lo, w[q], _mm512_set1_epi32(xq[q]));
+          for (int q = 4; q < 8; ++q) hi = _mm512_dpbusd_epi32(hi, w[q], _mm512_set1_epi32(xq[q]));
           lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(code_offset(T) * xb.s_lo));
           hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(code_offset(T) * xb.s_hi));
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(scale, dx), acc[r]);
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(scale_hi, dx), acc[r]);
           continue;
         }
-        __m512i dot = _mm512_add_epi32(lo, hi);
+        __m512i dot = _mm512_setzero_si512();
+        for (int q = 0; q < 8; ++q) dot = _mm512_dpbusd_epi32(dot, w[q], _mm512_set1_epi32(xq[q]));
         if constexpr (code_offset(T) != 0)
           dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(code_offset(T) * xb.s));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, dx), acc[r]);
