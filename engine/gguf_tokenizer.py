@@ -115,9 +115,11 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
 
 
 def gguf_tokenizer_parts(path: str | Path) -> tuple[HFTokenizer, TokenizerConfig]:
-    from engine.models.gguf_file import open_gguf
+    from engine.models.gguf_file import open_gguf, release_vocabulary
 
-    return tokenizer_parts(open_gguf(path), Path(path).name)
+    parts = tokenizer_parts(open_gguf(path, vocabulary=True), Path(path).name)
+    release_vocabulary(path)  # built: the engine's loading needs the rest of the reader only
+    return parts
 
 
 def tokenizer_parts(reader: Any, name: str) -> tuple[HFTokenizer, TokenizerConfig]:

@@ -61,7 +61,8 @@ class ModelArchConfig:
         if is_gguf_path(path):
             from engine.models.gguf_file import gguf_arch_config, open_gguf
 
-            return gguf_arch_config(open_gguf(path), Path(path).name)
+            # vocabulary: the token count stands in for a missing vocab_size
+            return gguf_arch_config(open_gguf(path, vocabulary=True), Path(path).name)
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise ValueError(f"no config.json in model directory {str(path)!r}")

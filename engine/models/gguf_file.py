@@ -57,23 +57,49 @@ _GLOBAL_TENSOR_NAMES = {
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def open_gguf(path: str | Path) -> Any:
+def open_gguf(path: str | Path, vocabulary: bool = False) -> Any:
     """A `gguf.GGUFReader` over `path`; a file that is not a readable GGUF is a ValueError.
 
     Readers are cached per file version: parsing the metadata (a 49k-token vocabulary is ~100k
-    fields) takes seconds, and the config, the weights and the tokenizer each need it.
+    fields) takes seconds, and the config, the weights and the tokenizer each need it. Once the
+    tokenizer is built its vocabulary is dropped from the cached reader
+    (`release_vocabulary`); `vocabulary=True` asks for a reader that still has it (parsed
+    again where needed).
     """
     path = Path(path).resolve()
     try:
         stat = path.stat()
     except OSError as err:
         raise ValueError(f"cannot read {path.name}: {err.strerror}") from None
-    return _open_gguf(path, stat.st_mtime_ns, stat.st_size)
+    reader = _open_gguf(path, stat.st_mtime_ns, stat.st_size)
+    if vocabulary and getattr(reader, "pdserve_without_vocabulary", False):
+        _open_gguf.cache_clear()
+        reader = _open_gguf(path, stat.st_mtime_ns, stat.st_size)
+    return reader
+
+
+# The metadata arrays of a vocabulary: a part object per element, ~60 MB for 49k tokens.
+_VOCABULARY_FIELDS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+)
+
+
+def release_vocabulary(path: str | Path) -> None:
+    """Drop the parsed vocabulary from `path`'s cached reader once the tokenizer is built:
+    freed now, its memory is given back before the weights are loaded (freed at the end, what
+    the loading allocated in between would keep much of it from the system)."""
+    reader = open_gguf(path)
+    for name in _VOCABULARY_FIELDS:
+        reader.fields.pop(name, None)
+    reader.pdserve_without_vocabulary = True
 
 
 def forget_readers() -> None:
-    """Drop the cached readers: a parsed vocabulary holds ~60 MB of Python objects, kept only
-    while an engine starts (config, tokenizer, weights); the next open parses again."""
+    """Drop the cached readers (kept only while an engine starts: config, tokenizer, weights);
+    the next open parses again."""
     _open_gguf.cache_clear()
 
 
