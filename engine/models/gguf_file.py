@@ -215,6 +215,7 @@ def gguf_tensors(
         if where == SKIP:
             continue
         if hf_name in keep:
+            assert not isinstance(where, str)
             yield hf_name, _quantized_rows(tensor, where, layout, unpermute, hf_name)
             continue
         if where is None:

@@ -15,6 +15,7 @@ import json
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 from safetensors import safe_open
@@ -87,7 +88,7 @@ def load_model(
 
 
 def _keep_quantized(
-    model: nn.Module, path: Path, layout: TPLayout, kernels: BlockKernels
+    model: LlamaForCausalLM, path: Path, layout: TPLayout, kernels: BlockKernels
 ) -> frozenset[str]:
     from engine.models.gguf_file import open_gguf
     from engine.models.quantized_loading import quantized_plan, swap_quantized_modules
@@ -229,7 +230,7 @@ def _expected_names(params: dict[str, nn.Parameter], modules: dict[str, nn.Modul
     return expected
 
 
-def _stacked(module: nn.Module | None) -> bool:
+def _stacked(module: nn.Module | None) -> TypeGuard[StackedLinear | QuantLinear]:
     """A layer holding several checkpoint matrices (and biases) one after another."""
     if isinstance(module, StackedLinear):
         return True

@@ -10,7 +10,7 @@ before. Everything else (norms, biases, other types) loads as floats.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -23,6 +23,9 @@ from engine.layers.quantized import (
 )
 from engine.models.gguf_file import hf_tensor_name
 from engine.parallel.layout import SKIP, TPLayout
+
+if TYPE_CHECKING:  # engine.models.loader imports this module, and llama
+    from engine.models.llama import LlamaForCausalLM
 
 # The linears of a decoder layer: module path under the layer -> the checkpoint matrices it
 # stacks, in order.
@@ -59,12 +62,12 @@ def quantized_plan(reader: Any, layout: TPLayout) -> dict[str, str]:
 
 
 def swap_quantized_modules(
-    model: nn.Module, plan: dict[str, str], kernels: BlockKernels
+    model: LlamaForCausalLM, plan: dict[str, str], kernels: BlockKernels
 ) -> set[str]:
     """Replace the modules `plan` covers (on the meta device); returns the weight names they
     take in their block types (the loader hands those over undequantized)."""
     kept: set[str] = set()
-    for index, layer in enumerate(model.model.layers):  # type: ignore[attr-defined]
+    for index, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{index}"
         for path, sources in _LAYER_LINEARS.items():
             names = [f"{prefix}.{source}.weight" for source in sources]

@@ -119,7 +119,8 @@ def _add_tensor(
         writer.add_tensor(name, array.astype(np.float16))
         return
     if qtype.name in _K_HALVES:  # the gguf package cannot quantize these
-        quantized = random_k_blocks(qtype, *array.shape, seed=zlib.crc32(name.encode()))
+        rows, cols = array.shape
+        quantized = random_k_blocks(qtype, rows, cols, seed=zlib.crc32(name.encode()))
     else:
         quantized = gguf.quants.quantize(array, qtype)
     writer.add_tensor(name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)

@@ -69,7 +69,9 @@ def run(config: PerplexityBenchConfig) -> dict[str, Any]:
         try:
             windows = text_windows(llm, config.window)
             perplexities[backend] = perplexity(llm, windows)
-            prompts = [llm.tokenizer.encode(text) for text in GREEDY_TEXTS]
+            tokenizer = llm.tokenizer
+            assert tokenizer is not None  # text_windows refused a model without one
+            prompts = [tokenizer.encode(text) for text in GREEDY_TEXTS]
             greedy[backend] = greedy_tokens(llm, prompts, config.greedy_tokens)
         finally:
             llm.close()
