@@ -187,3 +187,49 @@ def test_k_type_files_compute_on_their_blocks(tmp_path, tensor_type):
     together = _greedy(int8, prompts()[:4])
     assert [_greedy(int8, [p])[0] for p in prompts()[:4]] == together
     int8.close()
+
+
+def test_bench_latency_compares_backends_side_by_side_with_their_memory(tmp_path):
+    from pdserve.bench.latency import LatencyBenchConfig, run
+
+    path = str(write_gguf(resolve_model("tiny"), tmp_path / "t.gguf", "Q8_0"))
+    config = LatencyBenchConfig(
+        model=path,
+        input_len=8,
+        output_len=4,
+        batch_sizes=(1, 2),
+        repeats=2,
+        device="cpu",
+        linear_backends=("quantized", "blocked"),
+        memory=True,
+    )
+    report = run(config)
+    ours, theirs = report["engines"]["quantized"], report["engines"]["blocked"]
+    assert ours["linear_backend"] == "quantized" and theirs["linear_backend"] == "blocked"
+    assert ours["weight_bytes"] < theirs["weight_bytes"] / 2  # the blocks, not floats
+    for size in ("1", "2"):
+        mine, other = ours["batches"][size], theirs["batches"][size]
+        ratio = mine["decode_tokens_per_s"] / other["decode_tokens_per_s"]
+        assert mine["ratio_to_blocked"] == pytest.approx(ratio, rel=0.01)
+    memory = report["memory"]
+    for backend in ("quantized", "blocked"):
+        entry = memory[backend]
+        assert entry["kv_pool_mb"] == 64.0 and entry["file_mb"] > 0
+        over = (entry["engine_mb"] - entry["kv_pool_mb"]) / entry["file_mb"]
+        assert entry["engine_over_file"] == pytest.approx(over, rel=0.02)  # from rounded MBs
+    # the float engine holds its dequantized copy, the quantized one does not
+    assert memory["blocked"]["engine_mb"] > memory["quantized"]["engine_mb"]
+
+
+def test_bench_perplexity_scores_the_same_tokens_on_each_backend(tmp_path):
+    path = str(write_gguf(resolve_model("tiny"), tmp_path / "t.gguf", "Q8_0"))
+    config = ppl.PerplexityBenchConfig(
+        model=path, linear_backends=("quantized_float", "blocked"), window=64, greedy_tokens=8
+    )
+    report = ppl.run(config)
+    assert report["tokens_scored"] > 100
+    # float activations are the float path's bits: the same perplexity, the same greedy tokens
+    assert report["perplexity"]["quantized_float"] == report["perplexity"]["blocked"]
+    assert report["ratio_to_blocked"] == 1.0
+    agreement = report["greedy_agreement_with_blocked"]
+    assert agreement["agreement"] == 1.0 and agreement["identical"] == len(ppl.GREEDY_TEXTS)
