@@ -353,6 +353,9 @@ def _ongoing(actor_names: list[str]) -> dict[str, int]:
     return counts
 
 
+_BUSY_WAIT_S = 5.0
+
+
 def _kill_one(app: str, deployment: str, rng: random.Random) -> bool:
     import os
     import signal
@@ -360,8 +363,15 @@ def _kill_one(app: str, deployment: str, rng: random.Random) -> bool:
     replicas = _replicas(app, deployment)
     if not replicas:
         return False
-    load = _ongoing(sorted(replicas)) or dict.fromkeys(replicas, 0)  # none answered: any
-    busiest = max(load.values())
+    # A kill is meant to land under load: a moment when no replica of the role holds a
+    # request (the load recovering from the last kill) is waited out, up to a few seconds.
+    deadline = time.monotonic() + _BUSY_WAIT_S
+    while True:
+        load = _ongoing(sorted(replicas)) or dict.fromkeys(replicas, 0)  # none answered: any
+        busiest = max(load.values())
+        if busiest > 0 or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     victim = rng.choice(sorted(name for name, n in load.items() if n == busiest))
     with contextlib.suppress(ProcessLookupError):
         os.kill(replicas[victim], signal.SIGKILL)
