@@ -69,6 +69,39 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
+def stacked_rows(shard_sizes: list[int], index: int) -> slice:
+    """The output rows of projection `index` in a layer stacking projections of these sizes."""
+    start = sum(shard_sizes[:index])
+    return slice(start, start + shard_sizes[index])
+
+
+def rows_through(
+    call: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    out_features: int,
+    name: str,
+) -> torch.Tensor:
+    """A kernel linear over any leading dims: `call(rows, residual rows)` on x as rows with
+    contiguous columns, its output back in x's leading shape; named `name` in profiler traces."""
+    leading = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if residual is not None:
+        residual = residual.reshape(-1, out_features)
+    with record_function(name):
+        out = call(rows, residual)
+    return out.view(*leading, out_features)
+
+
+def check_token_ids(flat: torch.Tensor, num_embeddings: int) -> None:
+    """nn.Embedding's IndexError for ids outside the table (a kernel's lookup would read
+    padding, wrap, or fail less clearly)."""
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_embeddings):
+        raise IndexError(f"token id outside the embedding table of {num_embeddings}")
+
+
 class _ColumnBlocks(nn.Module):
     """A linear layer whose W a kernel packs once in column blocks of 16 (`_pack`) and
     multiplies with `_op`; `residual` adds a skip connection in the same pass (any number of
@@ -89,15 +122,10 @@ class _ColumnBlocks(nn.Module):
         self._call = getattr(kernel, self._op)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        leading = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        if residual is not None:
-            residual = residual.reshape(-1, self.out_features)
-        with record_function(f"pdserve::{self._op}"):  # named in profiler traces
-            out = self._call(rows, self.packed, self.out_features, self.bias, residual)
-        return out.view(*leading, self.out_features)
+        def call(rows: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
+            return self._call(rows, self.packed, self.out_features, self.bias, res)
+
+        return rows_through(call, x, residual, self.out_features, f"pdserve::{self._op}")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self._label}"
@@ -133,9 +161,7 @@ class BlockedEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)
-        # nn.Embedding refuses ids outside the table; here they would read padding or wrap.
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"token id outside the embedding table of {self.num_embeddings}")
+        check_token_ids(flat, self.num_embeddings)
         width = self.packed.shape[2]  # output columns per block
         block = torch.div(flat, width, rounding_mode="floor")
         rows = self.packed[block, :, flat - block * width]  # [tokens, k] or [tokens, k/2, 2]

@@ -2,10 +2,10 @@
 
 A GGUF matrix in Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K is kept in its block type
 (csrc/quant_formats.h rearranges the blocks into SIMD tiles; csrc/quant_gemm.h says how the
-products are computed): a
-`QuantLinear` multiplies by it, a `QuantEmbedding` looks rows up in it (a tied head and its
-embedding share one table). The loader (engine/models/quantized_loading.py) puts these modules
-in the model before any float weight is allocated, and hands them the raw rows of the file.
+products are computed): a `QuantLinear` multiplies by it, a `QuantEmbedding` looks rows up in
+it (a tied head and its embedding share one table). The loader
+(engine/models/quantized_loading.py) puts these modules in the model before any float weight
+is allocated, and hands them the raw rows of the file.
 
 `linear_backend`: "quantized" insists (a ValueError where nothing can be kept quantized);
 "auto" chooses it on CPUs with an int8 vector kernel for float32 engines on GGUF files with
@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import record_function
+
+from engine.layers.linear import check_token_ids, rows_through, stacked_rows
 
 # GGML type name -> its id (what csrc/quant_formats.h's `Type` takes).
 QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-
 
 QUANTIZED_BACKENDS = ("quantized", "quantized_float")
 
@@ -85,8 +85,7 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
 
     def shard_rows(self, index: int) -> slice:
-        start = sum(self.shard_sizes[:index])
-        return slice(start, start + self.shard_sizes[index])
+        return stacked_rows(self.shard_sizes, index)
 
     def load_part(self, index: int, tensor: QuantizedTensor) -> None:
         """Part `index` of the stacked weight (0 for a plain layer); the weight is built once
@@ -110,15 +109,10 @@ class QuantLinear(nn.Module):
         return self.weight_q is not None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        leading = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1 or rows.dtype != torch.float32:
-            rows = rows.contiguous().float()
-        if residual is not None:
-            residual = residual.reshape(-1, self.out_features)
-        with record_function("pdserve::quant_linear"):  # named in profiler traces
-            out = self.weight_q.forward(rows, self.bias, residual)
-        return out.view(*leading, self.out_features)
+        def call(rows: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
+            return self.weight_q.forward(rows, self.bias, res)
+
+        return rows_through(call, x, residual, self.out_features, "pdserve::quant_linear")
 
     def extra_repr(self) -> str:
         types = "" if self.weight_q is None else ",".join(_type_names(self.weight_q.types))
@@ -161,9 +155,7 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)
-        # nn.Embedding's error for ids outside the table, not the kernel's.
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"token id outside the embedding table of {self.num_embeddings}")
+        check_token_ids(flat, self.num_embeddings)
         rows = self.weight_q.rows(flat.long())
         return rows.view(*input_ids.shape, self.embedding_dim)
 

@@ -230,18 +230,6 @@ def gguf_tensors(
         elif unpermute and hf_name.endswith("k_proj.weight"):
             weights = _unpermute(weights, layout.num_kv_heads)
         yield hf_name, weights
-    _drop_pages(reader)
-
-
-def _drop_pages(reader: Any) -> None:
-    """Let go of the file's pages this process read: the weights now live in the model, and
-    the kernel keeps the mapped pages resident (counted in the engine's memory) until told.
-    The mapping stays valid; a later read pages the bytes in again."""
-    import mmap
-
-    mapped = getattr(getattr(reader.data, "base", None), "_mmap", None)
-    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
-        mapped.madvise(mmap.MADV_DONTNEED)
 
 
 def _quantized_rows(

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.layers.linear import stacked_rows
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RopeTables, RotaryEmbedding
 from engine.models.config import ModelArchConfig
@@ -39,8 +40,7 @@ class StackedLinear(nn.Linear):
         self.shard_sizes = list(shard_sizes)
 
     def shard_rows(self, index: int) -> slice:
-        start = sum(self.shard_sizes[:index])
-        return slice(start, start + self.shard_sizes[index])
+        return stacked_rows(self.shard_sizes, index)
 
 
 # Checkpoint projection name -> (stacked module name, shard index).

@@ -4,9 +4,9 @@ Used on CPUs for float32 models whose linears are packed in column blocks (`Bloc
 kept on a GGUF file's quantized blocks (`QuantLinear`), and whose attention runs on the CPU
 kernel (a tensor-parallel rank too, where its group exchanges through shared memory): then a
 step in which every scheduled request decodes one token skips the per-layer Python and torch
-dispatch (csrc/fused_decode.h says what it
-fuses). Anything else — prefills, chunks, mixed steps, other devices — goes through the
-modules, which stay the reference the fused step is tested against.
+dispatch (csrc/fused_decode.h says what it fuses). Anything else — prefills, chunks, mixed
+steps, other devices — goes through the modules, which stay the reference the fused step is
+tested against.
 """
 
 from __future__ import annotations

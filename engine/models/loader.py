@@ -25,7 +25,12 @@ from engine.layers.quantized import QUANT_TYPES, BlockKernels, QuantizedTensor, 
 from engine.models.catalog import is_gguf_path
 from engine.models.config import ModelArchConfig
 from engine.models.llama import STACKED_PROJECTIONS, LlamaForCausalLM, StackedLinear
-from engine.models.quantized_loading import incomplete_modules, quantized_target
+from engine.models.quantized_loading import (
+    incomplete_modules,
+    quantized_plan,
+    quantized_target,
+    swap_quantized_modules,
+)
 from engine.parallel.group import SINGLE_RANK, TPGroup
 from engine.parallel.layout import SKIP, TensorSlice, TPLayout
 
@@ -91,7 +96,6 @@ def _keep_quantized(
     model: LlamaForCausalLM, path: Path, layout: TPLayout, kernels: BlockKernels
 ) -> frozenset[str]:
     from engine.models.gguf_file import open_gguf
-    from engine.models.quantized_loading import quantized_plan, swap_quantized_modules
 
     plan = quantized_plan(open_gguf(path), layout) if is_gguf_path(path) else {}
     kept = swap_quantized_modules(model, plan, kernels) if plan else set()

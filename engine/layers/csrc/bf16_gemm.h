@@ -25,6 +25,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "linear_epilogue.h"
+
 namespace pdserve::bf16 {
 
 constexpr int64_t kBlock = 16;
@@ -140,21 +142,10 @@ inline torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed,
   const auto bits = [](const torch::Tensor& t) {
     return reinterpret_cast<const uint16_t*>(t.data_ptr());
   };
-  Operands o{bits(x), x.stride(0), k, bits(packed), nullptr, nullptr, 0,
-             reinterpret_cast<uint16_t*>(y.data_ptr()), n, n};
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
-                    bias->scalar_type() == torch::kBFloat16,
-                "bias must be bfloat16 [out_features]");
-    o.bias = bits(*bias);
-  }
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == n &&
-                    residual->stride(1) == 1 && residual->scalar_type() == torch::kBFloat16,
-                "residual must be bfloat16 [M, N]");
-    o.residual = bits(*residual);
-    o.res_stride = residual->stride(0);
-  }
+  const Epilogue e = epilogue(bias, residual, rows, n, torch::kBFloat16, "bfloat16");
+  const Operands o{bits(x), x.stride(0), k, bits(packed),
+                   static_cast<const uint16_t*>(e.bias), static_cast<const uint16_t*>(e.residual),
+                   e.res_stride, reinterpret_cast<uint16_t*>(y.data_ptr()), n, n};
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t grain = std::max<int64_t>(1, (blocks + threads - 1) / threads);
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {

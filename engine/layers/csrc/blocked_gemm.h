@@ -22,6 +22,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "linear_epilogue.h"
+
 namespace pdserve::blocked {
 
 constexpr int64_t kBlock = 16;
@@ -243,23 +245,10 @@ inline torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed,
                   padded(n) == packed.size(0) * kBlock,
               "packed weight does not match x and out_features");
   auto y = torch::empty({rows, n}, x.options());
-  const float* b = nullptr;
-  const float* r = nullptr;
-  int64_t res_stride = 0;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
-                    bias->scalar_type() == torch::kFloat,
-                "bias must be float32 [out_features]");
-    b = bias->data_ptr<float>();
-  }
-  if (residual.has_value()) {
-    check_rows(*residual, "residual");
-    TORCH_CHECK(residual->size(0) == rows && residual->size(1) == n, "residual must be [M, N]");
-    r = residual->data_ptr<float>();
-    res_stride = residual->stride(0);
-  }
-  linear_into(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), n, k, b, r, res_stride,
-              y.data_ptr<float>(), n, rows);
+  const Epilogue e = epilogue(bias, residual, rows, n, torch::kFloat, "float32");
+  linear_into(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), n, k,
+              static_cast<const float*>(e.bias), static_cast<const float*>(e.residual),
+              e.res_stride, y.data_ptr<float>(), n, rows);
   return y;
 }
 

@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "linear_epilogue.h"
 #include "quant_formats.h"
 #include "quant_gemm.h"
 
@@ -90,27 +91,12 @@ class QuantWeight {
                 "x must be float32 [M, ", k_, "] with contiguous rows");
     const int64_t rows = x.size(0);
     auto y = torch::empty({rows, n_}, x.options());
-    const float* b = nullptr;
-    const float* r = nullptr;
-    int64_t res_stride = 0;
-    if (bias.has_value()) {
-      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n_ && bias->is_contiguous() &&
-                      bias->scalar_type() == torch::kFloat,
-                  "bias must be float32 [out_features]");
-      b = bias->data_ptr<float>();
-    }
-    if (residual.has_value()) {
-      TORCH_CHECK(residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == n_ &&
-                      residual->stride(1) == 1 && residual->scalar_type() == torch::kFloat,
-                  "residual must be float32 [M, N]");
-      r = residual->data_ptr<float>();
-      res_stride = residual->stride(0);
-    }
+    const Epilogue e = epilogue(bias, residual, rows, n_, torch::kFloat, "float32");
     const Kernel which = kernel == "portable" ? Kernel::kPortable
                          : kernel == "avx2"   ? Kernel::kAvx2
                                               : Kernel::kBest;
-    into(x.data_ptr<float>(), x.stride(0), rows, b, r, res_stride, y.data_ptr<float>(), n_,
-         which);
+    into(x.data_ptr<float>(), x.stride(0), rows, static_cast<const float*>(e.bias),
+         static_cast<const float*>(e.residual), e.res_stride, y.data_ptr<float>(), n_, which);
     return y;
   }
 
