@@ -16,10 +16,11 @@ from engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
     check_known_keys,
+    check_load_format,
     config_from_dict,
 )
 from engine.models import ModelArchConfig
-from engine.models.catalog import TINY_MODEL, resolve_model
+from engine.models.catalog import TINY_MODEL, is_gguf_path, resolve_model
 from engine.parallel.layout import check_tensor_parallel
 
 
@@ -72,6 +73,9 @@ class EngineArgs:
     """torch, blocked (the C++ kernel) or onednn (auto: the device's)"""
     enforce_eager: bool = False
     """on CUDA, run every step eagerly instead of replaying captured decode graphs"""
+    load_format: str = "auto"
+    """auto (read the checkpoint's weights) or dummy (build the model from its directory's
+    config.json alone, every weight random, no weight file read: benchmarks of a model's shape)"""
     logits_processors: tuple[str, ...] = ()
     """custom logits processors, as module:Class"""
     kv_transfer_config: dict[str, Any] | None = None
@@ -106,6 +110,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> tuple[EngineConfig, ModelArchConfig]:
         path = self.model_path()
+        check_load_format(self.load_format, is_gguf_path(path))  # before the file is read
         arch = ModelArchConfig.from_pretrained(path)
         max_model_len = self._max_model_len(arch)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -149,6 +154,7 @@ class EngineArgs:
             logits_processors=tuple(self.logits_processors),
             enforce_eager=self.enforce_eager,
             tokenizer=self.tokenizer_path(),
+            load_format=self.load_format,
         )
 
     def _cache_config(self, arch: ModelArchConfig) -> CacheConfig:

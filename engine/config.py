@@ -14,6 +14,9 @@ TransportName = Literal["nixl", "grpc"]
 KV_TRANSPORTS: tuple[TransportName, ...] = ("nixl", "grpc")
 KVLoadFailurePolicy = Literal["recompute", "fail"]
 KV_LOAD_FAILURE_POLICIES: tuple[KVLoadFailurePolicy, ...] = ("recompute", "fail")
+# vLLM's names: "auto" reads the checkpoint; "dummy" builds the model from config.json alone,
+# random weights, no weight file read (benchmarks of a model's shape, not its answers).
+LOAD_FORMATS = ("auto", "dummy")
 
 _Config = TypeVar("_Config")
 
@@ -145,6 +148,10 @@ class ModelConfig:
     tokenizer: str | None = None
     # vLLM's name: no CUDA graphs (every decode step launches its kernels one by one).
     enforce_eager: bool = False
+    load_format: str = "auto"  # one of LOAD_FORMATS
+
+    def __post_init__(self) -> None:
+        check_load_format(self.load_format)
 
     @property
     def tokenizer_path(self) -> str:
@@ -278,6 +285,18 @@ def check_transport(name: object, what: str = "transport") -> None:
 def check_load_failure_policy(policy: object, what: str = "load_failure_policy") -> None:
     if policy not in KV_LOAD_FAILURE_POLICIES:
         raise ValueError(f"{what} must be one of {KV_LOAD_FAILURE_POLICIES}, got {policy!r}")
+
+
+def check_load_format(load_format: object, gguf: bool = False) -> None:
+    """ValueError unless `load_format` is one of LOAD_FORMATS and fits the checkpoint (`gguf`:
+    a .gguf file, which has no config.json for "dummy" to build from)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if load_format == "dummy" and gguf:
+        raise ValueError(
+            "load_format 'dummy' builds the model from a directory's config.json; "
+            "a .gguf file has none (give a model directory, or load_format 'auto')"
+        )
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

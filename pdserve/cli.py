@@ -86,6 +86,7 @@ _BENCHES = {
     "tp": "decode tokens/s at tensor_parallel_size N against 1, same cores",
     "spec": "n-gram speculative decoding vs plain, one stream",
     "chaos": "load on a local app while its replicas are killed",
+    "gpu": "the prepared GPU check: Triton kernels, decode speed, parity, one JSON",
 }
 
 

@@ -65,6 +65,9 @@ def pytest_configure(config) -> None:
         # engine left at device="auto", or a Ray replica, must not land on a GPU the machine
         # happens to have. Torch initialises CUDA lazily, so this still takes effect.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        # The Triton kernels (engine/layers/gpu/) run on the CPU in Triton's interpreter, which
+        # Triton picks when a kernel is defined: set before any test imports them.
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_sessionstart(session) -> None:
@@ -72,6 +75,8 @@ def pytest_sessionstart(session) -> None:
     Ray replicas then load them instead of racing to build them under their start-up timeouts.
     A machine that cannot build them falls back (and tests/unit/test_attention_backends.py,
     test_linear.py and test_fused_decode.py say so)."""
+    if session.config.getoption("--device") != "cpu":
+        return  # the GPU runs (`pdserve bench gpu`) need none of them
     from engine.layers import cpu_kernels
 
     with contextlib.suppress(cpu_kernels.KernelBuildError):

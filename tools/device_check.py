@@ -1,8 +1,8 @@
-"""The checks that need a GPU, as one short script that prints one JSON object.
+"""The KV checksum's GPU check, as one short script that prints one JSON object.
 
-Run on a lent GPU machine from the repository root (its image holds torch and Triton; nothing
-else of the project's dependencies is needed): `python3 tools/device_check.py`. It finishes in
-well under a minute.
+`pdserve bench gpu` (the prepared device script: `python3 -m pdserve bench gpu` on a lent GPU
+machine, from the repository root) runs it as its `checksums` section; alone:
+`python3 tools/device_check.py` (torch and Triton only). It finishes in well under a minute.
 
 - KV block checksums (connector/checksums.py) on 1 GiB of 2 MiB blocks in GPU memory: the
   Triton kernel (connector/checksum_triton.py, its launch alone) and torch's integer ops,

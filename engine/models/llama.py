@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.layers.layer_ops import TORCH_LAYER_OPS, LayerOps
 from engine.layers.linear import stacked_rows
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RopeTables, RotaryEmbedding
@@ -80,9 +80,26 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        q, k, v = self._rotated_qkv(hidden, rope)
-        out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        if backend.fuses_rotary:  # rotated in the kernel that writes the cache
+            q, k, v = self._qkv(hidden)
+            out = backend.forward_rotary(q, k, v, rope, kv_cache, metadata, self.scale)
+        else:
+            q, k, v = self._rotated_qkv(hidden, rope)
+            out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.group.all_reduce(self.o_proj(out.reshape(hidden.shape[0], -1)))
+
+    def _qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] before rotation (views of the GEMM's output, or
+        of the per-head norms' where the model has them)."""
+        num_tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden)
+        sizes = (heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim)
+        q, k, v = qkv.split(sizes, dim=-1)
+        q = q.view(num_tokens, heads, self.head_dim)
+        k = k.view(num_tokens, kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v.view(num_tokens, kv_heads, self.head_dim)
 
     def _rotated_qkv(
         self, hidden: torch.Tensor, rope: RopeTables
@@ -111,9 +128,8 @@ class LlamaMLP(nn.Module):
         self.inner = inner
         self.group = group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inner, dim=-1)
-        return self.group.all_reduce(self.down_proj(F.silu(gate).mul_(up)))
+    def forward(self, x: torch.Tensor, ops: LayerOps = TORCH_LAYER_OPS) -> torch.Tensor:
+        return self.group.all_reduce(self.down_proj(ops.silu_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -127,14 +143,20 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: RopeTables,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata, backend)
-        hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        ops: LayerOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next layer (or the
+        final norm) adds the two, fused with its norm. The sums are the plain layer's,
+        operand for operand: residual + attention, then + MLP."""
+        x, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm)
+        attn = self.self_attn(x, rope, kv_cache, metadata, backend)
+        x, residual = ops.add_rms_norm(attn, residual, self.post_attention_layernorm)
+        return self.mlp(x, ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -154,6 +176,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layout, self.group = layout, group
+        # The layers' elementwise ops: torch's, or the attention backend's fused kernels (set by
+        # the model runner).
+        self.ops: LayerOps = TORCH_LAYER_OPS
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings. Vocab-parallel: each rank looks up the ids in its rows, zeros the
@@ -207,9 +232,10 @@ class LlamaForCausalLM(nn.Module):
             return self.fused_decode(input_ids, positions, kv_caches, metadata)
         hidden = self.model.embed(input_ids)
         rope = self.model.rotary.tables(positions, hidden.dtype)
+        ops, residual = self.model.ops, None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, kv_cache, metadata, backend)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, metadata, backend, ops)
+        return ops.add_rms_norm(hidden, residual, self.model.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

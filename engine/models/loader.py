@@ -7,7 +7,10 @@ where they start and end on a quantization block).
 
 With `block_kernels`, a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices are not
 dequantized: the modules that use them are swapped for ones computing on the blocks before
-anything is allocated (engine/models/quantized_loading.py)."""
+anything is allocated (engine/models/quantized_loading.py).
+
+With load_format "dummy" (vLLM's), no weight file is read: the model is built from its
+config.json alone and every parameter drawn from a fixed seed (`initialize_dummy_weights`)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.config import check_load_format
 from engine.layers.quantized import QUANT_TYPES, BlockKernels, QuantizedTensor, QuantLinear
 from engine.models.catalog import is_gguf_path
 from engine.models.config import ModelArchConfig
@@ -36,6 +40,9 @@ from engine.parallel.layout import SKIP, TensorSlice, TPLayout
 
 # Buffers some checkpoints carry that the engine recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# load_format "dummy": fixed, as vLLM's, so that engines of any seed share one set of weights.
+DUMMY_WEIGHTS_SEED = 0
+_DUMMY_STD = 0.02
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -72,11 +79,14 @@ def load_model(
     layout: TPLayout | None = None,
     group: TPGroup = SINGLE_RANK,
     block_kernels: BlockKernels | None = None,
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
     """Build the model without touching memory (meta device), then fill it from disk (this
     rank's slice of it, under tensor parallelism). With `block_kernels`, keep what the GGUF
-    file quantized on its blocks; a ValueError if nothing can be."""
+    file quantized on its blocks; a ValueError if nothing can be. With `load_format` "dummy",
+    fill it with random weights instead, reading nothing (a GGUF file: a ValueError)."""
     path = Path(path)
+    check_load_format(load_format, is_gguf_path(path))
     layout = layout or TPLayout(config)
     keep: frozenset[str] = frozenset()
     with _default_dtype(dtype), torch.device("meta"):
@@ -87,9 +97,42 @@ def load_model(
     # imports sympy (seconds in every process that loads a model); empty by shape does not.
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
-    _load_weights(model, checkpoint_tensors(path, config, layout, keep), config)
+    if load_format == "dummy":
+        initialize_dummy_weights(model)
+    else:
+        _load_weights(model, checkpoint_tensors(path, config, layout, keep), config)
     model.model.rotary.build(device)
     return model.eval()
+
+
+def initialize_dummy_weights(model: LlamaForCausalLM, seed: int = DUMMY_WEIGHTS_SEED) -> None:
+    """Fill this rank's parameters where they lie: RMSNorm weights 1, biases 0, the rest
+    normal(0, 0.02) from a generator on the parameters' device (no host round trip for 16 GB
+    of weights). Every rank draws its own slice from the same seed; the vocabulary's padding
+    rows are zero, as the checkpoint loader leaves them."""
+    params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
+    device = next(iter(params.values())).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in params.items():
+            if param.dim() == 1 and name.endswith("norm.weight"):  # also q_norm, layernorm
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, _DUMMY_STD, generator=generator)
+        _zero_vocab_padding(model)
+
+
+def _zero_vocab_padding(model: LlamaForCausalLM) -> None:
+    """Zero the rows past the vocabulary's end (the last rank's padding) of the embedding and
+    the head."""
+    layout = model.layout
+    real_rows = max(0, model.config.vocab_size - layout.vocab_start)
+    if real_rows >= layout.vocab_rows:
+        return
+    model.model.embed_tokens.weight[real_rows:].zero_()
+    model.lm_head.weight[real_rows:].zero_()  # the same tensor where tied: zeroed twice
 
 
 def _keep_quantized(

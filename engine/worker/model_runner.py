@@ -142,11 +142,13 @@ class ModelRunner:
             self.group,
             # A draft model keeps its blocks like the target where it can, never insists.
             block_kernels(path, backend, self.device, self.dtype, insist=not draft),
+            load_format="auto" if draft else self.config.model.load_format,
         )
         # What stayed float (norms aside: other types, other files) packs as under `auto`.
         if pack_linears(model, "auto" if backend in QUANTIZED_BACKENDS else backend, self.device):
             warm_up_linears(model, self.config.scheduler.max_num_seqs)
         model.fused_decode = FusedDecodeStep.build(model, self.attn_backend)
+        model.model.ops = self.attn_backend.layer_ops()
         return model
 
     def kv_cache_spec(self) -> KVCacheSpec:

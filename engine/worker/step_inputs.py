@@ -118,6 +118,7 @@ def build_step_inputs(
         decode_block_table=t(table[req_of_token[decode_tokens]]),
         decode_seq_lens=t(positions[decode_tokens] + 1),
         prefills=prefills,
+        decode_max_seq_len=int(positions[decode_tokens].max()) + 1 if len(decode_tokens) else 0,
         sliding_window=sliding_window,
     )
     return StepInputs(

@@ -72,6 +72,10 @@ class LatencyBenchConfig:
     """the engines' linear backends, comma-separated: one engine each, runs alternating"""
     memory: bool = False
     """start each engine alone in a fresh process and report its resident memory"""
+    attention_backend: str = "auto"
+    """the engines' attention backend (auto: cpu on CPUs, triton on CUDA)"""
+    load_format: str = "auto"
+    """auto: read the checkpoint; dummy: random weights from config.json alone"""
 
     def __post_init__(self) -> None:
         for name in ("input_len", "repeats"):
@@ -102,6 +106,8 @@ def run(config: LatencyBenchConfig) -> dict[str, Any]:
                 enable_prefix_caching=False,
                 tensor_parallel_size=config.tensor_parallel_size,
                 linear_backend=backend,
+                attention_backend=config.attention_backend,
+                load_format=config.load_format,
             )
         if len(llms) == 1:
             report = _report(llms[config.linear_backends[0]], config)
@@ -163,6 +169,11 @@ def _report(llm: Any, config: LatencyBenchConfig) -> dict[str, Any]:
         "batches": {},
     }
     report["async_scheduling"] = llm.engine.async_scheduling
+    report["attention_backend"] = type(llm.engine.runner.attn_backend).__name__
+    if device.type == "cuda":
+        from pdserve.bench.kernels import decode_step_kernels
+
+        report["kernels"] = decode_step_kernels(llm, _prompts(rng, vocab, config.input_len, 1)[0])
     group = llm.engine.runner.group
     for size in config.batch_sizes:
         prompts = _prompts(rng, vocab, config.input_len, size)

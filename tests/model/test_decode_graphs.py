@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine.layers.attention.cuda import CudaBackend
+from engine.layers.attention.triton import TritonBackend
 from engine.llm import LLM
 from engine.request import SamplingParams
 from engine.worker.cuda_graphs import capture_sizes, context_blocks
@@ -20,20 +21,25 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=24, ignore_eos=True)
 
 
-def gpu_style_llm(ref: HFReference, graphs: bool) -> LLM:
-    """An engine as a GPU runs it: batched-prefill attention, torch linears, and decode steps
-    through the graph runner or (`graphs` False) eager. On a CPU the CPU's defaults (its
-    decode kernel, fused decode step) are swapped for the GPU's, and graphs run eagerly."""
+def gpu_style_llm(ref: HFReference, graphs: bool, attention: str = "cuda") -> LLM:
+    """An engine as a GPU runs it: GPU attention (`cuda`: SDPA over gathered blocks; `triton`:
+    the paged kernels, in the interpreter on a CPU), torch linears, and decode steps through
+    the graph runner or (`graphs` False) eager. On a CPU the CPU's defaults (its decode
+    kernel, fused decode step) are swapped for the GPU's, and graphs run eagerly."""
     args = dict(max_model_len=96, block_size=4, num_gpu_blocks_override=400, max_num_seqs=12)
     on_cpu = ref.engine_args["device"] == "cpu"
     cpu_args = {"linear_backend": "torch"} if on_cpu else {}
+    if attention == "triton" or not on_cpu:
+        cpu_args["attention_backend"] = attention
     llm = LLM(ref.path, **args, **ref.engine_args, **cpu_args, enforce_eager=not graphs)
     runner = llm.engine.runner
     if on_cpu:
-        runner.attn_backend = CudaBackend()
+        if attention == "cuda":
+            runner.attn_backend = CudaBackend()
         if graphs:
             runner.graphs = runner.build_decode_graphs(runner.kv_layers)
-    assert isinstance(runner.attn_backend, CudaBackend)
+    expected = TritonBackend if attention == "triton" else CudaBackend
+    assert type(runner.attn_backend) is expected
     assert (runner.graphs is not None) == graphs
     return llm
 
@@ -46,12 +52,17 @@ def test_capture_sizes_and_context_buckets():
     assert [context_blocks(n, 24) for n in (1, 2, 3, 5, 9, 17, 24)] == [1, 2, 4, 8, 16, 24, 24]
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_qk_norm", "mistral"])
-def test_graphed_decodes_match_hf(hf_refs, arch):
+# Triton's kernels on the model with a sliding window (the others' under the interpreter would
+# add a minute to the suite; tests/model/test_triton_backend.py runs every architecture).
+@pytest.mark.parametrize(
+    ("arch", "attention"),
+    [("llama_gqa", "cuda"), ("qwen3_qk_norm", "cuda"), ("mistral", "cuda"), ("mistral", "triton")],
+)
+def test_graphed_decodes_match_hf(hf_refs, arch, attention):
     """Batches of 8 and 3 (padded to 4), contexts across several buckets, a sliding window
     (mistral), a second round over cached prefixes: HF's greedy tokens."""
     ref = hf_refs[arch]
-    llm = gpu_style_llm(ref, graphs=True)
+    llm = gpu_style_llm(ref, graphs=True, attention=attention)
     check_against_hf(ref, llm, prompts(), GREEDY)
     check_against_hf(ref, llm, prompts()[:3], GREEDY)
     graphs = llm.engine.runner.graphs
@@ -63,7 +74,8 @@ def test_graphed_decodes_match_hf(hf_refs, arch):
     assert pool.get_num_free_blocks() == pool.num_blocks - 1
 
 
-def test_graphed_sampling_equals_eager_draw_for_draw(hf_refs):
+@pytest.mark.parametrize("attention", ["cuda", "triton"])
+def test_graphed_sampling_equals_eager_draw_for_draw(hf_refs, attention):
     """Seeded sampling, penalties and logprobs read the graph's static logits: the same draws
     and logprob ranks as eager decoding, in a batch with greedy requests."""
     ref = hf_refs["llama_gqa"]
@@ -80,7 +92,8 @@ def test_graphed_sampling_equals_eager_draw_for_draw(hf_refs):
             for o in outs
         ]
 
-    assert run(gpu_style_llm(ref, graphs=True)) == run(gpu_style_llm(ref, graphs=False))
+    graphed = run(gpu_style_llm(ref, graphs=True, attention=attention))
+    assert graphed == run(gpu_style_llm(ref, graphs=False, attention=attention))
 
 
 def test_enforce_eager_must_be_a_bool(hf_refs):

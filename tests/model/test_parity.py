@@ -11,6 +11,7 @@ from engine.layers import cpu_kernels
 from engine.layers.attention import TorchReferenceBackend
 from engine.layers.attention.cpu import CpuBackend
 from engine.layers.attention.cuda import CudaBackend
+from engine.layers.attention.triton import TritonBackend
 from engine.layers.linear import BF16Linear, BlockedLinear, PackedLinear
 from engine.llm import LLM
 from engine.request import SamplingParams
@@ -58,8 +59,8 @@ def test_batch_of_prompts_matches_hf(hf_refs, arch, prefix_caching, scheduling):
         assert isinstance(llm.engine.runner.attn_backend, CpuBackend)
         assert isinstance(model.model.layers[0].mlp.down_proj, BlockedLinear)
         assert model.fused_decode is not None
-    else:  # the GPU's: batched prefills, torch linears
-        assert isinstance(llm.engine.runner.attn_backend, CudaBackend)
+    else:  # the GPU's: the Triton kernels, torch linears
+        assert isinstance(llm.engine.runner.attn_backend, TritonBackend)
         assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
     check_against_hf(ref, llm, prompts())
     # A second round reuses the cached prefixes of the first (when caching is on).

@@ -9,18 +9,20 @@ import torch
 from engine.layers.attention.backend import AttentionBackend, AttentionMetadata, PrefillSlice
 from engine.layers.attention.torch_ref import TorchReferenceBackend
 
-BACKENDS = ("torch", "cpu", "cuda")
+BACKENDS = ("torch", "cpu", "cuda", "triton")
 
 logger = logging.getLogger(__name__)
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`torch` runs anywhere; `cpu` (default on CPUs) decodes with a C++ paged kernel; `cuda`
-    (default on CUDA devices) batches prefills on the GPU. `auto` on a CPU falls back to
-    `torch`, with a warning, when the kernel cannot be built here."""
+    """`torch` runs anywhere; `cpu` (default on CPUs) decodes with a C++ paged kernel;
+    `triton` (default on CUDA devices) reads KV blocks in place with Triton kernels, and runs
+    on a CPU under Triton's interpreter; `cuda` is the earlier GPU path (SDPA over gathered
+    blocks). `auto` on a CPU falls back to `torch`, with a warning, when the kernel cannot be
+    built here."""
     if name == "auto":
         if device.type == "cuda":
-            return get_attention_backend("cuda", device)
+            return get_attention_backend("triton", device)
         try:
             return get_attention_backend("cpu", device)
         except ValueError as exc:
@@ -43,6 +45,8 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         from engine.layers.attention.cuda import CudaBackend  # imported only on GPU hosts
 
         return CudaBackend()
+    if name == "triton":
+        return _triton_backend(device)
     raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS} or 'auto'")
 
 
@@ -53,3 +57,18 @@ __all__ = [
     "TorchReferenceBackend",
     "get_attention_backend",
 ]
+
+
+def _triton_backend(device: torch.device) -> AttentionBackend:
+    from engine.layers.gpu import interpreted
+
+    if device.type == "cpu" and not interpreted():
+        raise ValueError(
+            "attention backend 'triton' on a CPU runs under Triton's interpreter: set "
+            "TRITON_INTERPRET=1 before starting (slow; for tests), or use 'cpu' or 'torch'"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"attention backend 'triton' needs a CUDA device, not {device.type}")
+    from engine.layers.attention.triton import TritonBackend
+
+    return TritonBackend(device)

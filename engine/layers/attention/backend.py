@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.layers.layer_ops import TORCH_LAYER_OPS, LayerOps
+from engine.layers.rotary import RopeTables
+
 
 @dataclass
 class PrefillSlice:
@@ -41,10 +44,21 @@ class AttentionMetadata:
     # Context positions each decode attends over (at least the longest context): fixed by a
     # captured CUDA graph, whose shapes cannot follow the step; None: the longest context.
     decode_context_len: int | None = None
+    # The longest decode context, known on the host (0: not given; backends that need it
+    # without a device sync take decode_context_len, else this).
+    decode_max_seq_len: int = 0
 
     @property
     def num_decodes(self) -> int:
         return int(self.decode_token_indices.shape[0])
+
+    @functools.cached_property
+    def prefill_tensors(self) -> torch.Tensor:
+        """int64 [4, P] on the step's device: query start, query length, context length and
+        block-table row of each prefill (one copy per step, shared by every layer)."""
+        columns = [(p.query_start, p.query_len, p.seq_len, p.row) for p in self.prefills]
+        host = torch.tensor(columns, dtype=torch.int64).reshape(-1, 4).t().contiguous()
+        return host.to(self.slot_block.device, non_blocking=True)
 
     @functools.cached_property
     def decode_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,11 +85,20 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Writes this step's K/V into the paged cache, then attends over the whole context.
 
+    A backend with `fuses_rotary` takes q and k before rotation (`forward_rotary`) and rotates
+    them in the kernel that writes the cache; the others get them rotated (`forward`).
+
     `kv_cache` is one layer's view of the block-contiguous cache: [num_blocks, 2, block_size,
     num_kv_heads, head_dim] (index 0 = K, 1 = V). Prefills and decodes of one step come
     together; the causal mask is aligned bottom-right, so a chunk or a request with prefix hits
     sees its whole cached context.
     """
+
+    fuses_rotary = False
+
+    def layer_ops(self) -> LayerOps:
+        """The elementwise ops the model's layers run beside this backend (torch's)."""
+        return TORCH_LAYER_OPS
 
     @abstractmethod
     def forward(
@@ -88,3 +111,16 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
+
+    def forward_rotary(
+        self,
+        q: torch.Tensor,  # [T, Hq, D], not rotated yet
+        k: torch.Tensor,  # [T, Hkv, D], not rotated yet
+        v: torch.Tensor,
+        rope: RopeTables,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """forward() of q and k rotated by `rope` (backends with fuses_rotary override it)."""
+        return self.forward(rope.apply(q), rope.apply(k), v, kv_cache, metadata, scale)
