@@ -30,7 +30,7 @@ from engine.core.kv_cache_utils import KVCacheBlock, cdiv
 from engine.core.sched_output import SchedulerOutput
 from engine.kv_connector import KVConnectorBase, PinPrefix, RunOnEngineThread
 from engine.models import ModelArchConfig
-from engine.models.fingerprint import weights_fingerprint
+from engine.models.fingerprint import dummy_weights_fingerprint, weights_fingerprint
 from engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class PDConnector(KVConnectorBase):
             # Same architecture, other weights (a revision, a fine-tune, a quantization):
             # other KV for the same tokens. Speculation is not here: its drafts' KV (n-gram:
             # none; a draft model's: its own cache) never travels.
-            weights=weights_fingerprint(config.model.model),
+            weights=_weights_fingerprint(config),
         )
         engine_id = kv.engine_id or f"engine-{uuid.uuid4().hex[:12]}"
         return cls(kv, engine_id, compat, config.cache.block_size)
@@ -241,6 +241,15 @@ class PDConnector(KVConnectorBase):
 
     def close(self) -> None:
         self.worker.close()
+
+
+def _weights_fingerprint(config: EngineConfig) -> str:
+    model = config.model
+    if model.load_format == "dummy":
+        device_type = torch.device(model.device).type
+        tp_size = config.parallel.tensor_parallel_size
+        return dummy_weights_fingerprint(model.model, device_type, tp_size)
+    return weights_fingerprint(model.model)
 
 
 def _handoff_only(params: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -6,7 +6,7 @@ import os
 import shutil
 
 from engine.models.default_model import make_default_model
-from engine.models.fingerprint import weights_fingerprint
+from engine.models.fingerprint import dummy_weights_fingerprint, weights_fingerprint
 
 
 def test_same_files_anywhere_match_and_any_changed_weights_do_not(tmp_path):
@@ -26,3 +26,24 @@ def test_a_file_changed_in_place_is_read_again(tmp_path):
     path.write_bytes(data)
     os.utime(path, ns=(1, 1))  # whatever the clock: the mtime moved
     assert weights_fingerprint(str(path)) != before
+
+
+def test_dummy_weights_match_only_where_device_type_and_tp_size_do(tmp_path):
+    """load_format=dummy draws its weights per device type and per rank's slice: the
+    connector's fingerprint tells such engines apart (a config.json is all they read)."""
+    from dataclasses import replace
+
+    from connector.pd_connector import _weights_fingerprint
+    from engine.arg_utils import EngineArgs
+    from engine.testing.shaped_checkpoint import shaped_config_dir
+
+    path = str(shaped_config_dir("smollm2-135m", tmp_path / "shape"))
+    base = dummy_weights_fingerprint(path, "cpu", 1)
+    assert dummy_weights_fingerprint(path, "cpu", 1) == base
+    assert dummy_weights_fingerprint(path, "cuda", 1) != base
+    assert dummy_weights_fingerprint(path, "cpu", 2) != base
+    config, _ = EngineArgs(model=path, load_format="dummy", device="cpu").create_engine_config()
+    assert _weights_fingerprint(config) == base
+    checkpoint = make_default_model(str(tmp_path / "real"), seed=1)
+    auto = replace(config, model=replace(config.model, model=checkpoint, load_format="auto"))
+    assert _weights_fingerprint(auto) == weights_fingerprint(checkpoint)
