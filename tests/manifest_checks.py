@@ -14,11 +14,12 @@ Each check returns the problems it found (empty: fine), so a test can assert bot
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-import jsonpatch
 import jsonschema
 import yaml
 
@@ -37,36 +38,22 @@ def documents(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
-def kustomize(directory: Path, _seen: tuple[Path, ...] = ()) -> list[dict[str, Any]]:
-    """What `kubectl kustomize DIRECTORY` makes of our kustomizations: their resources (files,
-    or other kustomizations, recursively) with their JSON 6902 patches applied to the targets
-    they name. As kustomize, a resource directory that contains the one being built (an
-    overlay under its base) is a cycle, refused."""
-    directory = directory.resolve()
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    resources: list[dict[str, Any]] = []
-    for entry in kustomization.get("resources", []):
-        path = (directory / entry).resolve()
-        if path.is_dir():
-            if any(seen.is_relative_to(path) for seen in (*_seen, directory)):
-                raise ValueError(f"{entry}: cycle, {path} contains {directory}")
-            resources += kustomize(path, (*_seen, directory))
-        else:
-            resources += documents(path)
-    for entry in kustomization.get("patches", []):
-        target = entry["target"]
-        operations = yaml.safe_load((directory / entry["path"]).read_text())
-        matched = [
-            i
-            for i, resource in enumerate(resources)
-            if (resource["kind"], resource["metadata"]["name"]) == (target["kind"], target["name"])
-            and resource["apiVersion"] == f"{target['group']}/{target['version']}"
-        ]
-        if not matched:
-            raise ValueError(f"patch {entry['path']} matches no resource")
-        for i in matched:
-            resources[i] = jsonpatch.apply_patch(resources[i], operations)
-    return resources
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    """What the real kustomize makes of a kustomization: `kubectl kustomize DIRECTORY`
+    (kubectl 1.32 carries kustomize 5.5), its documents parsed. ValueError with kustomize's
+    own message where it refuses (a cycle, a patch that matches nothing, an unknown field)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise RuntimeError(
+            "kubectl is not on PATH: the manifest tests render k8s/ with the real kustomize "
+            "(`kubectl kustomize`, kubectl 1.32 or later)"
+        )
+    done = subprocess.run(
+        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120
+    )
+    if done.returncode != 0:
+        raise ValueError(done.stderr.strip())
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
 # ------------------------------------------------------------------------ schemas
