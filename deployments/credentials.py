@@ -3,16 +3,21 @@ shared KV secret. Neither is kept in plain text where Serve keeps a replica's ar
 checkpoint, in Redis with GCS fault tolerance).
 
 API keys come from the app argument `api_key` (one key or a list; `pdserve serve --api-key`,
-repeatable) and the environment variable `PDSERVE_API_KEY` (comma-separated; on Kubernetes it
-comes from a Secret, so no key sits in the serve config, which Serve logs when it builds the
-app). Several keys may be live at once. `build_app` binds only HMAC-SHA256 digests under a salt
-drawn for that build; a caller's key is digested the same way and compared, in constant time,
-against every digest. No message names the key a caller sent.
+repeatable), the environment variable `PDSERVE_API_KEY` (comma-separated) and the file named by
+`PDSERVE_API_KEY_FILE` (keys separated by commas or lines: on Kubernetes a mounted Secret, so no
+key sits in the serve config, which Serve logs when it builds the app, and a rotated Secret
+reaches the routers without a restart: they look at the file at most once a second and read it
+again when it changed). Several keys may be live at once. Keys fail closed: a variable set but
+holding no key, or a key file missing or empty, refuses to start the app; a key file that
+becomes unreadable or empty later refuses every call until it holds a key again. `build_app`
+binds only HMAC-SHA256 digests under a salt drawn for that build (and the key file's path); a
+caller's key is digested the same way and compared, in constant time, against every digest. No
+message names the key a caller sent.
 
 HTTP: every route but `/health` needs `Authorization: Bearer KEY` (401 otherwise, OpenAI's error
 shape, `WWW-Authenticate: Bearer`). gRPC: `Generate`, `Abort` and `ModelInfo` need metadata
 `authorization: Bearer KEY` (UNAUTHENTICATED otherwise); `Health` stays open, as `/health`
-does, for probes and load balancers.
+does, for probes and load balancers — without a valid key it answers the status alone.
 
 The KV secret: the app argument `kv_secret`, else `$PDSERVE_KV_SECRET`, else drawn once per
 build. From the environment it is not bound at all: the replicas get a reference and read the
@@ -23,16 +28,22 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 API_KEY_ENV = "PDSERVE_API_KEY"
+API_KEY_FILE_ENV = "PDSERVE_API_KEY_FILE"
+KEY_FILE_CHECK_S = 1.0  # how often a router looks at the key file (one stat)
 KV_SECRET_ENV = "PDSERVE_KV_SECRET"
 # Bound in place of a KV secret that every node has in its environment.
 KV_SECRET_FROM_ENV = "$" + KV_SECRET_ENV
 AUTHORIZATION = "authorization"  # the HTTP header, and the gRPC metadata key (lower case)
+logger = logging.getLogger(__name__)
+
 MISSING = "missing API key: send the header 'Authorization: Bearer <key>'"
 WRONG = "invalid API key"
 
@@ -44,30 +55,62 @@ def configured_keys(api_key: str | list[str] | None, environ: Mapping[str, str])
         raise ValueError("api_key must be a string or a list of strings")
     if any(not key.strip() for key in keys):
         raise ValueError("api_key entries must not be empty")
-    from_env = environ.get(API_KEY_ENV, "")
-    keys += [key.strip() for key in from_env.split(",") if key.strip()]
+    from_env = environ.get(API_KEY_ENV)
+    if from_env is not None:
+        if not (env_keys := parse_keys(from_env)):
+            raise ValueError(
+                f"{API_KEY_ENV} is set but holds no key (empty, or only separators): set a key, "
+                "or unset it to serve without keys"
+            )
+        keys += env_keys
+    return keys
+
+
+def parse_keys(text: str) -> list[str]:
+    """Keys separated by commas or line breaks, surrounding blanks dropped."""
+    return [key.strip() for key in text.replace("\n", ",").split(",") if key.strip()]
+
+
+def read_key_file(path: str) -> list[str]:
+    """The keys in `path`; ValueError (with the reason, never a key) where there are none."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            keys = parse_keys(file.read())
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        message = f"the API key file {API_KEY_FILE_ENV} names cannot be read: {reason}"
+        raise ValueError(message) from None
+    if not keys:
+        raise ValueError(f"the API key file {API_KEY_FILE_ENV} names holds no key")
     return keys
 
 
 @dataclass(frozen=True)
 class ApiKeys:
-    """The salted digests of the keys a caller may present; none: the APIs are open."""
+    """The salted digests of the keys a caller may present, and a key file read again when it
+    changes; neither: the APIs are open."""
 
     digests: tuple[str, ...] = ()
     salt: bytes = field(default_factory=lambda: secrets.token_bytes(16))
+    key_file: str = ""
+    _file: _KeyFile = field(default_factory=lambda: _KeyFile(), compare=False, repr=False)
 
     @classmethod
-    def of(cls, keys: Iterable[str]) -> ApiKeys:
+    def of(cls, keys: Iterable[str], key_file: str = "") -> ApiKeys:
         salt = secrets.token_bytes(16)
-        return cls(tuple(sorted({_digest(salt, key) for key in keys})), salt)
+        return cls(tuple(sorted({_digest(salt, key) for key in keys})), salt, key_file)
 
     @classmethod
     def resolve(cls, api_key: str | list[str] | None) -> ApiKeys:
-        return cls.of(configured_keys(api_key, os.environ))
+        """The keys configured for this build: ValueError where a source is set but empty."""
+        key_file = os.environ.get(API_KEY_FILE_ENV)
+        if key_file is not None:
+            read_key_file(key_file)  # fails closed now, at build, with the reason
+        return cls.of(configured_keys(api_key, os.environ), key_file or "")
 
     @property
     def required(self) -> bool:
-        return bool(self.digests)
+        return bool(self.digests or self.key_file)
 
     def refusal(self, authorization: str | None) -> str | None:
         """Why a call with this `Authorization` value is refused; None: it may go on."""
@@ -78,9 +121,49 @@ class ApiKeys:
         if scheme.lower() != "bearer" or not key:
             return MISSING
         given = _digest(self.salt, key)
+        known = self.digests + (
+            self._file.digests(self.key_file, self.salt) if self.key_file else ()
+        )
         # Every digest is compared (no early exit), each in constant time.
-        matches = [hmac.compare_digest(given, known) for known in self.digests]
+        matches = [hmac.compare_digest(given, digest) for digest in known]
         return None if any(matches) else WRONG
+
+
+class _KeyFile:
+    """The digests of a key file's keys, read again when its size, inode or mtime changed
+    (a Kubernetes Secret volume swaps a symlink), looked at no more than once a second. A file
+    that cannot be read or holds no key leaves no digest: every key from it is refused."""
+
+    def __init__(self) -> None:
+        self._checked_at = float("-inf")
+        self._stamp: tuple[int, int, int] | None = None
+        self._digests: tuple[str, ...] = ()
+
+    def digests(self, path: str, salt: bytes) -> tuple[str, ...]:
+        now = time.monotonic()
+        if now - self._checked_at < KEY_FILE_CHECK_S:
+            return self._digests
+        self._checked_at = now
+        try:
+            stat = os.stat(path)
+            stamp = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        except OSError:
+            stamp = None
+        if stamp != self._stamp or stamp is None:
+            self._stamp, self._digests = stamp, self._read(path, salt)
+        return self._digests
+
+    @staticmethod
+    def _read(path: str, salt: bytes) -> tuple[str, ...]:
+        try:
+            keys = read_key_file(path)
+        except ValueError as exc:
+            logger.error("%s: refusing every key until it holds one", exc)
+            return ()
+        return tuple(sorted({_digest(salt, key) for key in keys}))
+
+    def __reduce__(self) -> tuple[type[_KeyFile], tuple[()]]:
+        return (_KeyFile, ())  # each replica looks at the file itself
 
 
 def _digest(salt: bytes, key: str) -> str:

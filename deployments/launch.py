@@ -19,6 +19,11 @@ from deployments.router.grpc_ingress import SERVICER_FUNCTION
 
 logger = logging.getLogger(__name__)
 
+# Serve's gRPC proxy reads its message bound from the environment (Ray 2.60). 4 MiB, gRPC's
+# own default, holds a prompt of 100k+ tokens as text or ids; the HTTP side has max_body_bytes.
+GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+GRPC_MAX_MESSAGE_BYTES = 4 << 20
+
 APP_NAME = "pdserve"
 COLOCATED_APP_NAME = "colocated"
 
@@ -50,6 +55,16 @@ class ServeOptions:
     grpc_tls_port: int = 9443
     """gRPC over TLS, beside the plain port (with --ssl-certfile;
     deployments/router/grpc_ingress.py)"""
+    grpc_max_message_bytes: int = GRPC_MAX_MESSAGE_BYTES
+    """the largest gRPC message the proxies take (Serve's default, 2 GiB, would be read and
+    decoded before the API key is checked)"""
+
+    def __post_init__(self) -> None:
+        if not 1024 <= self.grpc_max_message_bytes < 2**31:
+            raise ValueError(
+                "grpc_max_message_bytes must be between 1024 and 2**31 - 1, "
+                f"got {self.grpc_max_message_bytes}"
+            )
 
     @property
     def tls(self) -> bool:
@@ -153,13 +168,14 @@ def start_serve(options: ServeOptions) -> None:
 
 @contextlib.contextmanager
 def proxy_environment(options: ServeOptions) -> Iterator[None]:
-    """The gRPC proxy's TLS settings as environment variables while Ray starts: its processes
-    inherit them from the raylet, and this process gets its own environment back after."""
+    """The gRPC proxy's message bound and TLS settings as environment variables while Ray
+    starts: its processes inherit them from the raylet, and this process gets its own
+    environment back after."""
     from deployments.router import grpc_ingress
 
-    wanted = {}
+    wanted = {GRPC_MAX_MESSAGE_ENV: str(options.grpc_max_message_bytes)}
     if options.tls:
-        wanted = {
+        wanted |= {
             grpc_ingress.TLS_CERTFILE_ENV: os.path.abspath(str(options.ssl_certfile)),
             grpc_ingress.TLS_KEYFILE_ENV: os.path.abspath(str(options.ssl_keyfile)),
             grpc_ingress.TLS_PORT_ENV: str(options.grpc_tls_port),

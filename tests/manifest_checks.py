@@ -28,7 +28,10 @@ K8S = ROOT / "k8s"
 KUBERAY_SCHEMA = K8S / "schemas" / "kuberay-v1.7.0-rayservice-v1.json"
 PODMONITOR_SCHEMA = K8S / "schemas" / "prometheus-operator-v0.93.0-podmonitor-v1.json"
 KUBERNETES_VERSION = "1.33.0"
-SECRET_ENV = ("PDSERVE_KV_SECRET", "PDSERVE_API_KEY")
+SECRET_ENV = ("PDSERVE_KV_SECRET",)
+KEY_FILE_ENV = "PDSERVE_API_KEY_FILE"
+GRPC_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+GRPC_MESSAGE_LIMIT = 64 << 20  # what a gRPC proxy may take before the key is checked
 SECRETS_IN_ARGS = ("kv_secret", "api_key")
 AUTOSCALING_IN_ARGS = ("prefill_autoscaling", "decode_autoscaling", "sla_autoscaling")
 GPU = "nvidia.com/gpu"
@@ -243,6 +246,7 @@ def _pod_problems(pod: dict[str, Any], drain_s: float) -> list[str]:
     problems += [
         f"{name} does not come from a Secret" for name in SECRET_ENV if name not in from_secret
     ]
+    problems += _key_file_problems(pod, ray) + _grpc_bound_problems(ray)
     if GPU in ray.get("resources", {}).get("limits", {}):
         if not pod.get("nodeSelector"):
             problems.append("GPU pods without a nodeSelector")
@@ -254,6 +258,31 @@ def _pod_problems(pod: dict[str, Any], drain_s: float) -> list[str]:
                 f"terminationGracePeriodSeconds {grace} < the engines' drain {drain_s:g} s"
             )
     return problems
+
+
+def _key_file_problems(pod: dict[str, Any], ray: dict[str, Any]) -> list[str]:
+    """The API keys: a file in a Secret volume mounted as a directory (a subPath mount never
+    sees a rotation), named by PDSERVE_API_KEY_FILE; never in an environment variable."""
+    env = {e["name"]: e for e in ray.get("env", [])}
+    if "PDSERVE_API_KEY" in env:
+        return ["PDSERVE_API_KEY in the environment: a rotation needs new pods (use the file)"]
+    path = env.get(KEY_FILE_ENV, {}).get("value", "")
+    if not path:
+        return [f"no {KEY_FILE_ENV}: the APIs are open"]
+    secrets = {v["name"] for v in pod.get("volumes", []) if "secret" in v}
+    for mount in ray.get("volumeMounts", []):
+        inside = path.startswith(mount["mountPath"].rstrip("/") + "/")
+        if inside and mount["name"] in secrets and "subPath" not in mount:
+            return []
+    return [f"{KEY_FILE_ENV} {path} is not in a Secret volume mounted without subPath"]
+
+
+def _grpc_bound_problems(ray: dict[str, Any]) -> list[str]:
+    env = {e["name"]: e.get("value", "") for e in ray.get("env", [])}
+    value = env.get(GRPC_MESSAGE_ENV, "")
+    if not value.isdigit() or not 0 < int(value) <= GRPC_MESSAGE_LIMIT:
+        return [f"{GRPC_MESSAGE_ENV} {value or 'unset'}: Serve's proxy reads up to 2 GiB unbounded"]
+    return []
 
 
 def _model_delivery(group: dict[str, Any], config: dict[str, Any]) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,9 @@ NOT_SERVING = "NOT_SERVING"
 
 # (role, replica id or "" for whichever replica Serve picks) -> EngineServer.stats()
 Probe = Callable[[str, str], Awaitable[dict[str, Any]]]
+# A health answer is reused this long: probes, load balancers and anyone unauthenticated cost
+# the engines at most one survey per second per router replica, however often they ask.
+HEALTH_TTL_S = 1.0
 
 
 @dataclass
@@ -89,3 +93,37 @@ async def _ask(probe: Probe, role: str, replica: str, timeout_s: float) -> dict[
 
 def _unreachable(role: str, replica: str) -> dict[str, Any]:
     return {"role": role, "replica_id": replica, "state": UNREACHABLE}
+
+
+class CachedHealth:
+    """One survey at a time, its report reused for `ttl_s`: concurrent callers share the survey
+    in flight, later ones its answer (`/health` and gRPC `Health` are open to anyone)."""
+
+    def __init__(
+        self,
+        survey_once: Callable[[], Awaitable[HealthReport]],
+        ttl_s: float = HEALTH_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._survey_once, self._ttl_s, self._clock = survey_once, ttl_s, clock
+        self._report: HealthReport | None = None
+        self._at = float("-inf")
+        self._pending: asyncio.Future[HealthReport] | None = None
+        self.surveys = 0  # surveys run (tests read it)
+
+    async def report(self) -> HealthReport:
+        if self._report is not None and self._clock() - self._at < self._ttl_s:
+            return self._report
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._refresh())
+        # Shielded: a caller that gives up does not cancel the survey the others wait for.
+        return await asyncio.shield(self._pending)
+
+    async def _refresh(self) -> HealthReport:
+        try:
+            self.surveys += 1
+            report = await self._survey_once()
+            self._report, self._at = report, self._clock()
+            return report
+        finally:
+            self._pending = None

@@ -60,15 +60,17 @@ def build_openai_app(
 ) -> FastAPI:
     """The FastAPI app. `orchestrator` is looked up per request (the router owns it);
     `health_report` surveys the engines (without one, /health says only that the router
-    runs); with `api_keys`, every route but /health needs one (deployments/credentials.py)."""
+    runs); with `api_keys`, every route but /health needs one, and /health tells a caller
+    without one the status alone (deployments/credentials.py)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
-    edge = _Edge(orchestrator, api_keys or ApiKeys())
+    api_keys = api_keys or ApiKeys()
+    edge = _Edge(orchestrator, api_keys)
     # The last added runs first: nothing else runs for a caller without a key.
     app.middleware("http")(edge.limit_body)
     app.middleware("http")(edge.authenticate)
     app.exception_handler(StarletteHTTPException)(edge.http_error)
     app.exception_handler(RequestValidationError)(edge.invalid)
-    routes = _Routes(orchestrator, model_name, max_model_len, health_report)
+    routes = _Routes(orchestrator, model_name, max_model_len, health_report, api_keys)
     app.get("/v1/models")(routes.models)
     app.get("/health", response_model=None)(routes.health)
     app.post("/v1/completions", response_model=None)(routes.completions)
@@ -133,11 +135,13 @@ class _Routes:
         model_name: str,
         max_model_len: int,
         health_report: Callable[[], Awaitable[HealthReport]] | None,
+        api_keys: ApiKeys,
     ) -> None:
         self._orchestrator = orchestrator
         self._model_name = model_name
         self._max_model_len = max_model_len
         self._health_report = health_report
+        self._keys = api_keys
 
     async def models(self) -> dict[str, Any]:
         card = {
@@ -149,14 +153,17 @@ class _Routes:
         }
         return {"object": "list", "data": [card]}
 
-    async def health(self) -> Any:
-        """200 while some engine can answer requests (every replica's state in the body),
-        503 when none can: what a readiness probe or a load balancer reads."""
+    async def health(self, request: Request) -> Any:
+        """200 while some engine can answer requests, 503 when none can: what a readiness
+        probe or a load balancer reads. Every replica's state in the body for a caller with
+        a valid key (or where the app has none); the status alone for anyone else."""
         if self._health_report is None:
             return {"status": SERVING}
         report = await self._health_report()
         code = 503 if report.status == NOT_SERVING else 200
-        body = {"status": report.status, "engines": report.engines}
+        body: dict[str, Any] = {"status": report.status}
+        if self._keys.refusal(request.headers.get("authorization")) is None:
+            body["engines"] = report.engines
         return JSONResponse(body, status_code=code)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:

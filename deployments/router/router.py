@@ -19,7 +19,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
-from deployments.cluster.health import HealthReport, survey
+from deployments.cluster.health import CachedHealth, HealthReport, survey
 from deployments.cluster.replica_set import REPLICA_SETS, RoleWatch
 from deployments.credentials import ApiKeys, kv_secret, without_credentials
 from deployments.errors import (
@@ -109,6 +109,7 @@ class Router:
         self._prefill = prefill
         self._in_flight: dict[str, _InFlight] = {}
         self._peers = RouterPeers()
+        self._health = CachedHealth(self._survey)
         self.tracing = Tracing("router", replica_name(), settings.otlp_endpoint)
         retry = settings.retry_after_s
         self.orchestrator = Orchestrator(
@@ -228,13 +229,22 @@ class Router:
     async def Health(
         self, request: pb.HealthRequest, grpc_context: RayServegRPCContext
     ) -> pb.HealthResponse:
+        """Open to probes; the engines' figures only to a caller with a valid key (or where
+        the app has none)."""
         _decoded_or_refuse(request, grpc_context)
         report = await self.health()
+        authorization = dict(grpc_context.invocation_metadata()).get("authorization")
+        if self.settings.api_keys.refusal(authorization) is not None:
+            return pb.HealthResponse(status=report.status)
         engines = [pb.EngineStats(**engine) for engine in report.engines]
         return pb.HealthResponse(status=report.status, engines=engines)
 
     async def health(self) -> HealthReport:
-        """Every replica of each engine role (deployments/cluster/health.py)."""
+        """Every replica of each engine role, surveyed at most once a second
+        (deployments/cluster/health.py)."""
+        return await self._health.report()
+
+    async def _survey(self) -> HealthReport:
         handles = {"decode" if self._prefill is not None else "colocated": self._decode}
         if self._prefill is not None:
             handles = {"prefill": self._prefill, **handles}

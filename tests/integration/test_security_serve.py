@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from deployments.launch import GRPC_MAX_MESSAGE_BYTES
 from pdserve.client import GenerationClient, generate_request
 from pdserve.trace_sink import SpanSink, start_sink
 from tests.integration.serving import AppSettings, ProxyTLS, ServeCluster, ServedApp
@@ -84,8 +85,10 @@ def test_grpc_needs_a_valid_key(secured: Secured) -> None:
             with pytest.raises(grpc.RpcError) as refused:
                 client.abort("anything")
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert client.health().status  # probes need no key
+            anonymous = client.health()  # probes need no key, and learn the status alone
+            assert anonymous.status and not anonymous.engines
     with _grpc(secured, KEYS[1]) as client:
+        assert client.health().engines  # every replica's figures, for a caller with a key
         completion = client.complete(generate_request(PROMPT, **PARAMS), timeout=120)
     assert len(completion.token_ids) == PARAMS["max_tokens"]
     assert completion.route == "disaggregated"
@@ -97,6 +100,18 @@ def test_grpc_needs_a_valid_key(secured: Secured) -> None:
     # was recomputed for want of it.
     assert wait_until(lambda: bool(transfers()), timeout_s=30)
     assert {s["attributes"]["pdserve.kv.outcome"] for s in transfers()} == {"ok"}
+
+
+def test_grpc_refuses_an_oversized_message_in_the_proxy(secured: Secured) -> None:
+    """Serve's proxy would read and decode up to 2 GiB before the Router checks the key: the
+    app bounds it (ServeOptions.grpc_max_message_bytes), so gRPC itself refuses the call."""
+    oversized = "word " * (GRPC_MAX_MESSAGE_BYTES // 5 + 1)
+    for key in ("", KEYS[1]):
+        with _grpc(secured, key) as client:
+            with pytest.raises(grpc.RpcError) as refused:
+                client.complete(generate_request(oversized, **PARAMS), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "larger than max" in refused.value.details()
 
 
 def test_grpc_over_tls_gives_the_same_tokens(secured: Secured) -> None:

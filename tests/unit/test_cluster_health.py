@@ -93,3 +93,36 @@ def test_a_hinted_probe_answered_by_another_replica_is_unreachable():
     report = asyncio.run(survey(["prefill", "decode"], sets, probe, timeout_s=0.2))
     assert report.status == DEGRADED
     assert report.engines[-1] == {"role": "decode", "replica_id": "d-gone", "state": UNREACHABLE}
+
+
+def test_health_is_surveyed_once_per_ttl_however_many_ask():
+    """Concurrent callers share the survey in flight, later ones its answer until the TTL;
+    a caller that gives up does not cancel it for the others."""
+    from deployments.cluster.health import CachedHealth, HealthReport
+
+    now = [0.0]
+    release = asyncio.Event()
+
+    async def survey_once() -> HealthReport:
+        await release.wait()
+        return HealthReport(SERVING, [stats("decode", f"r{cached.surveys}")])
+
+    cached = CachedHealth(survey_once, ttl_s=1.0, clock=lambda: now[0])
+
+    async def scenario() -> list[HealthReport]:
+        waiting = [asyncio.ensure_future(cached.report()) for _ in range(20)]
+        impatient = asyncio.ensure_future(cached.report())
+        await asyncio.sleep(0)  # let every caller reach the shared survey
+        impatient.cancel()
+        release.set()
+        first = await asyncio.gather(*waiting)
+        now[0] = 0.9
+        within = await cached.report()
+        now[0] = 1.5
+        after = await cached.report()
+        return [*first, within, after]
+
+    reports = asyncio.run(scenario())
+    assert cached.surveys == 2
+    assert {r.engines[0]["replica_id"] for r in reports[:-1]} == {"r1"}
+    assert reports[-1].engines[0]["replica_id"] == "r2"

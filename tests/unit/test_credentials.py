@@ -6,6 +6,7 @@ tests/integration/test_security_serve.py)."""
 from __future__ import annotations
 
 import json
+import pickle
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,6 +27,84 @@ from deployments.protocol import RequestLimits
 from deployments.router.openai_api import build_openai_app
 from deployments.router.router import RouterSettings
 from deployments.router.telemetry import RouterTelemetry
+
+
+@pytest.mark.parametrize("value", ["", " ", ",", " , ,", "\n"])
+def test_a_key_variable_set_but_empty_refuses_to_start(monkeypatch, value: str) -> None:
+    """Fail closed: an empty $PDSERVE_API_KEY is a mistake (a Secret key misnamed), not an
+    instruction to serve without keys."""
+    with pytest.raises(ValueError, match="PDSERVE_API_KEY is set but holds no key"):
+        configured_keys(None, {"PDSERVE_API_KEY": value})
+    monkeypatch.setenv("PDSERVE_API_KEY", value)
+    with pytest.raises(ValueError, match="holds no key"):
+        build_app({"model": "tiny"})
+
+
+def test_keys_from_a_file_are_reloaded_when_it_changes(monkeypatch, tmp_path) -> None:
+    """A mounted Secret, rotated in place: the new keys work and the old stop within a second
+    of the change; a file emptied or removed refuses every key (never opens the API)."""
+    import deployments.credentials as credentials
+
+    now = [100.0]
+    monkeypatch.setattr(credentials.time, "monotonic", lambda: now[0])
+    path = tmp_path / "api-keys"
+    path.write_text("old-1\nold-2\n")
+    monkeypatch.setenv("PDSERVE_API_KEY_FILE", str(path))
+    keys = _bound_settings(build_app({"model": "tiny"})).api_keys
+    assert keys.required and keys.key_file == str(path)
+    assert keys.refusal("Bearer old-2") is None and keys.refusal("Bearer new") == WRONG
+    path.write_text("new, other")
+    assert keys.refusal("Bearer old-1") is None  # looked at once a second, not per call
+    now[0] += credentials.KEY_FILE_CHECK_S
+    assert keys.refusal("Bearer new") is None and keys.refusal("Bearer old-1") == WRONG
+    for broken in ("", "gone"):
+        if broken == "gone":
+            path.unlink()
+        else:
+            path.write_text(" \n , ")
+        now[0] += credentials.KEY_FILE_CHECK_S
+        assert keys.refusal("Bearer new") == WRONG and keys.refusal(None) == MISSING
+    path.write_text("back")
+    now[0] += credentials.KEY_FILE_CHECK_S
+    assert keys.refusal("Bearer back") is None
+    copied = pickle.loads(pickle.dumps(keys))  # as Serve ships it to a router replica
+    assert copied.refusal("Bearer back") is None and copied.refusal("Bearer new") == WRONG
+
+
+@pytest.mark.parametrize("content", [None, "", " , \n"])
+def test_a_key_file_missing_or_empty_refuses_to_start(monkeypatch, tmp_path, content) -> None:
+    path = tmp_path / "api-keys"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv("PDSERVE_API_KEY_FILE", str(path))
+    with pytest.raises(ValueError, match="API key file PDSERVE_API_KEY_FILE names") as err:
+        build_app({"model": "tiny"})
+    assert str(tmp_path) not in str(err.value)  # no local path in the message
+
+
+@pytest.mark.parametrize("keys", [ApiKeys.of(["k1"]), ApiKeys()])
+def test_health_tells_the_engines_only_to_a_caller_with_a_key(keys: ApiKeys) -> None:
+    from deployments.cluster.health import DEGRADED, HealthReport
+
+    engines = [{"role": "decode", "replica_id": "r1", "state": "running", "num_blocks": 8}]
+
+    async def report() -> HealthReport:
+        return HealthReport(DEGRADED, engines)
+
+    flow = SimpleNamespace(
+        telemetry=RouterTelemetry(), config=SimpleNamespace(limits=RequestLimits())
+    )
+    client = TestClient(build_openai_app(lambda: flow, "tiny", 64, report, keys))
+    anonymous = client.get("/health")
+    assert anonymous.status_code == 200
+    full = {"status": DEGRADED, "engines": engines}
+    assert anonymous.json() == (full if not keys.required else {"status": DEGRADED})
+    for authorization in ("Bearer wrong", "Basic k1"):
+        if keys.required:
+            assert client.get("/health", headers={"Authorization": authorization}).json() == {
+                "status": DEGRADED
+            }
+    assert client.get("/health", headers={"Authorization": "Bearer k1"}).json() == full
 
 
 def test_keys_come_from_the_argument_and_the_environment() -> None:
@@ -133,3 +212,17 @@ def test_http_needs_a_key_on_every_route_but_health(http: TestClient) -> None:
         response = http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
         assert response.status_code == 200
         assert response.json()["data"][0]["id"] == "tiny"
+
+
+def test_the_grpc_message_bound_is_set_while_ray_starts_and_checked() -> None:
+    import os
+
+    from deployments.launch import GRPC_MAX_MESSAGE_ENV, ServeOptions, proxy_environment
+
+    before = os.environ.get(GRPC_MAX_MESSAGE_ENV)
+    with proxy_environment(ServeOptions(grpc_max_message_bytes=1 << 20)):
+        assert os.environ[GRPC_MAX_MESSAGE_ENV] == str(1 << 20)  # what Ray's processes inherit
+    assert os.environ.get(GRPC_MAX_MESSAGE_ENV) == before
+    for wrong in (0, 2**31):
+        with pytest.raises(ValueError, match="grpc_max_message_bytes must be between"):
+            ServeOptions(grpc_max_message_bytes=wrong)

@@ -248,7 +248,31 @@ def _https_behind_kuberay_probes(rs: dict[str, Any]) -> None:
     with_serve_config(rs, config)
 
 
+def _api_key_in_env(rs: dict[str, Any]) -> None:
+    ref = {"secretKeyRef": {"name": "pdserve-secrets", "key": "api-keys"}}
+    gpu_pod(rs)["containers"][0]["env"].append({"name": "PDSERVE_API_KEY", "valueFrom": ref})
+
+
+def _key_file_by_sub_path(rs: dict[str, Any]) -> None:
+    (mount,) = [m for m in head(rs)["containers"][0]["volumeMounts"] if m["name"] == "api-keys"]
+    mount.update(mountPath="/etc/pdserve/api-keys/keys", subPath="keys")
+
+
+def _no_key_file(rs: dict[str, Any]) -> None:
+    env = gpu_pod(rs)["containers"][0]["env"]
+    env[:] = [e for e in env if e["name"] != "PDSERVE_API_KEY_FILE"]
+
+
+def _unbounded_grpc(rs: dict[str, Any]) -> None:
+    env = head(rs)["containers"][0]["env"]
+    env[:] = [e for e in env if e["name"] != "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]
+
+
 SEMANTIC_BREAKS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "API keys in the environment": (_api_key_in_env, "gpu: PDSERVE_API_KEY in the environment"),
+    "key file through subPath": (_key_file_by_sub_path, "head: PDSERVE_API_KEY_FILE"),
+    "no key file": (_no_key_file, "gpu: no PDSERVE_API_KEY_FILE"),
+    "gRPC messages unbounded": (_unbounded_grpc, "head: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE unset"),
     "gRPC port renamed back to grpc": (_rename_grpc_port, "named 'grpc'"),
     "gRPC port without h2c": (_drop_h2c, "h2c"),
     "autoscaling in args": (_autoscaling_in_args, "decode_autoscaling is in args"),
