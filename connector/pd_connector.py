@@ -246,9 +246,14 @@ class PDConnector(KVConnectorBase):
 def _weights_fingerprint(config: EngineConfig) -> str:
     model = config.model
     if model.load_format == "dummy":
-        device_type = torch.device(model.device).type
+        device = torch.device(model.device)
+        # CUDA's generator fills by a grid sized to the GPU: the model and its SM count too.
+        where = device.type
+        if device.type == "cuda":
+            properties = torch.cuda.get_device_properties(device)
+            where += f":{properties.name}:{properties.multi_processor_count}"
         tp_size = config.parallel.tensor_parallel_size
-        return dummy_weights_fingerprint(model.model, device_type, tp_size)
+        return dummy_weights_fingerprint(model.model, where, tp_size)
     return weights_fingerprint(model.model)
 
 

@@ -149,7 +149,7 @@ class _KeyFile:
             stamp = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
         except OSError:
             stamp = None
-        if stamp != self._stamp or stamp is None:
+        if stamp != self._stamp or not self._digests:  # changed, or the last read failed
             self._stamp, self._digests = stamp, self._read(path, salt)
         return self._digests
 

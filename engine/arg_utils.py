@@ -68,7 +68,9 @@ class EngineArgs:
     """prompt tokens waiting to be computed, beyond which new requests are refused
     (engine/core/admission.py); 0: no bound"""
     attention_backend: str = "auto"
-    """torch, cpu (the C++ paged kernel) or cuda (auto: the device's)"""
+    """torch, cpu (the C++ paged kernel), triton (Triton kernels; on a CPU only under
+    TRITON_INTERPRET=1) or cuda (SDPA over gathered blocks) (auto: cpu on CPUs, triton on
+    CUDA)"""
     linear_backend: str = "auto"
     """torch, blocked (the C++ kernel) or onednn (auto: the device's)"""
     enforce_eager: bool = False

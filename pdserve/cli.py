@@ -68,6 +68,12 @@ def _add_download(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, DownloadOptions)
 
 
+def _add_drain_node(parser: argparse.ArgumentParser) -> None:
+    from pdserve.drain import DrainOptions
+
+    add_flags(parser, DrainOptions)
+
+
 def _add_make_model(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, MakeModelOptions)
 
@@ -112,6 +118,7 @@ _COMMAND_FLAGS: dict[str, tuple[str, Any]] = {
     "client": ("call the gRPC API", _add_client),
     "trace-sink": ("print OTLP/gRPC spans sent to it (dev tool)", _add_trace_sink),
     "download": ("fetch a model into a directory (init containers)", _add_download),
+    "drain-node": ("move Serve's replicas off this Ray node (a pod's preStop)", _add_drain_node),
     "make-model": ("write the generated tiny test model", _add_make_model),
     "bench": ("benchmarks; each prints one JSON object", None),
 }
@@ -295,6 +302,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     return serve_command.run(args)
 
 
+def _run_drain_node(args: argparse.Namespace) -> int:
+    from pdserve import drain
+
+    return drain.run(drain.DrainOptions(**read_flags(args, drain.DrainOptions)))
+
+
 def _run_download(args: argparse.Namespace) -> int:
     from pdserve import download
 
@@ -308,6 +321,7 @@ _COMMANDS = {
     "trace-sink": _run_trace_sink,
     "make-model": _run_make_model,
     "download": _run_download,
+    "drain-node": _run_drain_node,
     "bench": _run_bench,
 }
 

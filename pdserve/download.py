@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 MARKER = ".pdserve-download.json"
 # What the engine reads from a Hugging Face model directory.
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+# What a router reads (the config and the tokenizer): its pods need no weights.
+HUB_PATTERNS_WITHOUT_WEIGHTS = ["*.json", "tokenizer*", "*.jinja"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -39,17 +41,22 @@ class DownloadOptions:
     """where the model goes"""
     revision: str | None = None
     """a Hub branch, tag or commit (none: the default branch)"""
+    without_weights: bool = False
+    """the config and tokenizer files only (what a router reads: its pods need no weights)"""
 
 
 def run(options: DownloadOptions) -> int:
-    print(download(options.model, options.dir, options.revision), flush=True)
+    served = download(options.model, options.dir, options.revision, options.without_weights)
+    print(served, flush=True)
     return 0
 
 
-def download(model: str, directory: Path, revision: str | None = None) -> Path:
+def download(
+    model: str, directory: Path, revision: str | None = None, without_weights: bool = False
+) -> Path:
     """The local path to serve (`model` in the app's arguments); ValueError for a name that
     is neither a named model nor a repo id."""
-    wanted = {"model": model, "revision": revision}
+    wanted = {"model": model, "revision": revision, "without_weights": without_weights}
     marker = directory / MARKER
     held = json.loads(marker.read_text()) if marker.is_file() else {}
     if {key: held.get(key) for key in wanted} == wanted:
@@ -62,7 +69,8 @@ def download(model: str, directory: Path, revision: str | None = None) -> Path:
     if model in NAMED_MODELS:
         served = _copy_named(model, directory)
     elif _REPO_ID.match(model):
-        served = _from_hub(model, directory, revision)
+        patterns = HUB_PATTERNS_WITHOUT_WEIGHTS if without_weights else HUB_PATTERNS
+        served = _from_hub(model, directory, revision, patterns)
     else:
         raise ValueError(
             f"model {model!r} is neither a Hugging Face repo id (org/name) nor a named model "
@@ -91,10 +99,10 @@ def _copy_named(model: str, directory: Path) -> Path:
     return target
 
 
-def _from_hub(repo_id: str, directory: Path, revision: str | None) -> Path:
+def _from_hub(repo_id: str, directory: Path, revision: str | None, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
 
     snapshot_download(
-        repo_id=repo_id, revision=revision, local_dir=directory, allow_patterns=HUB_PATTERNS
+        repo_id=repo_id, revision=revision, local_dir=directory, allow_patterns=patterns
     )
     return directory

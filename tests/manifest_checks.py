@@ -200,7 +200,75 @@ def rayservice_problems(rayservice: dict[str, Any]) -> list[str]:
         problems += [f"{name}: {p}" for p in _pod_problems(group["template"]["spec"], drain_s)]
     for group in cluster["workerGroupSpecs"]:
         problems += _model_delivery(group, serve_config)
+        problems += [f"{group['groupName']}: {p}" for p in _drain_problems(group)]
+    return problems + _placement_problems(cluster, serve_config)
+
+
+def _drain_problems(group: dict[str, Any]) -> list[str]:
+    """A worker pod moves its replicas before it stops (`pdserve drain-node` as preStop,
+    within the grace period), and asks for the disk its emptyDir volumes take."""
+    pod = group["template"]["spec"]
+    ray = pod["containers"][0]
+    command = ray.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    problems = []
+    if command[:2] != ["pdserve", "drain-node"]:
+        problems.append("no preStop running `pdserve drain-node`: an eviction kills streams")
+    else:
+        deadline = float(command[command.index("--deadline-s") + 1])
+        if deadline >= pod.get("terminationGracePeriodSeconds", 30):
+            problems.append(f"drain deadline {deadline:g} s >= terminationGracePeriodSeconds")
+    scratch = {v["name"] for v in pod.get("volumes", []) if "emptyDir" in v}
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        mounted = {m["name"] for m in container.get("volumeMounts", [])}
+        requests = container.get("resources", {}).get("requests", {})
+        if mounted & scratch and "ephemeral-storage" not in requests:
+            problems.append(f"container {container['name']}: no ephemeral-storage request")
+    if GPU in ray.get("resources", {}).get("limits", {}) and not pod.get(
+        "topologySpreadConstraints"
+    ):
+        problems.append("GPU pods without topologySpreadConstraints")
     return problems
+
+
+def _placement_problems(cluster: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """Routers on pods without GPUs (by a custom resource only such pods advertise), both
+    engine roles under the SLA policy, and a GPU pool bound with a pod of headroom."""
+    from deployments.cluster.sla_autoscaling import POLICY_PATH
+
+    problems = []
+    overrides = {d["name"]: d for app in config["applications"] for d in app.get("deployments", [])}
+    wanted = set(overrides.get("Router", {}).get("ray_actor_options", {}).get("resources", {}))
+    offered = {g["groupName"]: _custom_resources(g) for g in cluster["workerGroupSpecs"]}
+    gpu_groups = [g["groupName"] for g in cluster["workerGroupSpecs"] if _has_gpu(g)]
+    if not wanted or any(wanted & offered[name] for name in gpu_groups):
+        problems.append("Router replicas may land on GPU pods (no custom resource keeps them off)")
+    elif not any(wanted <= resources for resources in offered.values()):
+        problems.append(f"no worker group advertises the Router's resources {sorted(wanted)}")
+    engine_max = 0
+    for name in ("PrefillServer", "DecodeServer"):
+        autoscaling = overrides.get(name, {}).get("autoscaling_config") or {}
+        if (autoscaling.get("policy") or {}).get("policy_function") != POLICY_PATH:
+            problems.append(f"{name} is not under the SLA autoscaling policy")
+        engine_max += int(
+            autoscaling.get("max_replicas", overrides.get(name, {}).get("num_replicas", 1))
+        )
+    for group in cluster["workerGroupSpecs"]:
+        if _has_gpu(group) and group.get("maxReplicas", 0) <= engine_max:
+            problems.append(
+                f"{group['groupName']}: maxReplicas {group.get('maxReplicas')} leaves no headroom "
+                f"over the engines' {engine_max}"
+            )
+    return problems
+
+
+def _has_gpu(group: dict[str, Any]) -> bool:
+    return GPU in group["template"]["spec"]["containers"][0].get("resources", {}).get("limits", {})
+
+
+def _custom_resources(group: dict[str, Any]) -> set[str]:
+    """The custom resources a group's pods advertise (rayStartParams' quoted JSON)."""
+    raw = group.get("rayStartParams", {}).get("resources", "")
+    return set(json.loads(json.loads(raw))) if raw else set()
 
 
 def _probes_overridden(cluster: dict[str, Any]) -> bool:

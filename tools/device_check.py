@@ -1,7 +1,7 @@
 """The KV checksum's GPU check, as one short script that prints one JSON object.
 
-`pdserve bench gpu` (the prepared device script: `python3 -m pdserve bench gpu` on a lent GPU
-machine, from the repository root) runs it as its `checksums` section; alone:
+`pdserve bench gpu` (the prepared GPU check: `python3 -m pdserve bench gpu` on a GPU machine,
+from the repository root) runs it as its `checksums` section; alone:
 `python3 tools/device_check.py` (torch and Triton only). It finishes in well under a minute.
 
 - KV block checksums (connector/checksums.py) on 1 GiB of 2 MiB blocks in GPU memory: the

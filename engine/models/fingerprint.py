@@ -38,15 +38,16 @@ def weights_fingerprint(path: str) -> str:
     return digest.hexdigest()
 
 
-def dummy_weights_fingerprint(path: str, device_type: str, tensor_parallel_size: int) -> str:
-    """The fingerprint of load_format="dummy" weights: drawn from a fixed seed per device type
-    (CPU and CUDA generators differ) and per rank's slice (each rank draws its own), so two
-    dummy engines hold the same weights only where config, device type and TP size agree."""
+def dummy_weights_fingerprint(path: str, device_kind: str, tensor_parallel_size: int) -> str:
+    """The fingerprint of load_format="dummy" weights: drawn from a fixed seed per kind of
+    device (CPU and CUDA generators differ, and CUDA's with the GPU's multiprocessor count) and
+    per rank's slice (each rank draws its own), so two dummy engines hold the same weights
+    only where config, `device_kind` and TP size agree."""
     config = Path(path) / "config.json"  # dummy weights need no other file
     stat = config.stat()
     digest = hashlib.sha256(b"dummy\0")
     digest.update(bytes.fromhex(_file_fingerprint(str(config), stat.st_size, stat.st_mtime_ns)))
-    digest.update(f"\0{device_type}\0{tensor_parallel_size}".encode())
+    digest.update(f"\0{device_kind}\0{tensor_parallel_size}".encode())
     return digest.hexdigest()
 
 

@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.proxy_tls]
 
 KEYS = ["key-one-7f3a9c", "key-two-b81d2e"]
 WRONG_KEY = "key-wrong-55e0aa"
+FILE_KEYS = ["key-file-one-0c4e91", "key-file-two-d27a63"]
 PROMPT = "Security review: " + "the quick brown fox jumps over the lazy dog. " * 4
 PARAMS = {"max_tokens": 8, "temperature": 0.0}
 
@@ -38,6 +39,7 @@ class Secured:
     sink: SpanSink
     ca: str
     served: ServedApp
+    key_file: Path
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +64,13 @@ def secured(
         },
         tls=ProxyTLS(keyfile=str(proxy.keyfile), certfile=str(proxy.certfile)),
     )
+    key_file = directory / "api-keys"  # a third key from a file, as a mounted Secret gives it
+    key_file.write_text(f"{FILE_KEYS[0]}\n")
     try:
-        with serve_cluster.serving(settings) as served:
-            yield Secured(sink, ca.certfile.as_posix(), served)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("PDSERVE_API_KEY_FILE", str(key_file))
+            with serve_cluster.serving(settings) as served:
+                yield Secured(sink, ca.certfile.as_posix(), served, key_file)
     finally:
         otlp.stop(0)
 
@@ -100,6 +106,38 @@ def test_grpc_needs_a_valid_key(secured: Secured) -> None:
     # was recomputed for want of it.
     assert wait_until(lambda: bool(transfers()), timeout_s=30)
     assert {s["attributes"]["pdserve.kv.outcome"] for s in transfers()} == {"ok"}
+
+
+def test_a_rotated_key_file_takes_effect_without_a_restart(secured: Secured) -> None:
+    """The Secret rotated in place (kubelet swaps the file under the mount): the new key works
+    and the old one stops, within the routers' one-second look at the file, no replica
+    restarted."""
+
+    def refused(key: str) -> bool:
+        with _grpc(secured, key) as client:
+            try:
+                client.model_info()
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
+                return True
+        return False
+
+    assert not refused(FILE_KEYS[0]) and refused(FILE_KEYS[1])
+    rotated = secured.key_file.with_name("api-keys.new")
+    rotated.write_text(f"{FILE_KEYS[1]}\n")
+    rotated.replace(secured.key_file)
+    assert wait_until(lambda: not refused(FILE_KEYS[1]), timeout_s=15)
+    assert wait_until(lambda: refused(FILE_KEYS[0]), timeout_s=15)
+    assert not refused(KEYS[0])  # the keys from elsewhere are untouched
+
+
+def test_an_empty_key_variable_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deployments.app import AppConfig
+    from deployments.launch import deploy
+
+    monkeypatch.setenv("PDSERVE_API_KEY", " , ")
+    with pytest.raises(ValueError, match="PDSERVE_API_KEY is set but holds no key"):
+        deploy(AppConfig.from_args({"model": "tiny"}), {})
 
 
 def test_grpc_refuses_an_oversized_message_in_the_proxy(secured: Secured) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from engine.models.catalog import resolve_model
 from pdserve.cli import main
-from pdserve.download import HUB_PATTERNS, download
+from pdserve.download import HUB_PATTERNS, HUB_PATTERNS_WITHOUT_WEIGHTS, download
 
 
 def test_a_named_model_is_copied_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,6 +56,11 @@ def test_a_hub_repo_is_fetched_with_only_what_the_engine_reads(
         ".pdserve-download.json",
         "config.json",
     ]
+    download("Qwen/Qwen2.5-7B-Instruct", tmp_path / "r", revision="v2", without_weights=True)
+    assert calls[-1]["allow_patterns"] == HUB_PATTERNS_WITHOUT_WEIGHTS  # a router's pod
+    assert not any(p.endswith(".safetensors") for p in HUB_PATTERNS_WITHOUT_WEIGHTS)
+    download("Qwen/Qwen2.5-7B-Instruct", tmp_path / "r", revision="v2")
+    assert calls[-1]["allow_patterns"] == HUB_PATTERNS  # the weights now: not "already there"
 
 
 @pytest.mark.parametrize("model", ["../etc", "/models/x", "no-slash", "a/b/c", ""])

@@ -31,16 +31,20 @@ from tests.manifest_checks import (
 OVERLAYS = sorted(path.parent.name for path in (K8S / "overlays").glob("*/kustomization.yaml"))
 
 
+def the_rayservice(resources: list[dict[str, Any]]) -> dict[str, Any]:
+    (rayservice,) = [r for r in resources if r["kind"] == "RayService"]
+    return rayservice
+
+
 @pytest.fixture
 def rayservice() -> dict[str, Any]:
-    (resource,) = kustomize(K8S / "base")
+    resource = the_rayservice(kustomize(K8S / "base"))
     assert [resource] == documents(K8S / "base" / "rayservice.yaml")
     return resource
 
 
 def overlaid(name: str) -> dict[str, Any]:
-    (resource,) = kustomize(K8S / "overlays" / name)
-    return resource
+    return the_rayservice(kustomize(K8S / "overlays" / name))
 
 
 def serve_config(rayservice: dict[str, Any]) -> dict[str, Any]:
@@ -72,6 +76,23 @@ def test_the_shipped_files_pass_every_check(rayservice: dict[str, Any]) -> None:
     assert {doc["kind"] for doc in tracing} == {"ConfigMap", "Deployment", "Service"}
     for doc in tracing:
         assert core_problems(doc) == [], doc["metadata"]["name"]
+
+
+def test_disruption_budgets_select_each_worker_group_one_pod_at_a_time(
+    rayservice: dict[str, Any],
+) -> None:
+    budgets = [r for r in kustomize(K8S / "base") if r["kind"] == "PodDisruptionBudget"]
+    groups = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert len(budgets) == len(groups)
+    by_group = {b["spec"]["selector"]["matchLabels"]["ray.io/group"]: b for b in budgets}
+    for group in groups:
+        budget = by_group[group["groupName"]]
+        assert core_problems(budget) == []
+        assert budget["spec"]["maxUnavailable"] == 1
+        selector = budget["spec"]["selector"]["matchLabels"]
+        # KubeRay labels a worker pod with its group; the template carries the rest.
+        pod_labels = {**group["template"]["metadata"]["labels"], "ray.io/group": group["groupName"]}
+        assert selector.items() <= pod_labels.items()
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -128,7 +149,9 @@ def test_a_site_overlay_sets_namespace_images_and_labels_as_kustomize_does(tmp_p
             }
         )
     )
-    (resource,) = kustomize(site)
+    rendered = kustomize(site)
+    resource = the_rayservice(rendered)
+    assert {r["metadata"]["namespace"] for r in rendered} == {"llm-serving"}
     assert resource["metadata"]["namespace"] == "llm-serving"
     assert resource["metadata"]["labels"]["team"] == "inference"
     images = [
@@ -144,10 +167,8 @@ def test_a_site_overlay_sets_namespace_images_and_labels_as_kustomize_does(tmp_p
 
 
 def test_the_shipped_site_overlay_is_the_base_with_site_values() -> None:
-    base, (site,) = (
-        documents(K8S / "base" / "rayservice.yaml")[0],
-        kustomize(K8S / "overlays" / "site"),
-    )
+    base = documents(K8S / "base" / "rayservice.yaml")[0]
+    site = the_rayservice(kustomize(K8S / "overlays" / "site"))
     assert site["metadata"]["namespace"] and site["metadata"]["labels"]
     assert all(t["metadata"]["labels"] for t in pod_templates(site))
     assert site["spec"]["serveConfigV2"] == base["spec"]["serveConfigV2"]
@@ -268,7 +289,53 @@ def _unbounded_grpc(rs: dict[str, Any]) -> None:
     env[:] = [e for e in env if e["name"] != "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]
 
 
+def _no_pre_stop(rs: dict[str, Any]) -> None:
+    gpu_pod(rs)["containers"][0].pop("lifecycle")
+
+
+def _drain_past_grace(rs: dict[str, Any]) -> None:
+    gpu_pod(rs)["terminationGracePeriodSeconds"] = 300
+
+
+def _no_disk_request(rs: dict[str, Any]) -> None:
+    for part in ("limits", "requests"):
+        gpu_pod(rs)["initContainers"][0]["resources"][part].pop("ephemeral-storage")
+
+
+def _no_spread(rs: dict[str, Any]) -> None:
+    gpu_pod(rs).pop("topologySpreadConstraints")
+
+
+def _engine_overrides(rs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    config = serve_config(rs)
+    return config, {d["name"]: d for d in config["applications"][0]["deployments"]}
+
+
+def _router_anywhere(rs: dict[str, Any]) -> None:
+    config, overrides = _engine_overrides(rs)
+    overrides["Router"].pop("ray_actor_options")
+    with_serve_config(rs, config)
+
+
+def _fixed_prefill(rs: dict[str, Any]) -> None:
+    config, overrides = _engine_overrides(rs)
+    overrides["PrefillServer"].pop("autoscaling_config")
+    overrides["PrefillServer"]["num_replicas"] = 1
+    with_serve_config(rs, config)
+
+
+def _no_headroom(rs: dict[str, Any]) -> None:
+    rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplicas"] = 5
+
+
 SEMANTIC_BREAKS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "no preStop drain": (_no_pre_stop, "gpu: no preStop running `pdserve drain-node`"),
+    "drain past the grace period": (_drain_past_grace, "drain deadline 300 s >="),
+    "no ephemeral-storage request": (_no_disk_request, "fetch-model: no ephemeral-storage"),
+    "GPU pods not spread": (_no_spread, "without topologySpreadConstraints"),
+    "routers on GPU pods": (_router_anywhere, "Router replicas may land on GPU pods"),
+    "prefill fixed": (_fixed_prefill, "PrefillServer is not under the SLA autoscaling policy"),
+    "GPU pool without headroom": (_no_headroom, "maxReplicas 5 leaves no headroom"),
     "API keys in the environment": (_api_key_in_env, "gpu: PDSERVE_API_KEY in the environment"),
     "key file through subPath": (_key_file_by_sub_path, "head: PDSERVE_API_KEY_FILE"),
     "no key file": (_no_key_file, "gpu: no PDSERVE_API_KEY_FILE"),

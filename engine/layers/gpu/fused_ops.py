@@ -57,7 +57,7 @@ def _rotary_kv_write_kernel(  # type: ignore[no-untyped-def]
     KV_HEADS_PAD: tl.constexpr, ROTATE: tl.constexpr,
 ):
     # fmt: on
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # offsets past 2**31 elements in long steps
     j = tl.arange(0, HALF_PAD)
     j_ok = j < HALF
     kh = tl.arange(0, KV_HEADS_PAD)
@@ -153,7 +153,7 @@ def _add_rms_norm_kernel(  # type: ignore[no-untyped-def]
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # offsets past 2**31 elements in long steps
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
@@ -195,7 +195,7 @@ def add_rms_norm(
 def _silu_mul_kernel(  # type: ignore[no-untyped-def]
     gate_up_ptr, out_ptr, inner, row_stride, BLOCK: tl.constexpr
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # offsets past 2**31 elements in long steps
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
     gate = tl.load(gate_up_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
