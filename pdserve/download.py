@@ -19,11 +19,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.models.catalog import NAMED_MODELS, resolve_model
+from engine.models.catalog import DOWNLOAD_MARKER, NAMED_MODELS, resolve_model
 
 logger = logging.getLogger(__name__)
 
-MARKER = ".pdserve-download.json"
+MARKER = DOWNLOAD_MARKER
 # What the engine reads from a Hugging Face model directory.
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 # What a router reads (the config and the tokenizer): its pods need no weights.

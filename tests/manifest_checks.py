@@ -14,6 +14,7 @@ Each check returns the problems it found (empty: fine), so a test can assert bot
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from functools import cache
@@ -366,13 +367,18 @@ def _model_delivery(group: dict[str, Any], config: dict[str, Any]) -> list[str]:
             return [f"volume {volume['name']}: a shared claim must be mounted readOnly (ROX)"]
     models = {(app.get("args") or {}).get("model", "") for app in config["applications"]}
     fetched = set()
+    problems = []
     for init in pod.get("initContainers", []):
         command = init.get("command", [])
         if command[:2] == ["pdserve", "download"]:
             args = _build_parser().parse_args(command[1:])
             fetched.add(str(args.dir))
+            if not re.fullmatch(r"[0-9a-f]{40}", args.revision or ""):
+                problems.append(
+                    f"{init['name']}: --revision {args.revision} is not a commit: pods started "
+                    "on different days may load different weights"
+                )
     mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0].get("volumeMounts", [])}
-    problems = []
     for model in models:
         mount = next((path for path in mounts if model.startswith(path + "/")), None)
         if mount is None:

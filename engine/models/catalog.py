@@ -21,6 +21,8 @@ from pathlib import Path
 from engine.cache_dir import exclusive_lock, pdserve_cache_dir
 
 TINY_MODEL = "tiny"
+# What `pdserve download` leaves in a directory it filled: the model, its revision.
+DOWNLOAD_MARKER = ".pdserve-download.json"
 SMOLLM2_MODEL = "smollm2"
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 from pathlib import Path
 
-from engine.models.catalog import is_gguf_path
+from engine.models.catalog import DOWNLOAD_MARKER, is_gguf_path
 from engine.models.loader import safetensors_files
 
 _HEAD_BYTES = 1 << 20
@@ -28,9 +29,13 @@ _NUM_SAMPLES = 32
 
 def weights_fingerprint(path: str) -> str:
     """sha256 hex over the checkpoint at `path` (a .gguf file, or a directory of config.json
-    and safetensors); the same on every machine that holds the same files."""
+    and safetensors), and the Hub revision `pdserve download` recorded there, if any; the same
+    on every machine that holds the same files from the same revision."""
     files = [Path(path)] if is_gguf_path(path) else _directory_files(Path(path))
     digest = hashlib.sha256()
+    revision = downloaded_revision(Path(path))
+    if revision:
+        digest.update(b"revision\0" + revision.encode() + b"\0")
     for file in files:
         stat = file.stat()
         digest.update(file.name.encode() + b"\0")
@@ -49,6 +54,15 @@ def dummy_weights_fingerprint(path: str, device_kind: str, tensor_parallel_size:
     digest.update(bytes.fromhex(_file_fingerprint(str(config), stat.st_size, stat.st_mtime_ns)))
     digest.update(f"\0{device_kind}\0{tensor_parallel_size}".encode())
     return digest.hexdigest()
+
+
+def downloaded_revision(path: Path) -> str:
+    """The Hub revision `pdserve download` fetched into `path`'s directory ("" if none)."""
+    marker = (path.parent if path.is_file() else path) / DOWNLOAD_MARKER
+    try:
+        return str(json.loads(marker.read_text()).get("revision") or "")
+    except (OSError, ValueError):
+        return ""
 
 
 def _directory_files(path: Path) -> list[Path]:

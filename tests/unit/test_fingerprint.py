@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+from pathlib import Path
 
 from engine.models.default_model import make_default_model
 from engine.models.fingerprint import dummy_weights_fingerprint, weights_fingerprint
@@ -47,3 +49,17 @@ def test_dummy_weights_match_only_where_device_type_and_tp_size_do(tmp_path):
     checkpoint = make_default_model(str(tmp_path / "real"), seed=1)
     auto = replace(config, model=replace(config.model, model=checkpoint, load_format="auto"))
     assert _weights_fingerprint(auto) == weights_fingerprint(checkpoint)
+
+
+def test_the_downloaded_revision_is_part_of_the_fingerprint(tmp_path):
+    """Prefill and decode pods that fetched different Hub revisions never exchange KV, even
+    where the sampled bytes could not tell them apart."""
+    from engine.models.catalog import DOWNLOAD_MARKER
+
+    first = make_default_model(str(tmp_path / "a"), seed=1)
+    bare = weights_fingerprint(first)
+    marker = Path(first) / DOWNLOAD_MARKER
+    marker.write_text(json.dumps({"model": "org/m", "revision": "1" * 40}))
+    pinned = weights_fingerprint(first)
+    marker.write_text(json.dumps({"model": "org/m", "revision": "2" * 40}))
+    assert len({bare, pinned, weights_fingerprint(first)}) == 3

@@ -199,6 +199,17 @@ def test_the_rdma_overlay_gives_ucx_the_nic_and_locked_memory() -> None:
     assert rdma and all(worker["resources"]["requests"][name] == "1" for name in rdma)
 
 
+def test_the_model_volume_overlay_mounts_one_read_only_claim_and_fetches_nothing() -> None:
+    patched = overlaid("model-volume")
+    for group in patched["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        assert "initContainers" not in pod
+        (models,) = [v for v in pod["volumes"] if v["name"] == "models"]
+        assert models["persistentVolumeClaim"] == {"claimName": "pdserve-models", "readOnly": True}
+        mount = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "models"]
+        assert mount == [{"name": "models", "mountPath": "/models", "readOnly": True}]
+
+
 def test_the_gcs_ft_overlay_points_ray_at_redis() -> None:
     patched = overlaid("gcs-ft")
     options = patched["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
@@ -328,7 +339,13 @@ def _no_headroom(rs: dict[str, Any]) -> None:
     rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplicas"] = 5
 
 
+def _revision_unpinned(rs: dict[str, Any]) -> None:
+    command = gpu_pod(rs)["initContainers"][0]["command"]
+    command[command.index("--revision") + 1] = "main"
+
+
 SEMANTIC_BREAKS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "model revision a branch": (_revision_unpinned, "fetch-model: --revision main is not a commit"),
     "no preStop drain": (_no_pre_stop, "gpu: no preStop running `pdserve drain-node`"),
     "drain past the grace period": (_drain_past_grace, "drain deadline 300 s >="),
     "no ephemeral-storage request": (_no_disk_request, "fetch-model: no ephemeral-storage"),
