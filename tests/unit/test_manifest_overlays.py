@@ -1,0 +1,148 @@
+"""The overlays under k8s/overlays, rendered by the real kustomize: each is a valid RayService,
+every patch of each changes what it renders, and each does what it is for; and an overlay as an
+SRE writes one (namespace, images, labels, stacked on another) renders as kustomize intends."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.manifest_checks import (
+    K8S,
+    KUBERAY_SCHEMA,
+    crd_problems,
+    documents,
+    kustomize,
+    rayservice_problems,
+)
+from tests.unit.test_manifests import (
+    OVERLAYS,
+    gpu_pod,
+    overlaid,
+    the_rayservice,
+)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_overlay_patches_into_a_valid_rayservice(overlay: str) -> None:
+    patched = overlaid(overlay)
+    assert patched != the_rayservice(kustomize(K8S / "base"))
+    assert crd_problems(patched, KUBERAY_SCHEMA) == []
+    assert rayservice_problems(patched) == []
+
+
+def test_an_overlay_under_its_base_is_a_cycle(tmp_path: Path) -> None:
+    """The layout kustomize refuses (a base directory holding its overlays), as it refuses it."""
+    (tmp_path / "rayservice.yaml").write_text((K8S / "base" / "rayservice.yaml").read_text())
+    (tmp_path / "kustomization.yaml").write_text("resources: [rayservice.yaml]\n")
+    overlay = tmp_path / "overlays" / "rdma"
+    overlay.mkdir(parents=True)
+    for name in ("kustomization.yaml", "rdma.patch.yaml"):
+        text = (K8S / "overlays" / "rdma" / name).read_text()
+        (overlay / name).write_text(text.replace("../../base", "../.."))
+    with pytest.raises(ValueError, match="cycle"):
+        kustomize(overlay)
+
+
+def pod_templates(resource: dict[str, Any]) -> list[dict[str, Any]]:
+    cluster = resource["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"]["template"]] + [
+        group["template"] for group in cluster["workerGroupSpecs"]
+    ]
+
+
+def test_a_site_overlay_sets_namespace_images_and_labels_as_kustomize_does(tmp_path: Path) -> None:
+    """What an SRE writes (namespace, images, labels, a stacked overlay), rendered by the real
+    kustomize: every container runs the site's image, every object is in the namespace, and
+    the RayService and each pod template carry the labels, selectors left alone."""
+    site = tmp_path / "k8s" / "overlays" / "mine"
+    site.mkdir(parents=True)
+    for part in ("base", "overlays/rdma"):
+        shutil.copytree(K8S / part, tmp_path / "k8s" / part)
+    (site / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "resources": ["../rdma"],
+                "namespace": "llm-serving",
+                "images": [
+                    {
+                        "name": "registry.example.com/pdserve",
+                        "newName": "registry.mysite.example/ml/pdserve",
+                        "newTag": "2.0.1",
+                    }
+                ],
+                "labels": [{"pairs": {"team": "inference"}, "includeTemplates": True}],
+            }
+        )
+    )
+    rendered = kustomize(site)
+    resource = the_rayservice(rendered)
+    assert {r["metadata"]["namespace"] for r in rendered} == {"llm-serving"}
+    assert resource["metadata"]["namespace"] == "llm-serving"
+    assert resource["metadata"]["labels"]["team"] == "inference"
+    images = [
+        container["image"]
+        for template in pod_templates(resource)
+        for container in template["spec"].get("initContainers", []) + template["spec"]["containers"]
+    ]
+    assert len(images) >= 3 and set(images) == {"registry.mysite.example/ml/pdserve:2.0.1"}
+    assert all(t["metadata"]["labels"]["team"] == "inference" for t in pod_templates(resource))
+    assert "rdma/" in str(gpu_pod(resource)["containers"][0]["resources"])  # the stacked overlay
+    assert crd_problems(resource, KUBERAY_SCHEMA) == []
+    assert rayservice_problems(resource) == []
+
+
+def test_the_shipped_site_overlay_is_the_base_with_site_values() -> None:
+    base = documents(K8S / "base" / "rayservice.yaml")[0]
+    site = the_rayservice(kustomize(K8S / "overlays" / "site"))
+    assert site["metadata"]["namespace"] and site["metadata"]["labels"]
+    assert all(t["metadata"]["labels"] for t in pod_templates(site))
+    assert site["spec"]["serveConfigV2"] == base["spec"]["serveConfigV2"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_patch_of_an_overlay_changes_what_it_renders(tmp_path: Path, overlay: str) -> None:
+    """kustomize applies a patch whose target matches nothing as a no-op, silently (a typo in
+    a target's name): each shipped patch must change the output when it is there."""
+    full = kustomize(K8S / "overlays" / overlay)
+    config = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
+    for index in range(len(config.get("patches", []))):
+        copy_root = tmp_path / str(index)
+        shutil.copytree(K8S, copy_root)
+        less = copy.deepcopy(config)
+        del less["patches"][index]
+        (copy_root / "overlays" / overlay / "kustomization.yaml").write_text(yaml.safe_dump(less))
+        assert kustomize(copy_root / "overlays" / overlay) != full, config["patches"][index]
+
+
+def test_the_rdma_overlay_gives_ucx_the_nic_and_locked_memory() -> None:
+    worker = gpu_pod(overlaid("rdma"))["containers"][0]
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert env["UCX_TLS"].split(",")[0] == "rc"
+    assert env["UCX_NET_DEVICES"]
+    assert "IPC_LOCK" in worker["securityContext"]["capabilities"]["add"]
+    rdma = [name for name in worker["resources"]["limits"] if name.startswith("rdma/")]
+    assert rdma and all(worker["resources"]["requests"][name] == "1" for name in rdma)
+
+
+def test_the_model_volume_overlay_mounts_one_read_only_claim_and_fetches_nothing() -> None:
+    patched = overlaid("model-volume")
+    for group in patched["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        assert "initContainers" not in pod
+        (models,) = [v for v in pod["volumes"] if v["name"] == "models"]
+        assert models["persistentVolumeClaim"] == {"claimName": "pdserve-models", "readOnly": True}
+        mount = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "models"]
+        assert mount == [{"name": "models", "mountPath": "/models", "readOnly": True}]
+
+
+def test_the_gcs_ft_overlay_points_ray_at_redis() -> None:
+    patched = overlaid("gcs-ft")
+    options = patched["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    assert options["redisAddress"]
+    assert "secretKeyRef" in options["redisPassword"]["valueFrom"]
