@@ -15,6 +15,7 @@ import yaml
 from tests.manifest_checks import (
     K8S,
     KUBERAY_SCHEMA,
+    core_problems,
     crd_problems,
     documents,
     kustomize,
@@ -29,9 +30,13 @@ from tests.unit.test_manifests import (
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_each_overlay_patches_into_a_valid_rayservice(overlay: str) -> None:
-    patched = overlaid(overlay)
-    assert patched != the_rayservice(kustomize(K8S / "base"))
+def test_each_overlay_changes_the_base_into_valid_objects(overlay: str) -> None:
+    rendered = kustomize(K8S / "overlays" / overlay)
+    assert rendered != kustomize(K8S / "base")
+    for resource in rendered:
+        if resource["kind"] != "RayService":
+            assert core_problems(resource) == [], resource["metadata"]["name"]
+    patched = the_rayservice(rendered)
     assert crd_problems(patched, KUBERAY_SCHEMA) == []
     assert rayservice_problems(patched) == []
 
@@ -146,3 +151,18 @@ def test_the_gcs_ft_overlay_points_ray_at_redis() -> None:
     options = patched["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
     assert options["redisAddress"]
     assert "secretKeyRef" in options["redisPassword"]["valueFrom"]
+
+
+def test_the_network_policy_confines_the_ray_pods_to_the_app_but_for_its_front_door() -> None:
+    rendered = kustomize(K8S / "overlays" / "network-policy")
+    (policy,) = [r for r in rendered if r["kind"] == "NetworkPolicy"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    for template in pod_templates(the_rayservice(rendered)):
+        assert selector.items() <= template["metadata"]["labels"].items()
+    rules = policy["spec"]["ingress"]
+    open_ports = {p["port"] for r in rules if "from" not in r for p in r["ports"]}
+    assert open_ports == {8000, 9000}  # the Serve proxies, and nothing else, from anywhere
+    (own,) = [r for r in rules if "ports" not in r]  # every port, from the app's pods only
+    assert own["from"] == [{"podSelector": {"matchLabels": selector}}]
+    reachable_from_elsewhere = {p["port"] for r in rules if "ports" in r for p in r["ports"]}
+    assert not reachable_from_elsewhere & {6379, 10001}  # the GCS, the Ray client
