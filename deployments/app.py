@@ -9,7 +9,9 @@ NIXL or gRPC. `colocated=true`: Router -> one EngineServer deployment doing both
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,7 +106,9 @@ class AppConfig:
     """a KV read that fails: recompute the prompt locally, or fail the request"""
     side_channel_tls: dict[str, str] | None = None
     """mutual TLS on the engines' side channel, JSON: {certfile, keyfile, ca_certs,
-    server_name} (PEM paths on every node, e.g. a mounted Secret)"""
+    server_name} (PEM paths on every node, e.g. a mounted Secret); none: from
+    $PDSERVE_SIDE_CHANNEL_TLS_DIR (a cert-manager Secret's tls.crt, tls.key, ca.crt) and
+    $PDSERVE_SIDE_CHANNEL_TLS_NAME, where set"""
     kv_fault_injection: dict[str, Any] | None = None
     """faults injected into the engines' KV reads, to prove the checksums catch them (bench
     chaos), JSON: {rate, faults, seed}; none by default"""
@@ -220,19 +224,20 @@ class AppConfig:
         return self.prefill_autoscaling if role == "prefill" else self.decode_autoscaling
 
     def kv_transfer_config(self) -> dict[str, Any]:
+        tls = self.tls()
         return {
             "connector": self.transport,
             "secret": self.kv_secret,
             "lease_seconds": self.lease_seconds,
             "kv_load_failure_policy": self.kv_load_failure_policy,
-            "tls": self.side_channel_tls,
+            "tls": dataclasses.asdict(tls) if tls is not None else None,
             "fault_injection": self.kv_fault_injection,
         }
 
     def tls(self) -> SideChannelTLS | None:
-        if self.side_channel_tls is None:
-            return None
-        return config_from_dict("side_channel_tls", self.side_channel_tls, SideChannelTLS)
+        if self.side_channel_tls is not None:
+            return config_from_dict("side_channel_tls", self.side_channel_tls, SideChannelTLS)
+        return side_channel_tls_from_env(os.environ)
 
     def limits(self) -> RequestLimits:
         names = RequestLimits.__dataclass_fields__
@@ -280,6 +285,27 @@ def _router_settings(config: AppConfig, engine_args: dict[str, Any]) -> Any:
         retry_after_s=config.retry_after_s,
         api_keys=ApiKeys.resolve(config.api_key),
         side_channel_tls=config.tls(),
+    )
+
+
+SIDE_CHANNEL_TLS_DIR_ENV = "PDSERVE_SIDE_CHANNEL_TLS_DIR"
+SIDE_CHANNEL_TLS_NAME_ENV = "PDSERVE_SIDE_CHANNEL_TLS_NAME"
+
+
+def side_channel_tls_from_env(environ: Mapping[str, str]) -> SideChannelTLS | None:
+    """The side channel's mutual TLS from a directory laid out as cert-manager writes a
+    Certificate's Secret (the same path on every pod), where the variable is set."""
+    directory = environ.get(SIDE_CHANNEL_TLS_DIR_ENV)
+    if directory is None:
+        return None
+    if not directory:
+        raise ValueError(f"{SIDE_CHANNEL_TLS_DIR_ENV} is set but empty")  # fail closed
+    base = directory.rstrip("/")
+    return SideChannelTLS(
+        certfile=f"{base}/tls.crt",
+        keyfile=f"{base}/tls.key",
+        ca_certs=f"{base}/ca.crt",
+        server_name=environ.get(SIDE_CHANNEL_TLS_NAME_ENV, "pdserve-engine"),
     )
 
 

@@ -32,6 +32,7 @@ KUBERNETES_VERSION = "1.33.0"
 SECRET_ENV = ("PDSERVE_KV_SECRET",)
 KEY_FILE_ENV = "PDSERVE_API_KEY_FILE"
 GRPC_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+TLS_DIR_ENV = "PDSERVE_SIDE_CHANNEL_TLS_DIR"
 GRPC_MESSAGE_LIMIT = 64 << 20  # what a gRPC proxy may take before the key is checked
 SECRETS_IN_ARGS = ("kv_secret", "api_key")
 AUTOSCALING_IN_ARGS = ("prefill_autoscaling", "decode_autoscaling", "sla_autoscaling")
@@ -202,7 +203,39 @@ def rayservice_problems(rayservice: dict[str, Any]) -> list[str]:
     for group in cluster["workerGroupSpecs"]:
         problems += _model_delivery(group, serve_config)
         problems += [f"{group['groupName']}: {p}" for p in _drain_problems(group)]
-    return problems + _placement_problems(cluster, serve_config)
+    return (
+        problems + _placement_problems(cluster, serve_config) + _side_channel_tls_problems(cluster)
+    )
+
+
+def _side_channel_tls_problems(cluster: dict[str, Any]) -> list[str]:
+    """Where the head names side-channel TLS files (the app's build binds their paths), every
+    worker pod must hold them: a Secret volume at that directory, mounted without subPath (so
+    renewals reach it), and the same variable."""
+    head_env = {
+        e["name"]: e.get("value", "") for e in _ray(cluster["headGroupSpec"]).get("env", [])
+    }
+    directory = head_env.get(TLS_DIR_ENV)
+    if not directory:
+        return []
+    problems = []
+    for group in cluster["workerGroupSpecs"]:
+        pod, ray = group["template"]["spec"], _ray(group)
+        env = {e["name"]: e.get("value", "") for e in ray.get("env", [])}
+        secrets = {v["name"] for v in pod.get("volumes", []) if "secret" in v}
+        mounted = any(
+            m["mountPath"].rstrip("/") == directory.rstrip("/")
+            and m["name"] in secrets
+            and "subPath" not in m
+            for m in ray.get("volumeMounts", [])
+        )
+        if env.get(TLS_DIR_ENV) != directory or not mounted:
+            problems.append(f"{group['groupName']}: no side-channel TLS files at {directory}")
+    return problems
+
+
+def _ray(group: dict[str, Any]) -> dict[str, Any]:
+    return group["template"]["spec"]["containers"][0]
 
 
 def _drain_problems(group: dict[str, Any]) -> list[str]:

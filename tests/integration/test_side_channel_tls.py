@@ -16,6 +16,7 @@ from connector.side_channel_client import SideChannelClient, SideChannelError
 from engine.config import KVTransferConfig, SideChannelTLS
 from tests.integration.side_channel.shared import COMPAT_HASH, ENGINE_ID, SECRET, block, make_cache
 from tests.tls_certs import CertificateAuthority
+from tests.waiting import wait_until
 
 NAME = "pdserve-engine"
 
@@ -106,3 +107,50 @@ def test_tls_settings_are_validated(tmp_path: Path, pki: dict[str, SideChannelTL
     missing = SideChannelTLS(**{**good, "keyfile": str(tmp_path / "absent.key")})
     with pytest.raises(ValueError, match=r"^kv_transfer_config\.tls\.keyfile: No such file"):
         missing.pem()
+
+
+def test_a_rotated_server_certificate_is_served_without_a_restart(
+    tmp_path: Path, pki: dict[str, SideChannelTLS]
+) -> None:
+    """cert-manager renews the mounted Secret in place: new connections get the new
+    certificate (here one for another name), no restart; a half-written rotation keeps the
+    old one."""
+    (tmp_path / "pki").mkdir()
+    ca = CertificateAuthority(tmp_path / "pki", "rotating")
+    first, renewed = ca.issue("old", (NAME,)), ca.issue("new", ("pdserve-engine-v2",))
+    live = tmp_path / "live"
+    live.mkdir()
+    paths = {name: live / name for name in ("tls.crt", "tls.key", "ca.crt")}
+
+    def install(issued) -> None:  # as kubelet swaps a Secret volume's files
+        for name, source in zip(
+            paths, (issued.certfile, issued.keyfile, issued.ca_certs), strict=True
+        ):
+            staged = live / f".{name}"
+            staged.write_bytes(Path(source).read_bytes())
+            staged.replace(paths[name])
+
+    install(first)
+    tls = SideChannelTLS(str(paths["tls.crt"]), str(paths["tls.key"]), str(paths["ca.crt"]), NAME)
+    config = KVTransferConfig(connector="grpc", secret=SECRET, tls=tls)
+    server = SideChannelServer(config, ENGINE_ID, COMPAT_HASH, make_cache(), b"meta", "grpc")
+    rotated_port = server.start()
+    try:
+        client = SideChannelTLS(**{**asdict(ca.issue("client", (NAME,))), "server_name": NAME})
+        renamed = SideChannelTLS(**{**asdict(client), "server_name": "pdserve-engine-v2"})
+        assert _handshake(rotated_port, client) == ENGINE_ID
+        with pytest.raises(SideChannelError):
+            _handshake(rotated_port, renamed)
+        install(renewed)  # the renewal
+
+        def serves_the_new_one() -> bool:
+            try:
+                return _handshake(rotated_port, renamed) == ENGINE_ID
+            except SideChannelError:
+                return False
+
+        assert wait_until(serves_the_new_one, timeout_s=15)
+        with pytest.raises(SideChannelError):
+            _handshake(rotated_port, client)  # the old name is no longer served
+    finally:
+        server.stop(0)

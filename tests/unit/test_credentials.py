@@ -226,3 +226,28 @@ def test_the_grpc_message_bound_is_set_while_ray_starts_and_checked() -> None:
     for wrong in (0, 2**31):
         with pytest.raises(ValueError, match="grpc_max_message_bytes must be between"):
             ServeOptions(grpc_max_message_bytes=wrong)
+
+
+def test_side_channel_tls_comes_from_a_cert_manager_secret_directory(monkeypatch) -> None:
+    """The manifests mount cert-manager's Secret (tls.crt, tls.key, ca.crt) at one path on
+    every pod and name it in the environment: every build binds mutual TLS from it."""
+    monkeypatch.setenv("PDSERVE_SIDE_CHANNEL_TLS_DIR", "/etc/pdserve/engine-tls/")
+    tls = _bound_settings(build_app({"model": "tiny"})).side_channel_tls
+    assert tls is not None and tls.server_name == "pdserve-engine"
+    assert (tls.certfile, tls.keyfile, tls.ca_certs) == tuple(
+        f"/etc/pdserve/engine-tls/{name}" for name in ("tls.crt", "tls.key", "ca.crt")
+    )
+    engines = AppConfig.from_args({"model": "tiny"}).kv_transfer_config()["tls"]
+    assert engines == {  # the engines' side channel: the same files
+        "certfile": tls.certfile,
+        "keyfile": tls.keyfile,
+        "ca_certs": tls.ca_certs,
+        "server_name": "pdserve-engine",
+    }
+    monkeypatch.setenv("PDSERVE_SIDE_CHANNEL_TLS_NAME", "engines.example")
+    assert _bound_settings(build_app({"model": "tiny"})).side_channel_tls.server_name == (
+        "engines.example"
+    )
+    monkeypatch.setenv("PDSERVE_SIDE_CHANNEL_TLS_DIR", "")
+    with pytest.raises(ValueError, match="PDSERVE_SIDE_CHANNEL_TLS_DIR is set but empty"):
+        build_app({"model": "tiny"})

@@ -166,3 +166,20 @@ def test_the_network_policy_confines_the_ray_pods_to_the_app_but_for_its_front_d
     assert own["from"] == [{"podSelector": {"matchLabels": selector}}]
     reachable_from_elsewhere = {p["port"] for r in rules if "ports" in r for p in r["ports"]}
     assert not reachable_from_elsewhere & {6379, 10001}  # the GCS, the Ray client
+
+
+def test_the_side_channel_tls_overlay_gives_every_worker_the_certificate() -> None:
+    """The head names cert-manager's Secret directory; every worker pod mounts it (without
+    subPath, so renewals arrive) under the same variable; a group left out is refused."""
+    patched = overlaid("side-channel-tls")
+    assert rayservice_problems(patched) == []
+    for group in patched["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
+        assert volumes["engine-tls"]["secret"] == {"secretName": "pdserve-engine-tls"}
+    broken = copy.deepcopy(patched)
+    routers = broken["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]["template"]["spec"]
+    mounts = routers["containers"][0]["volumeMounts"]
+    mounts[:] = [m for m in mounts if m["name"] != "engine-tls"]
+    assert rayservice_problems(broken) == [
+        "cpu: no side-channel TLS files at /etc/pdserve/engine-tls"
+    ]
