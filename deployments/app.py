@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from deployments.cluster.sla_autoscaling import autoscaling_config, latency_window_s
-from deployments.credentials import ApiKeys, configured_keys, kv_secret_to_bind
+from deployments.credentials import (
+    ApiKeys,
+    configured_keys,
+    kv_secret_to_bind,
+    side_channel_tls_from_env,
+)
 from deployments.protocol import RequestLimits
 from deployments.router.migration import MigrationPolicy
 from deployments.router.orchestrator import FlowConfig
@@ -285,27 +289,6 @@ def _router_settings(config: AppConfig, engine_args: dict[str, Any]) -> Any:
         retry_after_s=config.retry_after_s,
         api_keys=ApiKeys.resolve(config.api_key),
         side_channel_tls=config.tls(),
-    )
-
-
-SIDE_CHANNEL_TLS_DIR_ENV = "PDSERVE_SIDE_CHANNEL_TLS_DIR"
-SIDE_CHANNEL_TLS_NAME_ENV = "PDSERVE_SIDE_CHANNEL_TLS_NAME"
-
-
-def side_channel_tls_from_env(environ: Mapping[str, str]) -> SideChannelTLS | None:
-    """The side channel's mutual TLS from a directory laid out as cert-manager writes a
-    Certificate's Secret (the same path on every pod), where the variable is set."""
-    directory = environ.get(SIDE_CHANNEL_TLS_DIR_ENV)
-    if directory is None:
-        return None
-    if not directory:
-        raise ValueError(f"{SIDE_CHANNEL_TLS_DIR_ENV} is set but empty")  # fail closed
-    base = directory.rstrip("/")
-    return SideChannelTLS(
-        certfile=f"{base}/tls.crt",
-        keyfile=f"{base}/tls.key",
-        ca_certs=f"{base}/ca.crt",
-        server_name=environ.get(SIDE_CHANNEL_TLS_NAME_ENV, "pdserve-engine"),
     )
 
 

@@ -35,6 +35,8 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from engine.config import SideChannelTLS
+
 API_KEY_ENV = "PDSERVE_API_KEY"
 API_KEY_FILE_ENV = "PDSERVE_API_KEY_FILE"
 KEY_FILE_CHECK_S = 1.0  # how often a router looks at the key file (one stat)
@@ -207,3 +209,24 @@ def kv_secret(bound: str) -> str:
             "set it on every node (on Kubernetes, from the same Secret on every pod)"
         )
     return value
+
+
+SIDE_CHANNEL_TLS_DIR_ENV = "PDSERVE_SIDE_CHANNEL_TLS_DIR"
+SIDE_CHANNEL_TLS_NAME_ENV = "PDSERVE_SIDE_CHANNEL_TLS_NAME"
+
+
+def side_channel_tls_from_env(environ: Mapping[str, str]) -> SideChannelTLS | None:
+    """The side channel's mutual TLS from a directory laid out as cert-manager writes a
+    Certificate's Secret (the same path on every pod), where the variable is set."""
+    directory = environ.get(SIDE_CHANNEL_TLS_DIR_ENV)
+    if directory is None:
+        return None
+    if not directory:
+        raise ValueError(f"{SIDE_CHANNEL_TLS_DIR_ENV} is set but empty")  # fail closed
+    base = directory.rstrip("/")
+    return SideChannelTLS(
+        certfile=f"{base}/tls.crt",
+        keyfile=f"{base}/tls.key",
+        ca_certs=f"{base}/ca.crt",
+        server_name=environ.get(SIDE_CHANNEL_TLS_NAME_ENV, "pdserve-engine"),
+    )
