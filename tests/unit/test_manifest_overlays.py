@@ -183,3 +183,23 @@ def test_the_side_channel_tls_overlay_gives_every_worker_the_certificate() -> No
     assert rayservice_problems(broken) == [
         "cpu: no side-channel TLS files at /etc/pdserve/engine-tls"
     ]
+
+
+def test_the_ingress_overlay_fronts_both_apis_with_tls() -> None:
+    rendered = kustomize(K8S / "overlays" / "ingress")
+    service = the_rayservice(rendered)["spec"]["serveService"]
+    ports = {p["port"] for p in service["spec"]["ports"]}
+    ingresses = {r["metadata"]["name"]: r for r in rendered if r["kind"] == "Ingress"}
+    assert set(ingresses) == {"pdserve-http", "pdserve-grpc"}
+    for name, port in (("pdserve-http", 8000), ("pdserve-grpc", 9000)):
+        spec = ingresses[name]["spec"]
+        hosts = {rule["host"] for rule in spec["rules"]}
+        assert hosts <= {h for tls in spec["tls"] for h in tls["hosts"]}  # every host on TLS
+        (path,) = [p for rule in spec["rules"] for p in rule["http"]["paths"]]
+        backend = path["backend"]["service"]
+        assert backend == {"name": service["metadata"]["name"], "port": {"number": port}}
+        assert port in ports
+        annotations = ingresses[name]["metadata"]["annotations"]
+        assert int(annotations["nginx.ingress.kubernetes.io/proxy-read-timeout"]) > 300
+    grpc_annotations = ingresses["pdserve-grpc"]["metadata"]["annotations"]
+    assert grpc_annotations["nginx.ingress.kubernetes.io/backend-protocol"] == "GRPC"
