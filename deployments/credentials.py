@@ -17,7 +17,8 @@ message names the key a caller sent.
 HTTP: every route but `/health` needs `Authorization: Bearer KEY` (401 otherwise, OpenAI's error
 shape, `WWW-Authenticate: Bearer`). gRPC: `Generate`, `Abort` and `ModelInfo` need metadata
 `authorization: Bearer KEY` (UNAUTHENTICATED otherwise); `Health` stays open, as `/health`
-does, for probes and load balancers — without a valid key it answers the status alone.
+does, for probes and load balancers — without a valid key it answers the status alone, from a
+survey shared for a second.
 
 The KV secret: the app argument `kv_secret`, else `$PDSERVE_KV_SECRET`, else drawn once per
 build. From the environment it is not bound at all: the replicas get a reference and read the

@@ -55,13 +55,14 @@ def build_openai_app(
     orchestrator: Callable[[], Orchestrator],
     model_name: str,
     max_model_len: int,
-    health_report: Callable[[], Awaitable[HealthReport]] | None = None,
+    health_report: Callable[[bool], Awaitable[HealthReport]] | None = None,
     api_keys: ApiKeys | None = None,
 ) -> FastAPI:
     """The FastAPI app. `orchestrator` is looked up per request (the router owns it);
     `health_report` surveys the engines (without one, /health says only that the router
-    runs); with `api_keys`, every route but /health needs one, and /health tells a caller
-    without one the status alone (deployments/credentials.py)."""
+    runs; its argument: whether the caller may see the figures, surveyed now, else the status
+    of a survey shared for a second); with `api_keys`, every route but /health needs one, and
+    /health tells a caller without one the status alone (deployments/credentials.py)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     api_keys = api_keys or ApiKeys()
     edge = _Edge(orchestrator, api_keys)
@@ -134,7 +135,7 @@ class _Routes:
         orchestrator: Callable[[], Orchestrator],
         model_name: str,
         max_model_len: int,
-        health_report: Callable[[], Awaitable[HealthReport]] | None,
+        health_report: Callable[[bool], Awaitable[HealthReport]] | None,
         api_keys: ApiKeys,
     ) -> None:
         self._orchestrator = orchestrator
@@ -159,10 +160,11 @@ class _Routes:
         a valid key (or where the app has none); the status alone for anyone else."""
         if self._health_report is None:
             return {"status": SERVING}
-        report = await self._health_report()
+        detailed = self._keys.refusal(request.headers.get("authorization")) is None
+        report = await self._health_report(detailed)  # anonymous: the last second's, shared
         code = 503 if report.status == NOT_SERVING else 200
         body: dict[str, Any] = {"status": report.status}
-        if self._keys.refusal(request.headers.get("authorization")) is None:
+        if detailed:
             body["engines"] = report.engines
         return JSONResponse(body, status_code=code)
 

@@ -229,20 +229,20 @@ class Router:
     async def Health(
         self, request: pb.HealthRequest, grpc_context: RayServegRPCContext
     ) -> pb.HealthResponse:
-        """Open to probes; the engines' figures only to a caller with a valid key (or where
-        the app has none)."""
+        """Open to probes: a caller without a valid key (where the app has keys) gets the
+        status alone, from a survey shared for a second; others every engine's figures, now."""
         _decoded_or_refuse(request, grpc_context)
-        report = await self.health()
         authorization = dict(grpc_context.invocation_metadata()).get("authorization")
         if self.settings.api_keys.refusal(authorization) is not None:
-            return pb.HealthResponse(status=report.status)
+            return pb.HealthResponse(status=(await self.health(fresh=False)).status)
+        report = await self.health()
         engines = [pb.EngineStats(**engine) for engine in report.engines]
         return pb.HealthResponse(status=report.status, engines=engines)
 
-    async def health(self) -> HealthReport:
-        """Every replica of each engine role, surveyed at most once a second
-        (deployments/cluster/health.py)."""
-        return await self._health.report()
+    async def health(self, fresh: bool = True) -> HealthReport:
+        """Every replica of each engine role (deployments/cluster/health.py): surveyed now,
+        or (`fresh` False: anonymous callers) the survey of the last second, shared."""
+        return await (self._survey() if fresh else self._health.report())
 
     async def _survey(self) -> HealthReport:
         handles = {"decode" if self._prefill is not None else "colocated": self._decode}

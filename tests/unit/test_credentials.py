@@ -88,7 +88,10 @@ def test_health_tells_the_engines_only_to_a_caller_with_a_key(keys: ApiKeys) -> 
 
     engines = [{"role": "decode", "replica_id": "r1", "state": "running", "num_blocks": 8}]
 
-    async def report() -> HealthReport:
+    fresh: list[bool] = []
+
+    async def report(detailed: bool) -> HealthReport:
+        fresh.append(detailed)
         return HealthReport(DEGRADED, engines)
 
     flow = SimpleNamespace(
@@ -105,6 +108,8 @@ def test_health_tells_the_engines_only_to_a_caller_with_a_key(keys: ApiKeys) -> 
                 "status": DEGRADED
             }
     assert client.get("/health", headers={"Authorization": "Bearer k1"}).json() == full
+    # Anonymous callers read the shared survey; those who see the figures, a fresh one.
+    assert fresh[0] is not keys.required and fresh[-1] is True
 
 
 def test_keys_come_from_the_argument_and_the_environment() -> None:
