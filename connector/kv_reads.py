@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 _CLIENT_TIMEOUT_S = 10.0
 # A remote that did not answer is not called again for this long (its loads fail at once).
 _SILENT_S = 5.0
+# Clients of silent remotes kept open for the reads that may still hold them.
+_RETIRED_CLIENTS = 8
 # A read's deadline grows with its bytes at a slow link's pace (config.read_timeout_base_s
 # plus the bytes at this rate): a lost completion, a stuck transfer costs about a second.
 READ_MIN_BYTES_PER_S = 100e6
@@ -77,6 +79,7 @@ class KVReads:
         self.compat_hash = compat_hash
         self.transport = transport
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
+        self._retired: list[SideChannelClient] = []  # of remotes found silent
         self._peers: set[str] = set()
         self._engine_at: dict[tuple[str, int], str] = {}  # the engine a side channel serves
         self._silent_until: dict[tuple[str, int], float] = {}  # remotes not to call for now
@@ -341,15 +344,23 @@ class KVReads:
 
     def _mark_silent(self, remote: RemoteKV) -> None:
         """No call to this remote for a while: the engine thread never waits on a silent
-        remote once per load or release (each wait is up to a deadline)."""
-        self._silent_until[(remote.host, remote.port)] = time.monotonic() + _SILENT_S
+        remote once per load or release (each wait is up to a deadline). Its client is
+        retired: the next call opens a new channel, which reads the TLS files again (a
+        renewed certificate or CA) and reaches whatever engine serves that address now."""
+        key = (remote.host, remote.port)
+        self._silent_until[key] = time.monotonic() + _SILENT_S
+        retired = self._clients.pop(key, None)
+        if retired is not None:  # reads in flight may still hold it: closed later
+            self._retired.append(retired)
+            while len(self._retired) > _RETIRED_CLIENTS:
+                self._retired.pop(0).close()
 
     def _is_silent(self, remote: RemoteKV) -> bool:
         return self._silent_until.get((remote.host, remote.port), 0.0) > time.monotonic()
 
     def close(self) -> None:
         self._watch.close()
-        for client in self._clients.values():
+        for client in [*self._clients.values(), *self._retired]:
             client.close()
 
 

@@ -310,6 +310,9 @@ def _router(config: AppConfig) -> Any:
         # RESOURCE_EXHAUSTED), as the engines' bounds answer through the Router.
         backpressure_config={"status_code": 429, "retry_after_s": config.retry_after_s},
         ray_actor_options={"num_cpus": config.num_cpus_router},
+        # A router replica told to stop lets its streams end, as an engine does (Serve's
+        # default, 20 s, cut longer ones on every scale-down and drain).
+        graceful_shutdown_timeout_s=config.request_timeout_s,
         graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
         # Its replicas find each other through it (Abort of a request another one holds).
         request_router_config=_request_router(config, "router", kv_aware=False),

@@ -56,9 +56,18 @@ def replicas_here() -> int:
     return count
 
 
+def _run_bounded(args: list[str], timeout_s: float) -> int:
+    """The command's exit status; 1 where it outlived `timeout_s` (`ray drain-node` waits for
+    an unreachable head without end)."""
+    try:
+        return subprocess.run(args, check=False, timeout=timeout_s).returncode
+    except subprocess.TimeoutExpired:
+        return 1
+
+
 def drain(
     deadline_s: float,
-    run: Callable[[list[str]], int] = lambda args: subprocess.run(args, check=False).returncode,
+    run: Callable[[list[str]], int] | None = None,
     replicas: Callable[[], int] = replicas_here,
     clock: Callable[[], float] = time.monotonic,
     wait: Callable[[float], None] = time.sleep,
@@ -67,6 +76,8 @@ def drain(
     passes (False). A refused drain (no Ray here, an old Ray) still waits: Serve's own
     shutdown of the replicas may yet end them."""
     end = clock() + deadline_s
+    if run is None:
+        run = lambda args: _run_bounded(args, deadline_s)  # noqa: E731
     if run(drain_command(deadline_s)) != 0:
         logger.warning("ray drain-node failed; waiting for the replicas to end on their own")
     while replicas() > 0:

@@ -113,8 +113,7 @@ def test_a_rotated_server_certificate_is_served_without_a_restart(
     tmp_path: Path, pki: dict[str, SideChannelTLS]
 ) -> None:
     """cert-manager renews the mounted Secret in place: new connections get the new
-    certificate (here one for another name), no restart; a half-written rotation keeps the
-    old one."""
+    certificate (here one for another name), no restart."""
     (tmp_path / "pki").mkdir()
     ca = CertificateAuthority(tmp_path / "pki", "rotating")
     first, renewed = ca.issue("old", (NAME,)), ca.issue("new", ("pdserve-engine-v2",))

@@ -256,3 +256,9 @@ def test_side_channel_tls_comes_from_a_cert_manager_secret_directory(monkeypatch
     monkeypatch.setenv("PDSERVE_SIDE_CHANNEL_TLS_DIR", "")
     with pytest.raises(ValueError, match="PDSERVE_SIDE_CHANNEL_TLS_DIR is set but empty"):
         build_app({"model": "tiny"})
+
+
+def test_router_replicas_drain_their_streams_as_engines_do() -> None:
+    """Serve's default (20 s) would cut a router's longer streams on every scale-down."""
+    app = build_app({"model": "tiny", "request_timeout_s": 120})
+    assert app._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 120

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from pdserve.drain import DrainOptions, drain, drain_command, replicas_here, run
+from pdserve.drain import DrainOptions, _run_bounded, drain, drain_command, replicas_here, run
 from tests.waiting import wait_until
 
 
@@ -55,3 +55,9 @@ def test_drain_gives_up_at_the_deadline_even_when_ray_refused() -> None:
 def test_a_deadline_must_be_positive() -> None:
     with pytest.raises(ValueError, match="deadline_s must be > 0"):
         run(DrainOptions(deadline_s=0))
+
+
+def test_a_drain_command_that_hangs_is_bounded_by_the_deadline() -> None:
+    """`ray drain-node` waits without end for an unreachable head: the hook must not."""
+    assert _run_bounded(["sleep", "30"], timeout_s=0.5) == 1
+    assert _run_bounded(["true"], timeout_s=5) == 0
