@@ -300,9 +300,11 @@ def _has_gpu(group: dict[str, Any]) -> bool:
 
 
 def _custom_resources(group: dict[str, Any]) -> set[str]:
-    """The custom resources a group's pods advertise (rayStartParams' quoted JSON)."""
+    """The custom resources a group's pods advertise: the group's `resources` (KubeRay >= 1.4,
+    read by ray start and the autoscaler alike) or rayStartParams' quoted JSON."""
     raw = group.get("rayStartParams", {}).get("resources", "")
-    return set(json.loads(json.loads(raw))) if raw else set()
+    quoted = set(json.loads(json.loads(raw))) if raw else set()
+    return quoted | (set(group.get("resources", {})) - {"CPU", "GPU", "memory", "TPU"})
 
 
 def _probes_overridden(cluster: dict[str, Any]) -> bool:

@@ -207,6 +207,10 @@ def _router_anywhere(rs: dict[str, Any]) -> None:
     with_serve_config(rs, config)
 
 
+def _router_resource_nowhere(rs: dict[str, Any]) -> None:
+    rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][1].pop("resources")
+
+
 def _fixed_prefill(rs: dict[str, Any]) -> None:
     config, overrides = _engine_overrides(rs)
     overrides["PrefillServer"].pop("autoscaling_config")
@@ -230,6 +234,7 @@ SEMANTIC_BREAKS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "no ephemeral-storage request": (_no_disk_request, "fetch-model: no ephemeral-storage"),
     "GPU pods not spread": (_no_spread, "without topologySpreadConstraints"),
     "routers on GPU pods": (_router_anywhere, "Router replicas may land on GPU pods"),
+    "router resource on no pod": (_router_resource_nowhere, "no worker group advertises"),
     "prefill fixed": (_fixed_prefill, "PrefillServer is not under the SLA autoscaling policy"),
     "GPU pool without headroom": (_no_headroom, "maxReplicas 5 leaves no headroom"),
     "API keys in the environment": (_api_key_in_env, "gpu: PDSERVE_API_KEY in the environment"),
