@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
-import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -44,6 +42,7 @@ import grpc
 
 from connector.block_data import encode_block_data
 from connector.checksums import from_hex
+from connector.file_watch import FileWatch
 from connector.leases import Lease, LeaseError, LeaseTable, no_generations
 from engine.config import KVTransferConfig, SideChannelTLS
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
@@ -93,12 +92,15 @@ def server_credentials(tls: SideChannelTLS) -> grpc.ServerCredentials:
 
 
 class CertificateWatch:
-    """The server's certificate configuration, read again when one of its files changed."""
+    """The server's certificate configuration, read again when one of its files changed
+    (connector/file_watch.py); files that cannot be read keep the last good configuration."""
 
-    def __init__(self, tls: SideChannelTLS, clock: Callable[[], float] = time.monotonic) -> None:
-        self._tls, self._clock = tls, clock
-        self._stamp = self._stamps()
-        self._checked_at = clock()
+    def __init__(self, tls: SideChannelTLS, clock: Callable[[], float] | None = None) -> None:
+        self._tls = tls
+        self._watch = FileWatch(
+            (tls.certfile, tls.keyfile, tls.ca_certs), CERTIFICATE_CHECK_S, clock
+        )
+        self._watch.accept(self._watch.stamp())  # what configuration() serves first
 
     def configuration(self) -> grpc.ServerCertificateConfiguration:
         cert, key, ca = self._tls.pem()
@@ -106,31 +108,17 @@ class CertificateWatch:
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """gRPC's fetcher: a new configuration, or None to keep the current one."""
-        now = self._clock()
-        if now - self._checked_at < CERTIFICATE_CHECK_S:
-            return None
-        self._checked_at = now
-        stamp = self._stamps()
-        if stamp == self._stamp:
+        stamp = self._watch.changed()
+        if stamp is None:
             return None
         try:
             configuration = self.configuration()
         except ValueError as exc:  # mid-rotation, or gone: keep serving the last good one
             logger.warning("side channel TLS files unreadable, keeping the current ones: %s", exc)
             return None
-        self._stamp = stamp
+        self._watch.accept(stamp)
         logger.info("side channel TLS certificate reloaded")
         return configuration
-
-    def _stamps(self) -> tuple[tuple[int, int, int], ...] | None:
-        try:
-            stats = [
-                os.stat(path)
-                for path in (self._tls.certfile, self._tls.keyfile, self._tls.ca_certs)
-            ]
-        except OSError:
-            return None
-        return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in stats)
 
 
 def client_channel(

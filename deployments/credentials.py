@@ -32,10 +32,10 @@ import hmac
 import logging
 import os
 import secrets
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from connector.file_watch import FileWatch
 from engine.config import SideChannelTLS
 
 API_KEY_ENV = "PDSERVE_API_KEY"
@@ -133,27 +133,22 @@ class ApiKeys:
 
 
 class _KeyFile:
-    """The digests of a key file's keys, read again when its size, inode or mtime changed
-    (a Kubernetes Secret volume swaps a symlink), looked at no more than once a second. A file
-    that cannot be read or holds no key leaves no digest: every key from it is refused."""
+    """The digests of a key file's keys, read again when it changed (connector/file_watch.py),
+    looked at no more than once a second. A file that cannot be read or holds no key leaves no
+    digest (every key from it is refused), and is read again a second later."""
 
     def __init__(self) -> None:
-        self._checked_at = float("-inf")
-        self._stamp: tuple[int, int, int] | None = None
+        self._watch: FileWatch | None = None
         self._digests: tuple[str, ...] = ()
 
     def digests(self, path: str, salt: bytes) -> tuple[str, ...]:
-        now = time.monotonic()
-        if now - self._checked_at < KEY_FILE_CHECK_S:
-            return self._digests
-        self._checked_at = now
-        try:
-            stat = os.stat(path)
-            stamp = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
-        except OSError:
-            stamp = None
-        if stamp != self._stamp or not self._digests:  # changed, or the last read failed
-            self._stamp, self._digests = stamp, self._read(path, salt)
+        if self._watch is None:  # here, in the replica: the clock is read from now on
+            self._watch = FileWatch([path], KEY_FILE_CHECK_S)
+        stamp = self._watch.changed()
+        if stamp is not None:
+            self._digests = self._read(path, salt)
+            if self._digests:
+                self._watch.accept(stamp)
         return self._digests
 
     @staticmethod

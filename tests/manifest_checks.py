@@ -212,16 +212,13 @@ def _side_channel_tls_problems(cluster: dict[str, Any]) -> list[str]:
     """Where the head names side-channel TLS files (the app's build binds their paths), every
     worker pod must hold them: a Secret volume at that directory, mounted without subPath (so
     renewals reach it), and the same variable."""
-    head_env = {
-        e["name"]: e.get("value", "") for e in _ray(cluster["headGroupSpec"]).get("env", [])
-    }
-    directory = head_env.get(TLS_DIR_ENV)
+    directory = _env_values(_ray(cluster["headGroupSpec"])).get(TLS_DIR_ENV)
     if not directory:
         return []
     problems = []
     for group in cluster["workerGroupSpecs"]:
         pod, ray = group["template"]["spec"], _ray(group)
-        env = {e["name"]: e.get("value", "") for e in ray.get("env", [])}
+        env = _env_values(ray)
         secrets = {v["name"] for v in pod.get("volumes", []) if "secret" in v}
         mounted = any(
             m["mountPath"].rstrip("/") == directory.rstrip("/")
@@ -236,6 +233,11 @@ def _side_channel_tls_problems(cluster: dict[str, Any]) -> list[str]:
 
 def _ray(group: dict[str, Any]) -> dict[str, Any]:
     return group["template"]["spec"]["containers"][0]
+
+
+def _env_values(container: dict[str, Any]) -> dict[str, str]:
+    """A container's plain environment values by name (those from a Secret read as "")."""
+    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
 
 
 def _drain_problems(group: dict[str, Any]) -> list[str]:
@@ -296,7 +298,7 @@ def _placement_problems(cluster: dict[str, Any], config: dict[str, Any]) -> list
 
 
 def _has_gpu(group: dict[str, Any]) -> bool:
-    return GPU in group["template"]["spec"]["containers"][0].get("resources", {}).get("limits", {})
+    return GPU in _ray(group).get("resources", {}).get("limits", {})
 
 
 def _custom_resources(group: dict[str, Any]) -> set[str]:
@@ -382,7 +384,7 @@ def _key_file_problems(pod: dict[str, Any], ray: dict[str, Any]) -> list[str]:
 
 
 def _grpc_bound_problems(ray: dict[str, Any]) -> list[str]:
-    env = {e["name"]: e.get("value", "") for e in ray.get("env", [])}
+    env = _env_values(ray)
     value = env.get(GRPC_MESSAGE_ENV, "")
     if not value.isdigit() or not 0 < int(value) <= GRPC_MESSAGE_LIMIT:
         return [f"{GRPC_MESSAGE_ENV} {value or 'unset'}: Serve's proxy reads up to 2 GiB unbounded"]

@@ -26,7 +26,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,8 @@ class GpuBenchConfig:
     """write each section's JSON here as it completes"""
 
     def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         unknown = set(self.sections) - set(SECTIONS)
         if unknown:
             raise ValueError(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
@@ -91,7 +93,7 @@ def run(config: GpuBenchConfig) -> dict[str, Any]:
         try:
             report[name] = runners[name]()
         except Exception as exc:  # a section's failure is reported; the others still run
-            report[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            report[name] = _error(exc)
         report[name]["seconds"] = round(time.perf_counter() - began, 1)
         _release_gpu_memory()
         if config.out_dir:
@@ -99,6 +101,10 @@ def run(config: GpuBenchConfig) -> dict[str, Any]:
             out.mkdir(parents=True, exist_ok=True)
             (out / f"gpu_{name}.json").write_text(json.dumps(report[name]))
     return report
+
+
+def _error(exc: Exception) -> dict[str, Any]:
+    return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
 
 
 def _release_gpu_memory() -> None:
@@ -170,7 +176,7 @@ def _smollm2(config: GpuBenchConfig) -> dict[str, Any]:
         try:
             sides[attention] = _decode(model, config, attention, "dummy")
         except Exception as exc:
-            sides[attention] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            sides[attention] = _error(exc)
         _release_gpu_memory()
     new, old = sides["triton"], sides["cuda"]
     if "error" not in new and "error" not in old:
@@ -185,8 +191,7 @@ def _smollm2(config: GpuBenchConfig) -> dict[str, Any]:
 def _llama3_8b(config: GpuBenchConfig) -> dict[str, Any]:
     from engine.testing.shaped_checkpoint import shaped_config_dir
 
-    model = str(shaped_config_dir("llama-3-8b"))
-    return _decode(model, replace(config, repeats=max(1, config.repeats)), "triton", "dummy")
+    return _decode(str(shaped_config_dir("llama-3-8b")), config, "triton", "dummy")
 
 
 def _offline() -> dict[str, Any]:

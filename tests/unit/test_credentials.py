@@ -43,10 +43,11 @@ def test_a_key_variable_set_but_empty_refuses_to_start(monkeypatch, value: str) 
 def test_keys_from_a_file_are_reloaded_when_it_changes(monkeypatch, tmp_path) -> None:
     """A mounted Secret, rotated in place: the new keys work and the old stop within a second
     of the change; a file emptied or removed refuses every key (never opens the API)."""
+    import connector.file_watch as file_watch
     import deployments.credentials as credentials
 
     now = [100.0]
-    monkeypatch.setattr(credentials.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(file_watch.time, "monotonic", lambda: now[0])
     path = tmp_path / "api-keys"
     path.write_text("old-1\nold-2\n")
     monkeypatch.setenv("PDSERVE_API_KEY_FILE", str(path))

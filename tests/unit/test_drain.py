@@ -14,7 +14,8 @@ from tests.waiting import wait_until
 
 def test_replicas_are_counted_by_their_process_name() -> None:
     before = replicas_here()
-    named = "exec -a 'ray::ServeReplica:pdserve:DecodeServer' sleep 60"
+    # A process that runs until killed, named as Ray names a replica's worker.
+    named = "exec -a 'ray::ServeReplica:pdserve:DecodeServer' tail -f /dev/null"
     process = subprocess.Popen(["bash", "-c", named])
     try:
         assert wait_until(lambda: replicas_here() == before + 1, timeout_s=10)
@@ -59,5 +60,5 @@ def test_a_deadline_must_be_positive() -> None:
 
 def test_a_drain_command_that_hangs_is_bounded_by_the_deadline() -> None:
     """`ray drain-node` waits without end for an unreachable head: the hook must not."""
-    assert _run_bounded(["sleep", "30"], timeout_s=0.5) == 1
+    assert _run_bounded(["tail", "-f", "/dev/null"], timeout_s=0.5) == 1  # never ends
     assert _run_bounded(["true"], timeout_s=5) == 0

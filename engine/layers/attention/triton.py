@@ -48,7 +48,7 @@ class TritonBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         with on_device(self.device):
-            fused_ops.rotary_kv_write(None, k, v, *_no_rope(k), kv_cache, *_slots(metadata))
+            fused_ops.kv_write(k, v, kv_cache, *_slots(metadata))
             return self._attend(q, kv_cache, metadata, scale)
 
     def forward_rotary(
@@ -64,7 +64,6 @@ class TritonBackend(AttentionBackend):
         slots = _slots(metadata)
         with on_device(self.device):
             rotated = fused_ops.rotary_kv_write(q, k, v, rope.cos, rope.sin, kv_cache, *slots)
-            assert rotated is not None  # q was given
             return self._attend(rotated, kv_cache, metadata, scale)
 
     def _attend(
@@ -93,9 +92,3 @@ class TritonBackend(AttentionBackend):
 
 def _slots(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     return md.slot_block, md.slot_offset
-
-
-def _no_rope(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stand-in cos/sin for a write of keys rotated already (the kernel reads none)."""
-    table = k.new_empty((k.shape[0], 1, k.shape[2]))
-    return table, table

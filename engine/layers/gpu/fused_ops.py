@@ -103,7 +103,7 @@ def _rope_rows(table: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_kv_write(
-    q: torch.Tensor | None,
+    q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     cos: torch.Tensor,
@@ -111,20 +111,44 @@ def rotary_kv_write(
     kv_cache: torch.Tensor,
     slot_block: torch.Tensor,
     slot_offset: torch.Tensor,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """Rotate q [T, Hq, D] (returned, contiguous) and k [T, Hkv, D], and write k and v into
-    `kv_cache` (one layer, [num_blocks, 2, block_size, Hkv, D]) at each token's slot. With q
-    None, k is taken as rotated already and only written (with v). cos/sin: the step's
-    RopeTables ([T, 1, D])."""
+    `kv_cache` (one layer, [num_blocks, 2, block_size, Hkv, D]) at each token's slot.
+    cos/sin: the step's RopeTables ([T, 1, D])."""
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    cos_rows, sin_rows = _rope_rows(cos), _rope_rows(sin)
+    _launch_kv_write(q, q_out, k, v, cos_rows, sin_rows, kv_cache, slot_block, slot_offset)
+    return q_out
+
+
+def kv_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_block: torch.Tensor,
+    slot_offset: torch.Tensor,
+) -> None:
+    """Write k (rotated already) and v into their slots: the same kernel, rotating nothing (k
+    stands in for the pointers it does not read)."""
+    _launch_kv_write(None, k, k, v, k, k, kv_cache, slot_block, slot_offset)
+
+
+def _launch_kv_write(
+    q: torch.Tensor | None,
+    q_out: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_rows: torch.Tensor,
+    sin_rows: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_block: torch.Tensor,
+    slot_offset: torch.Tensor,
+) -> None:
     num_tokens, num_kv_heads, head_dim = k.shape
     if head_dim % 2 or k.stride(2) != 1 or v.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError("rotary_kv_write needs an even head_dim and dense heads")
-    cos_rows, sin_rows = _rope_rows(cos), _rope_rows(sin)
-    rotate = q is not None
     num_heads = q.shape[1] if q is not None else 0
     q_in = q if q is not None else k
-    # Without q the kernel writes no q: k stands in for its pointers.
-    q_out = torch.empty_like(q, memory_format=torch.contiguous_format) if q is not None else k
     half = head_dim // 2
     _rotary_kv_write_kernel[(num_tokens,)](
         q_in, k, v, cos_rows, sin_rows, q_out, kv_cache, slot_block, slot_offset,
@@ -133,9 +157,8 @@ def rotary_kv_write(
         kv_cache.stride(3), num_heads, num_kv_heads,
         HALF=half, HALF_PAD=triton.next_power_of_2(half),
         HEADS_PAD=triton.next_power_of_2(max(num_heads, 1)),
-        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), ROTATE=rotate,
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), ROTATE=q is not None,
     )  # fmt: skip
-    return q_out if rotate else None
 
 
 @triton.jit
