@@ -21,9 +21,10 @@ class DeadlineExceeded(TimeoutError):
     """The request ran past its deadline; it was aborted on the engines."""
 
 
-class Overloaded(RuntimeError):
-    """An engine or the router is at its admission bound: RESOURCE_EXHAUSTED / HTTP 429, with
-    the seconds after which a retry may succeed."""
+class RetryLater(RuntimeError):
+    """A refusal that a retry may cure, with the seconds after which it may (HTTP's
+    Retry-After; over gRPC the message says it: Serve's proxy drops a failed call's trailing
+    metadata)."""
 
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         self.retry_after_s = retry_after_s
@@ -33,6 +34,15 @@ class Overloaded(RuntimeError):
     def retry_after(self) -> int:
         """Whole seconds, at least 1 (HTTP's Retry-After)."""
         return max(1, math.ceil(self.retry_after_s))
+
+
+class Overloaded(RetryLater):
+    """An engine or the router is at its admission bound: RESOURCE_EXHAUSTED / HTTP 429."""
+
+
+class Unavailable(RetryLater):
+    """No engine replica runs yet (the model loading, GPU nodes still joining, every replica
+    restarting): UNAVAILABLE / HTTP 503 at once, instead of a request held until one starts."""
 
 
 class Unauthenticated(PermissionError):
@@ -81,6 +91,7 @@ STATUSES: tuple[tuple[type[BaseException], Status], ...] = (
     (DeadlineExceeded, Status(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout")),
     (EngineFailure, Status(grpc.StatusCode.UNAVAILABLE, 503, "server_error")),
     (Overloaded, Status(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")),
+    (Unavailable, Status(grpc.StatusCode.UNAVAILABLE, 503, "server_error")),
     (Unauthenticated, Status(grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error")),
 )
 

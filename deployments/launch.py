@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from deployments.app import AppConfig, build_app
+from deployments.app import build_app
+from deployments.app_config import AppConfig
 from deployments.router.grpc_ingress import SERVICER_FUNCTION
 
 logger = logging.getLogger(__name__)
@@ -107,10 +108,12 @@ def _ephemeral_low() -> int:
         return 49152
 
 
-def deploy(config: AppConfig, extra_apps: Mapping[str, Mapping[str, Any]]) -> None:
+def deploy(
+    config: AppConfig, extra_apps: Mapping[str, Mapping[str, Any]], wait: bool = True
+) -> None:
     """The main app at route / and each extra app (its overrides of the main app's settings)
     at /<name>, deployed together: their replicas start side by side, not one app's after
-    the other's. Returns once every app is running."""
+    the other's. Returns once every app is running (`wait`), else once Serve has them."""
     from ray import serve
 
     args = asdict(config)
@@ -118,7 +121,7 @@ def deploy(config: AppConfig, extra_apps: Mapping[str, Mapping[str, Any]]) -> No
     for name, overrides in extra_apps.items():
         extra = asdict(AppConfig.from_args({**args, **overrides}))
         targets.append(serve.RunTarget(build_app(extra), name=name, route_prefix=f"/{name}"))
-    serve.run_many(targets)
+    serve.run_many(targets, wait_for_applications_running=wait)
 
 
 def start(

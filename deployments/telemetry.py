@@ -8,8 +8,8 @@ OpenTelemetry's no-op tracer, which costs next to nothing. The W3C trace context
 client (gRPC metadata, HTTP headers) through the router into each engine request as a carrier
 dict, so every request leaves one trace: router.request -> prefill, decode -> kv_transfer.
 
-Metrics go through `ray.serve.metrics`, so Ray's Prometheus endpoint exports them (prefixed
-`ray_`). They are created lazily: the modules import without Ray running.
+Metrics go through Ray's metrics API (deployments/metrics.py), so Ray's Prometheus endpoint
+exports them (prefixed `ray_`).
 """
 
 from __future__ import annotations
@@ -102,7 +102,3 @@ def request_attributes(model: str, params: SamplingParams) -> dict[str, Any]:
 
 def set_error(span: Span, message: str) -> None:
     span.set_status(Status(StatusCode.ERROR, message))
-
-
-def tags(*keys: str) -> Any:
-    return keys  # ray.serve.metrics annotates tag_keys as a 1-tuple; any tuple works

@@ -1,5 +1,6 @@
-"""`pdserve serve`: its flags and how they become the app's configuration (deployments/app.py
-AppConfig) and the local launch (deployments/launch.py ServeOptions).
+"""`pdserve serve`: its flags and how they become the app's configuration
+(deployments/app_config.py AppConfig) and the local launch (deployments/launch.py
+ServeOptions).
 
 Every AppConfig and ServeOptions field is a flag of the same name, with the field's default and
 docstring (pdserve/flags.py): a setting is written in one place.
@@ -11,7 +12,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.app import AppConfig
+from deployments.app_config import AppConfig
 from deployments.launch import APP_NAME, COLOCATED_APP_NAME, ServeOptions
 from engine.config import KV_LOAD_FAILURE_POLICIES, KV_TRANSPORTS
 from pdserve.flags import Flag, add_flags, named_json_object, read_flags

@@ -25,6 +25,7 @@ RAY_TESTS = tuple(
         "test_security_serve.py",
         "test_serve_cli.py",
         "test_sla_autoscaling_serve.py",
+        "test_startup_serve.py",
         "test_tp_serve.py",
         "test_tracing.py",
     )

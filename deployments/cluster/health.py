@@ -50,14 +50,19 @@ async def survey(
         *(_ask_each(probe, role, _replicas(sets, role), timeout_s) for role in roles)
     )
     engines = [engine for engines in per_role for engine in engines]
+    return HealthReport(_status(roles, engines), engines)
+
+
+def _status(roles: Sequence[str], engines: list[dict[str, Any]]) -> str:
+    """SERVING: every role has replicas and each answered. DEGRADED: some engine answered. A
+    role whose router has seen no running replica (all starting, say) has no entry, so an app
+    with none running is NOT_SERVING, never SERVING for want of anyone to ask."""
     answered = [e for e in engines if e["state"] == RUNNING]
-    if len(answered) == len(engines):
-        status = SERVING
-    elif answered:
-        status = DEGRADED
-    else:
-        status = NOT_SERVING
-    return HealthReport(status, engines)
+    if not answered:
+        return NOT_SERVING
+    if len(answered) == len(engines) and {e["role"] for e in answered} >= set(roles):
+        return SERVING
+    return DEGRADED
 
 
 def _replicas(sets: ReplicaSets, role: str) -> list[str]:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Tracer
 
-from deployments.telemetry import LATENCY_BUCKETS_S, extract_context, set_error, tags
+from deployments.metrics import ReplicaMetrics, each
+from deployments.telemetry import LATENCY_BUCKETS_S, extract_context, set_error
 from engine.request import RequestTiming
 from engine.spec_decode.ngram import SpecDecodeStats
 
@@ -90,11 +91,9 @@ def _record_kv_transfer(
     span.end(end_time=_ns(timing.kv_load_end))
 
 
-def _spec_decode_counters() -> dict[str, Any]:
-    from ray.util import metrics
-
+def _spec_decode_counters(make: ReplicaMetrics) -> dict[str, Any]:
     return {
-        field: metrics.Counter(f"pdserve_spec_decode_{field}", help_text)
+        field: make.counter(f"pdserve_spec_decode_{field}", help_text)
         for field, help_text in (
             ("num_drafts", "Verification steps of requests with drafts"),
             ("num_draft_tokens", "Draft tokens verified"),
@@ -103,93 +102,103 @@ def _spec_decode_counters() -> dict[str, Any]:
     }
 
 
-def _kv_check_counters() -> dict[str, Any]:
+def _kv_check_counters(make: ReplicaMetrics) -> dict[str, Any]:
     """What the reader's checks found in the KV it read (connector/checksums.py), by the
     connector counter each follows: blocks that matched their producer's checksum, blocks that
     did not (never used: recomputed or failed by kv_load_failure_policy), and the reads they
     were in; reads fenced (the lease had ended), given up on (connector/read_watch.py) or
     timed out; and, on the producing side, leases that expired unreleased.
     (The names are written out: the dashboard's test finds them in this file.)"""
-    from ray.serve import metrics
-
     return {
-        "blocks_verified": metrics.Counter(
+        "blocks_verified": make.counter(
             "pdserve_kv_blocks_verified", "KV blocks read that matched their checksum"
         ),
-        "blocks_corrupted": metrics.Counter(
+        "blocks_corrupted": make.counter(
             "pdserve_kv_blocks_corrupted", "KV blocks read that failed their checksum"
         ),
-        "checksum_failures": metrics.Counter(
+        "checksum_failures": make.counter(
             "pdserve_kv_checksum_failures", "KV reads with a block that failed its checksum"
         ),
-        "fenced_reads": metrics.Counter(
+        "fenced_reads": make.counter(
             "pdserve_kv_fenced_reads", "KV reads whose remote no longer held the blocks"
         ),
-        "unanswered_reads": metrics.Counter(
+        "unanswered_reads": make.counter(
             "pdserve_kv_unanswered_reads", "KV reads given up on: the remote stopped answering"
         ),
-        "timed_out_reads": metrics.Counter(
+        "timed_out_reads": make.counter(
             "pdserve_kv_timed_out_reads", "KV reads not reported done by their deadline"
         ),
-        "leases_expired": metrics.Counter(
+        "leases_expired": make.counter(
             "pdserve_kv_leases_expired",
             "KV leases that ran out before their reader released them (it never came, or late)",
         ),
     }
 
 
+# How a KV load that was not simply "ok" ended (engine/core/kv_transfer_state.py).
+KV_LOAD_FAILURES = ("recovered", "failed")
+
+
 class EngineMetrics:
-    """An engine replica's metrics: queues, KV cache, prefix cache, preemptions, transfers."""
+    """An engine replica's metrics: queues, KV cache, prefix cache, preemptions, transfers.
+    `transport`: the engine's KV transport ("nixl", "grpc"; "" without KV transfer), whose
+    series exist from start-up."""
 
-    def __init__(self) -> None:
-        from ray.serve import metrics
-
-        self.running = metrics.Gauge("pdserve_running_requests", "Requests running")
-        self.waiting = metrics.Gauge("pdserve_waiting_requests", "Requests waiting")
-        self.kv_usage = metrics.Gauge("pdserve_kv_cache_usage", "Fraction of KV blocks in use")
-        self.prefix_hit_rate = metrics.Gauge(
+    def __init__(self, transport: str = "", make: ReplicaMetrics | None = None) -> None:
+        make = make or ReplicaMetrics()
+        transports = each("transport", [transport] if transport else [])
+        self.running = make.gauge("pdserve_running_requests", "Requests running")
+        self.waiting = make.gauge("pdserve_waiting_requests", "Requests waiting")
+        self.kv_usage = make.gauge("pdserve_kv_cache_usage", "Fraction of KV blocks in use")
+        self.prefix_hit_rate = make.gauge(
             "pdserve_prefix_cache_hit_rate", "Prefix-cache hit rate (tokens) since last sample"
         )
-        self.prefix_queries = metrics.Counter(
+        self.prefix_queries = make.counter(
             "pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
         )
-        self.prefix_hits = metrics.Counter(
+        self.prefix_hits = make.counter(
             "pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache"
         )
-        self.preemptions = metrics.Counter("pdserve_preemptions", "Requests preempted")
-        self.kv_bytes = metrics.Counter(
-            "pdserve_kv_transfer_bytes", "KV bytes read from prefill engines", ("transport",)
+        self.preemptions = make.counter("pdserve_preemptions", "Requests preempted")
+        self.kv_bytes = make.counter(
+            "pdserve_kv_transfer_bytes",
+            "KV bytes read from prefill engines",
+            ("transport",),
+            transports,
         )
-        self.kv_descriptors = metrics.Counter(
+        self.kv_descriptors = make.counter(
             "pdserve_kv_transfer_descriptors",
             "Runs of consecutive KV blocks read from prefill engines (NIXL's descriptors)",
             ("transport",),
+            transports,
         )
-        self.kv_seconds = metrics.Histogram(
+        self.kv_seconds = make.histogram(
             "pdserve_kv_transfer_seconds",
             "KV transfer duration",
             LATENCY_BUCKETS_S,
             ("transport",),
         )
-        self.kv_failures = metrics.Counter(
+        self.kv_failures = make.counter(
             "pdserve_kv_transfer_failures",
             "KV transfers that failed",
-            tags("transport", "outcome"),
+            ("transport", "outcome"),
+            [{**t, "outcome": o} for t in transports for o in KV_LOAD_FAILURES],
         )
-        self.kv_counters = _kv_check_counters()
-        self.kv_checksum_seconds = metrics.Counter(
+        self.kv_counters = _kv_check_counters(make)
+        self.kv_checksum_seconds = make.counter(
             "pdserve_kv_checksum_seconds",
             "Time spent summing KV blocks: those handed out or lent (side=produced), those "
             "read, to check them (side=verified)",
             ("side",),
+            each("side", ("produced", "verified")),
         )
         # Speculative decoding (vLLM's spec_decode counters): acceptance rate = accepted / draft
         # tokens, mean accepted length = 1 + accepted / drafts.
-        self.spec_counters = _spec_decode_counters()
-        self.spec_acceptance = metrics.Gauge(
+        self.spec_counters = _spec_decode_counters(make)
+        self.spec_acceptance = make.gauge(
             "pdserve_spec_decode_acceptance_rate", "Accepted / draft tokens since the engine began"
         )
-        self.tp_collective_seconds = metrics.Counter(
+        self.tp_collective_seconds = make.counter(
             "pdserve_tp_collective_seconds",
             "Rank 0's time in tensor-parallel all-reduce and all-gather (exchanging, and "
             "waiting for the slower ranks)",

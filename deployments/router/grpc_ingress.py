@@ -42,7 +42,9 @@ from protos.pdserve.v1 import generate_pb2_grpc
 
 SERVICER_FUNCTION = "deployments.router.grpc_ingress.add_GenerationServicer_to_server"
 
-# Codes that mean "the request was wrong", not "the server failed": logged at INFO.
+# Codes that mean "the request was wrong" or "not now", not "the server failed": logged at
+# INFO. UNAVAILABLE is no engine running yet, or an engine that failed mid-request, which the
+# router logged already with its traceback (router.py's _stream_fn).
 CLIENT_ERROR_CODES = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -54,6 +56,7 @@ CLIENT_ERROR_CODES = frozenset(
         grpc.StatusCode.UNAUTHENTICATED,
         grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNAVAILABLE,
     }
 )
 

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.cluster.health import NOT_SERVING, SERVING, HealthReport
 from deployments.credentials import ApiKeys, without_credentials
-from deployments.errors import Overloaded, Unauthenticated, public_message, status_of
+from deployments.errors import RetryLater, Unauthenticated, public_message, status_of
 from deployments.protocol import GenerateInput, ResponseChunk, chat_chars
 from deployments.router.openai_format import (
     ChatFormat,
@@ -268,10 +268,10 @@ def _chat_input(body: ChatCompletionRequest, flow: Orchestrator) -> GenerateInpu
 
 def error_response(exc: BaseException, code: str | None = None) -> JSONResponse:
     """An error in OpenAI's shape, with the status of `exc` (deployments/errors.py); an
-    Overloaded one says when to retry in Retry-After."""
+    Overloaded or Unavailable one says when to retry in Retry-After."""
     status = status_of(exc)
     response = _error(status.http_status, public_message(exc), status.http_type, code)
-    if isinstance(exc, Overloaded):
+    if isinstance(exc, RetryLater):
         response.headers["Retry-After"] = str(exc.retry_after)
     return response
 

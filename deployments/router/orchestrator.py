@@ -22,7 +22,7 @@ from typing import Any
 
 from deployments.cluster.kv_scoring import Borrower, CacheSurvey, ClusterCache, decode_holder
 from deployments.cluster.replica_set import ReplicaWatch
-from deployments.errors import DeadlineExceeded, Overloaded
+from deployments.errors import DeadlineExceeded, Overloaded, RetryLater, Unavailable
 from deployments.protocol import (
     ROUTE_CACHED,
     ROUTE_COLOCATED,
@@ -83,6 +83,11 @@ class FlowConfig:
     # A decode (or colocated) leg whose engine fails goes on elsewhere (migration.py).
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # With no engine replica running (models loading, GPU nodes joining), a request is refused
+    # at once, told to retry after this long, rather than held in Serve's queue. Off (None)
+    # where an engine deployment may scale to zero: there the queued request is the demand
+    # that makes Serve start one.
+    retry_while_starting_s: float | None = 1.0
 
 
 class Orchestrator:
@@ -153,6 +158,7 @@ class Orchestrator:
         `trace_carrier` (gRPC metadata, HTTP headers) may hold the client's trace context."""
         observed = self.telemetry.observe(trace_carrier)
         try:
+            self._check_engines_running()
             # Rendering and tokenizing cost time in proportion to the prompt (the tokenizer
             # releases the GIL in a worker thread).
             received = time.monotonic()
@@ -177,11 +183,29 @@ class Orchestrator:
         except DeadlineExceeded as exc:
             observed.failed("timeout", str(exc))
             raise
+        except RetryLater as exc:
+            observed.failed(
+                "unavailable" if isinstance(exc, Unavailable) else "overloaded", str(exc)
+            )
+            raise
         except Exception as exc:
             observed.failed("error", str(exc))
             raise
         finally:
             observed.end()
+
+    def _check_engines_running(self) -> None:
+        """Unavailable when the routers have seen no running replica of any engine role. A role
+        not watched, or not seen yet (no call made), counts as running: its first call finds
+        out."""
+        retry_after_s = self.config.retry_while_starting_s
+        watches = [self.decode_replicas] + ([self.prefill_replicas] if self.prefill else [])
+        if retry_after_s is None or any(w is None or w.available() for w in watches):
+            return
+        raise Unavailable(
+            "no engine replica is running yet: the model is loading or its replicas are starting",
+            retry_after_s,
+        )
 
     async def _generate(
         self, prepared: PreparedRequest, on_migration: OnMigration | None = None

@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RouterSettings:
-    """What a Router replica is built with: the app's settings (deployments/app.py AppConfig,
+    """What a Router replica is built with: the app's settings (deployments/app_config.py AppConfig,
     where each has its default), resolved for the router."""
 
     model: str
@@ -119,11 +119,14 @@ class Router:
             decode=_stream_fn(decode, "decode" if prefill is not None else "colocated", retry),
             prefill=_stream_fn(prefill, "prefill", retry) if prefill is not None else None,
             release=LeaseReleaser(self.kv_secret, tls=settings.side_channel_tls),
-            telemetry=RouterTelemetry(self.tracing.tracer, RouterMetrics()),
+            telemetry=RouterTelemetry(self.tracing.tracer, RouterMetrics(self._roles())),
             prefill_replicas=RoleWatch("prefill") if prefill is not None else None,
-            decode_replicas=RoleWatch("decode") if prefill is not None else None,
+            decode_replicas=RoleWatch("decode" if prefill is not None else "colocated"),
             **self._cluster_cache(settings, prefill is not None),
         )
+
+    def _roles(self) -> tuple[str, ...]:
+        return ("decode", "prefill") if self._prefill is not None else ("colocated",)
 
     def _cluster_cache(self, settings: RouterSettings, disaggregated: bool) -> dict[str, Any]:
         """The engines' caches as the app's KV index sees them, where the engines publish to

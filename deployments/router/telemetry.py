@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Tracer
 
+from deployments.metrics import ReplicaMetrics, each
 from deployments.telemetry import (
     LATENCY_BUCKETS_S,
     extract_context,
     inject_context,
     request_attributes,
     set_error,
-    tags,
 )
 from engine.request import SamplingParams
 
@@ -120,33 +120,52 @@ class ObservedRequest:
             self.metrics.observe(self)
 
 
+# How a request ends (`pdserve_requests{outcome}`): every one is a series from start-up.
+OUTCOMES = (
+    "ok",
+    "aborted",  # ended by an Abort
+    "cancelled",  # the client went away
+    "invalid",
+    "unauthenticated",
+    "timeout",
+    "unavailable",  # no engine replica running yet
+    "overloaded",
+    "error",
+)
+
+
 class RouterMetrics:
     """Request-level metrics, measured where the client sees them (the router)."""
 
-    def __init__(self) -> None:
-        from ray.serve import metrics
-
-        self.ttft = metrics.Histogram(
+    def __init__(
+        self, roles: tuple[str, ...] = ("decode", "prefill"), make: ReplicaMetrics | None = None
+    ) -> None:
+        """`roles`: the engine roles a request can move to (migrations' targets)."""
+        make = make or ReplicaMetrics()
+        self.ttft = make.histogram(
             "pdserve_ttft_seconds", "Time to first token", LATENCY_BUCKETS_S, ("route",)
         )
-        self.tpot = metrics.Histogram(
+        self.tpot = make.histogram(
             "pdserve_tpot_seconds",
             "Time per output token after the first",
             LATENCY_BUCKETS_S,
             ("route",),
         )
-        self.e2e = metrics.Histogram(
+        self.e2e = make.histogram(
             "pdserve_e2e_seconds", "Request latency, end to end", LATENCY_BUCKETS_S, ("route",)
         )
-        self.requests = metrics.Counter(
-            "pdserve_requests", "Requests by outcome", tags("outcome", "route")
+        # At 0 from start-up: each outcome (under route "none": sum over routes to alert).
+        outcomes = [{"outcome": outcome, "route": "none"} for outcome in OUTCOMES]
+        self.requests = make.counter(
+            "pdserve_requests", "Requests by outcome", ("outcome", "route"), outcomes
         )
-        self.prompt_tokens = metrics.Counter("pdserve_prompt_tokens", "Prompt tokens")
-        self.generation_tokens = metrics.Counter("pdserve_generation_tokens", "Generated tokens")
-        self.migrations = metrics.Counter(
+        self.prompt_tokens = make.counter("pdserve_prompt_tokens", "Prompt tokens")
+        self.generation_tokens = make.counter("pdserve_generation_tokens", "Generated tokens")
+        self.migrations = make.counter(
             "pdserve_migrations",
             "Requests moved to another engine after theirs failed, by the role moved to",
             ("target",),
+            each("target", roles),
         )
 
     def observe(self, request: ObservedRequest) -> None:

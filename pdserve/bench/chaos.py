@@ -96,7 +96,7 @@ class ChaosConfig:
 
 def run(config: ChaosConfig) -> dict[str, Any]:
     """Start a local app of the config's shape, run the chaos on it (`run_on`), stop it."""
-    from deployments.app import AppConfig
+    from deployments.app_config import AppConfig
     from deployments.launch import APP_NAME, ServeOptions, free_port, start, stop
 
     app = AppConfig.from_args(

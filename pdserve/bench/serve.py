@@ -350,7 +350,7 @@ def _deployed(name: str, config: ServeBenchConfig, progress: Any) -> AppRun:
     """Start configuration `name` on local Ray, run the workload against it, stop it."""
     import dataclasses
 
-    from deployments.app import AppConfig
+    from deployments.app_config import AppConfig
     from deployments.launch import APP_NAME, ServeOptions, free_port, start, stop
 
     app = AppConfig.from_args({"model": config.model, **config.deploy[name]})

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from deployments import launch
-from deployments.app import AppConfig
+from deployments.app_config import AppConfig
 from deployments.cluster.kv_index import index_actor_name
 from deployments.launch import APP_NAME, ServeOptions, free_port
 from pdserve.client import GenerationClient
@@ -74,11 +74,11 @@ class ServeCluster:
         self._options: ServeOptions | None = None
 
     @contextlib.contextmanager
-    def serving(self, settings: AppSettings) -> Iterator[ServedApp]:
-        """The apps of `settings`, deployed and running; deleted on exit."""
+    def serving(self, settings: AppSettings, wait: bool = True) -> Iterator[ServedApp]:
+        """The apps of `settings`, deployed and (`wait`) running; deleted on exit."""
         served = ServedApp(self._ensure(settings.tls), settings)
         try:
-            served.deploy()
+            served.deploy(wait)
             yield served
         finally:
             served.delete()
@@ -141,9 +141,9 @@ class ServedApp:
         self.client = self.clients[APP_NAME]
         self._logs_before: set[Path] = set()
 
-    def deploy(self) -> None:
+    def deploy(self, wait: bool = True) -> None:
         self._logs_before = set(_serve_logs().glob("*"))
-        launch.deploy(AppConfig.from_args(self.settings.app), self.settings.extra_apps)
+        launch.deploy(AppConfig.from_args(self.settings.app), self.settings.extra_apps, wait)
 
     def delete(self) -> None:
         """Delete the apps, and their KV index actors (detached: `serve.shutdown()` would end

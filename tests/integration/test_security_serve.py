@@ -132,7 +132,7 @@ def test_a_rotated_key_file_takes_effect_without_a_restart(secured: Secured) -> 
 
 
 def test_an_empty_key_variable_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    from deployments.app import AppConfig
+    from deployments.app_config import AppConfig
     from deployments.launch import deploy
 
     monkeypatch.setenv("PDSERVE_API_KEY", " , ")

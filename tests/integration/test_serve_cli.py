@@ -25,6 +25,10 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.launch import free_port
+from deployments.metrics import ReplicaMetrics
+from deployments.replica.telemetry import EngineMetrics
+from deployments.router.telemetry import RouterMetrics
+from tests.prometheus_relabel import monitor_rules, relabel
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -150,6 +154,7 @@ def _serve_and_check(
     try:
         lines.wait_for("press Ctrl-C", 300)
         _check_what_it_printed("".join(lines.seen), ports)
+        _check_metrics_at_start(ports.metrics)
         ray_processes = psutil.Process(proc.pid).children(recursive=True)
         _check_grpc_client(ports.grpc, {name: _output(p) for name, p in offline.items()})
         _check_openai_sdk(ports.http)
@@ -246,6 +251,63 @@ def _check_serve_status(dashboard_port: int) -> None:
     }, status.stdout
 
 
+def _scrape(metrics_port: int) -> list[Any]:
+    """Every sample of a real scrape of Ray's Prometheus endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+class _StartedNames(ReplicaMetrics):
+    """The sample names of what a replica's metrics start at 0 (histograms cannot be)."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.names: set[str] = set()
+
+    def counter(self, name: str, description: str, tag_keys: Any = (), start: Any = ({},)) -> Any:
+        if list(start):
+            self.names.add(f"ray_{name}_total")
+
+    def gauge(self, name: str, description: str) -> Any:
+        self.names.add(f"ray_{name}")
+
+    def histogram(self, *args: Any, **kwargs: Any) -> Any:
+        return None
+
+
+def _check_metrics_at_start(metrics_port: int) -> None:
+    """Before any request, a fresh Ray's scrape has every counter and gauge of the P/D app's
+    router and engines, at 0 (what an alert on them reads on a healthy app); every pdserve
+    series carries the replica's rank, not Serve's per-restart replica id; and after the
+    PodMonitor's rules no label of Ray's session is left and no two series became one."""
+    started = _StartedNames()
+    EngineMetrics("nixl", started)
+    RouterMetrics(("decode", "prefill"), started)
+    samples: list[Any] = []
+
+    def all_exported() -> bool:
+        samples[:] = _scrape(metrics_port)
+        ours = {s.name for s in samples if s.labels.get("application") == "pdserve"}
+        return started.names <= ours
+
+    assert wait_until(all_exported, 90, period_s=1.0), sorted(
+        started.names - {s.name for s in samples}
+    )
+    pdserve = [s for s in samples if s.name.startswith("ray_pdserve_")]
+    assert all(s.value == 0 for s in pdserve if s.name in started.names), [
+        (s.name, s.labels, s.value) for s in pdserve if s.value
+    ]
+    assert all("rank" in s.labels and "replica" not in s.labels for s in pdserve)
+    (monitor,) = yaml.safe_load_all((ROOT / "k8s" / "monitoring.yaml").read_text())
+    rules = monitor_rules(monitor)
+    scraped = [(s.name, tuple(sorted(relabel(s.labels, rules).items()))) for s in samples]
+    assert len(set(scraped)) == len(scraped)
+    assert not any(
+        dict(labels).keys() & {"SessionName", "otel_scope_name"} for _, labels in scraped
+    )
+
+
 def _check_metrics_scrape(http_port: int, metrics_port: int) -> None:
     """A real scrape of Ray's Prometheus endpoint after a request whose prompt the prefix cache
     has never seen (lookups, no hits): the engines' hit-rate gauge reads 0 and the lookups are
@@ -261,13 +323,9 @@ def _check_metrics_scrape(http_port: int, metrics_port: int) -> None:
         assert reply.status == 200
 
     def scrape() -> dict[str, list[float]]:
-        url = f"http://127.0.0.1:{metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as page:
-            text = page.read().decode()
         values: dict[str, list[float]] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                values.setdefault(sample.name, []).append(sample.value)
+        for sample in _scrape(metrics_port):
+            values.setdefault(sample.name, []).append(sample.value)
         return values
 
     def zero_hit_sample_seen() -> bool:

@@ -80,6 +80,26 @@ def test_no_engine_answering_is_not_serving():
     assert [e["state"] for e in report.engines] == [UNREACHABLE]
 
 
+def test_no_replica_running_in_any_role_is_not_serving():
+    """Every engine still starting (the model loading, GPU nodes joining): the routers have
+    published empty sets, nobody is asked, and the app is not serving."""
+    sets = ReplicaSets()
+    sets.publish("prefill", [])
+    sets.publish("decode", [])
+    report, asked = run(sets)
+    assert asked == [] and report.engines == []
+    assert report.status == NOT_SERVING
+
+
+def test_a_role_with_no_replica_running_is_degraded():
+    sets = ReplicaSets()
+    sets.publish("prefill", ["p1"])
+    sets.publish("decode", [])
+    report, _ = run(sets)
+    assert [e["state"] for e in report.engines] == [RUNNING]
+    assert report.status == DEGRADED
+
+
 def test_a_hinted_probe_answered_by_another_replica_is_unreachable():
     """Serve routes a hint naming a replica no longer in its set to another one: its answer
     must not make the gone replica look running."""

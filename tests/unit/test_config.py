@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.app import AppConfig
+from deployments.app_config import AppConfig
 from engine.arg_utils import EngineArgs
 from engine.config import KV_TRANSPORTS, KVTransferConfig, config_from_dict
 from pdserve.bench.kv import KVBenchConfig

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from deployments.app import AppConfig, build_app
+from deployments.app import build_app
+from deployments.app_config import AppConfig
 from deployments.credentials import (
     KV_SECRET_FROM_ENV,
     MISSING,

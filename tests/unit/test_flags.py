@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from deployments.app import AppConfig
+from deployments.app_config import AppConfig
 from deployments.launch import ServeOptions
 from pdserve.cli import _BENCHES, _build_parser
 from pdserve.flags import Flag, add_flags, field_docs, int_list, named_json_object, read_flags

@@ -63,6 +63,10 @@ def test_refusals_are_one_info_line_and_server_faults_keep_their_traceback() -> 
     assert log_filter.filter(refused)
     assert refused.levelno == logging.INFO and refused.exc_info is None
     assert refused.getMessage() == "request refused: INVALID_ARGUMENT: prompt is empty"
+    starting = _record(
+        gRPCStatusError(RuntimeError("x"), grpc.StatusCode.UNAVAILABLE, "no engine running yet")
+    )
+    assert log_filter.filter(starting) and starting.levelno == logging.INFO
     for error in (
         gRPCStatusError(RuntimeError("boom"), grpc.StatusCode.INTERNAL, "boom"),
         RuntimeError("boom"),

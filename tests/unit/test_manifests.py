@@ -402,3 +402,36 @@ def test_the_dockerfile_builds_without_buildkit() -> None:
     assert dockerfile_problems(old) == ["WORKDIR /app is created as root"]
     heredoc = text + "RUN <<EOF\necho hi\nEOF\nCOPY --link a b\n"
     assert set(dockerfile_problems(heredoc)) == {"a heredoc", "COPY --link"}
+
+
+def test_the_scrape_drops_rays_per_session_labels_and_keeps_what_tells_series_apart() -> None:
+    """A series as Ray exports pdserve's (the labels of a real scrape, values made up): after
+    the PodMonitor's rules no label changes when the Ray container restarts, and what tells
+    two processes' series apart (WorkerId: Ray keeps a dead process's counters) is kept."""
+    from tests.prometheus_relabel import monitor_rules, relabel
+
+    (monitor,) = documents(K8S / "monitoring.yaml")
+    exported = {
+        "Component": "core_worker",
+        "NodeAddress": "10.0.3.7",
+        "SessionName": "session_2026-11-27_22-05-35_999043_15663",
+        "Version": "2.60.0",
+        "WorkerId": "96442fc6aa143c841b312a841d197dca067f07f7c52569600ce8c3e6",
+        "otel_scope_name": "ray._private.telemetry.open_telemetry_metric_recorder",
+        "otel_scope_schema_url": "",
+        "otel_scope_version": "",
+        "application": "pdserve",
+        "deployment": "DecodeServer",
+        "rank": "0",
+        "outcome": "ok",
+    }
+    kept = relabel(exported, monitor_rules(monitor))
+    assert set(kept) == {
+        "Component",
+        "NodeAddress",
+        "WorkerId",
+        "application",
+        "deployment",
+        "rank",
+        "outcome",
+    }

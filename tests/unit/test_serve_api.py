@@ -13,7 +13,8 @@ import pytest
 import yaml
 from google.protobuf import descriptor_pb2
 
-from deployments.app import AppConfig, build_app
+from deployments.app import build_app
+from deployments.app_config import AppConfig
 from deployments.protocol import (
     ChatPrompt,
     GenerateInput,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from ray.serve.config import AutoscalingContext
 
-from deployments.app import AppConfig, build_app
+from deployments.app import build_app
+from deployments.app_config import AppConfig
 from deployments.cluster.sla_autoscaling import (
     PDAutoscalingPolicy,
     RecentLatencies,

@@ -6,6 +6,7 @@ too many output tokens are refused."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -13,7 +14,7 @@ from contextlib import aclosing
 import pytest
 
 from deployments.cluster.replica_set import ReplicaSets, RoleWatch
-from deployments.errors import DeadlineExceeded
+from deployments.errors import DeadlineExceeded, Unavailable
 from deployments.protocol import EngineRequest
 from engine.outputs import EngineCoreOutput
 from engine.request import SamplingParams
@@ -154,3 +155,43 @@ def test_max_tokens_beyond_the_context_is_refused_not_cut(servers, offline):
     chunks = run(make_flow(servers), prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
     assert len(tokens(chunks)) == 8 and chunks[-1].finish_reason == "length"
     assert all(idle(s) for s in servers)
+
+
+def test_no_engine_replica_running_refuses_at_once_with_a_retry(servers, offline):
+    """Both roles' routers have seen no running replica (the model loading, GPU nodes joining):
+    the request is refused before any leg is called, told when to retry, and counted; once a
+    replica runs it is served. Where an engine may scale to zero (no retry set) it is not
+    refused: the queued call is what makes Serve start one."""
+    calls: list[str] = []
+
+    async def queued(request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
+        calls.append(request.request_id)
+        await asyncio.Event().wait()  # Serve's queue, waiting for a replica
+        yield  # pragma: no cover
+
+    sets = ReplicaSets()
+    sets.publish("prefill", [])
+    sets.publish("decode", [])
+    flow = make_flow(servers, prefill=queued, decode=queued, retry_while_starting_s=7.0)
+    flow.prefill_replicas = RoleWatch("prefill", sets)
+    flow.decode_replicas = RoleWatch("decode", sets)
+    with pytest.raises(Unavailable, match=r"no engine replica is running yet.*retry after 7 s"):
+        run(flow, PROMPT, max_tokens=4, temperature=0.0)
+    assert calls == []
+
+    sets.publish("decode", ["d1"])  # one runs: the request goes to it (decode-only)
+    flow.decode = servers[1].generate
+    expected = offline.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert tokens(run(flow, PROMPT, max_tokens=4, temperature=0.0)) == (
+        expected.outputs[0].token_ids
+    )
+
+    sets.publish("decode", [])
+    # May scale to zero: the call waits in Serve's queue (here until its deadline).
+    flow.config = dataclasses.replace(
+        flow.config, retry_while_starting_s=None, request_timeout_s=0.5
+    )
+    flow.decode = queued
+    with pytest.raises(DeadlineExceeded):
+        run(flow, PROMPT, max_tokens=4, temperature=0.0)
+    assert calls  # it was sent on, to wait for a replica
