@@ -24,6 +24,8 @@ from typing import Any
 import jsonschema
 import yaml
 
+from tests.manifest_lifecycle import GPU, drain_problems, upgrade_problems
+
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
 KUBERAY_SCHEMA = K8S / "schemas" / "kuberay-v1.7.0-rayservice-v1.json"
@@ -36,7 +38,6 @@ TLS_DIR_ENV = "PDSERVE_SIDE_CHANNEL_TLS_DIR"
 GRPC_MESSAGE_LIMIT = 64 << 20  # what a gRPC proxy may take before the key is checked
 SECRETS_IN_ARGS = ("kv_secret", "api_key")
 AUTOSCALING_IN_ARGS = ("prefill_autoscaling", "decode_autoscaling", "sla_autoscaling")
-GPU = "nvidia.com/gpu"
 
 
 def documents(path: Path) -> list[dict[str, Any]]:
@@ -189,12 +190,7 @@ def rayservice_problems(rayservice: dict[str, Any]) -> list[str]:
         float((app.get("args") or {}).get("request_timeout_s", 300))
         for app in serve_config["applications"]
     )
-    deletion_delay = spec.get("rayClusterDeletionDelaySeconds", 60)
-    if deletion_delay < drain_s:
-        problems.append(
-            f"rayClusterDeletionDelaySeconds {deletion_delay} < the engines' drain {drain_s:g} s:"
-            " an upgrade cuts the old cluster's streams"
-        )
+    problems += upgrade_problems(spec, drain_s)
     groups = [("head", cluster["headGroupSpec"])] + [
         (group["groupName"], group) for group in cluster["workerGroupSpecs"]
     ]
@@ -202,7 +198,7 @@ def rayservice_problems(rayservice: dict[str, Any]) -> list[str]:
         problems += [f"{name}: {p}" for p in _pod_problems(group["template"]["spec"], drain_s)]
     for group in cluster["workerGroupSpecs"]:
         problems += _model_delivery(group, serve_config)
-        problems += [f"{group['groupName']}: {p}" for p in _drain_problems(group)]
+        problems += [f"{group['groupName']}: {p}" for p in drain_problems(group)]
     return (
         problems + _placement_problems(cluster, serve_config) + _side_channel_tls_problems(cluster)
     )
@@ -238,32 +234,6 @@ def _ray(group: dict[str, Any]) -> dict[str, Any]:
 def _env_values(container: dict[str, Any]) -> dict[str, str]:
     """A container's plain environment values by name (those from a Secret read as "")."""
     return {e["name"]: e.get("value", "") for e in container.get("env", [])}
-
-
-def _drain_problems(group: dict[str, Any]) -> list[str]:
-    """A worker pod moves its replicas before it stops (`pdserve drain-node` as preStop,
-    within the grace period), and asks for the disk its emptyDir volumes take."""
-    pod = group["template"]["spec"]
-    ray = pod["containers"][0]
-    command = ray.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
-    problems = []
-    if command[:2] != ["pdserve", "drain-node"]:
-        problems.append("no preStop running `pdserve drain-node`: an eviction kills streams")
-    else:
-        deadline = float(command[command.index("--deadline-s") + 1])
-        if deadline >= pod.get("terminationGracePeriodSeconds", 30):
-            problems.append(f"drain deadline {deadline:g} s >= terminationGracePeriodSeconds")
-    scratch = {v["name"] for v in pod.get("volumes", []) if "emptyDir" in v}
-    for container in pod.get("initContainers", []) + pod["containers"]:
-        mounted = {m["name"] for m in container.get("volumeMounts", [])}
-        requests = container.get("resources", {}).get("requests", {})
-        if mounted & scratch and "ephemeral-storage" not in requests:
-            problems.append(f"container {container['name']}: no ephemeral-storage request")
-    if GPU in ray.get("resources", {}).get("limits", {}) and not pod.get(
-        "topologySpreadConstraints"
-    ):
-        problems.append("GPU pods without topologySpreadConstraints")
-    return problems
 
 
 def _placement_problems(cluster: dict[str, Any], config: dict[str, Any]) -> list[str]:

@@ -203,3 +203,36 @@ def test_the_ingress_overlay_fronts_both_apis_with_tls() -> None:
         assert int(annotations["nginx.ingress.kubernetes.io/proxy-read-timeout"]) > 300
     grpc_annotations = ingresses["pdserve-grpc"]["metadata"]["annotations"]
     assert grpc_annotations["nginx.ingress.kubernetes.io/backend-protocol"] == "GRPC"
+
+
+INCREMENTAL_BREAKS: dict[str, tuple[dict[str, Any], str]] = {
+    "no gateway class": ({"gatewayClassName": ""}, "without a gatewayClassName"),
+    "traffic outruns capacity": ({"stepSizePercent": 75}, "need 0 < stepSizePercent (75)"),
+    "no pause between steps": ({"intervalSeconds": 5}, "intervalSeconds under 30"),
+}
+
+
+def test_the_incremental_upgrade_overlay_surges_one_gpu_pod_at_a_time() -> None:
+    """KubeRay's incremental upgrade, set as KubeRay 1.7's schema takes it: a GPU pod's share
+    of the base's minimum per capacity step, traffic in smaller steps a minute apart; and each
+    way of setting it that KubeRay could not carry out is caught."""
+    rayservice = the_rayservice(kustomize(K8S / "overlays" / "incremental-upgrade"))
+    strategy = rayservice["spec"]["upgradeStrategy"]
+    assert strategy["type"] == "NewClusterWithIncrementalUpgrade"
+    options = strategy["clusterUpgradeOptions"]
+    (gpu,) = [
+        g
+        for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        if g["groupName"] == "gpu"
+    ]
+    assert options["maxSurgePercent"] == 100 // gpu["minReplicas"]
+    for name, (change, expected) in INCREMENTAL_BREAKS.items():
+        broken = copy.deepcopy(rayservice)
+        broken["spec"]["upgradeStrategy"]["clusterUpgradeOptions"].update(change)
+        assert any(expected in p for p in rayservice_problems(broken)), name
+    no_autoscaler = copy.deepcopy(rayservice)
+    no_autoscaler["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] = False
+    assert any("capacity never moves" in p for p in rayservice_problems(no_autoscaler))
+    unknown = copy.deepcopy(rayservice)
+    unknown["spec"]["upgradeStrategy"]["type"] = "Rolling"
+    assert any("upgradeStrategy.type 'Rolling'" in p for p in rayservice_problems(unknown))
