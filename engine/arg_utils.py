@@ -67,6 +67,9 @@ class EngineArgs:
     max_queued_prompt_tokens: int = 0
     """prompt tokens waiting to be computed, beyond which new requests are refused
     (engine/core/admission.py); 0: no bound"""
+    step_trace_size: int = 0
+    """steps of the scheduler's decisions each engine keeps for `pdserve trace steps` (a ring
+    buffer; 0: off)"""
     attention_backend: str = "auto"
     """torch, cpu (the C++ paged kernel), triton (Triton kernels; on a CPU only under
     TRITON_INTERPRET=1) or cuda (SDPA over gathered blocks) (auto: cpu on CPUs, triton on
@@ -181,6 +184,7 @@ class EngineArgs:
             policy=self.scheduling_policy,  # type: ignore[arg-type]
             async_scheduling=self.async_scheduling,
             max_queued_prompt_tokens=self.max_queued_prompt_tokens,
+            step_trace_size=self.step_trace_size,
         )
 
     def _speculative_config(self, arch: ModelArchConfig) -> SpeculativeConfig | None:

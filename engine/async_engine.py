@@ -257,6 +257,23 @@ class AsyncEngine:
             raise ValueError("this engine publishes no KV events (kv_events_config)")
         return self.run_on_loop(self.core.kv_events.snapshot)
 
+    def step_trace(self, keep_steps: int = 0) -> Future[list[dict[str, Any]]]:
+        """The scheduler's per-step records kept so far, oldest first (engine/core/
+        step_trace.py), read between steps (any thread). `keep_steps` > 0 first starts
+        keeping that many from now on, -1 stops tracing; ValueError while tracing is off."""
+        scheduler = self.core.scheduler
+
+        def records() -> list[dict[str, Any]]:
+            if keep_steps:
+                scheduler.trace_steps(max(0, keep_steps))
+            if scheduler.step_trace is None:
+                if keep_steps < 0:
+                    return []
+                raise ValueError("this engine keeps no step trace (step_trace_size is 0)")
+            return scheduler.step_trace.records()
+
+        return self.run_on_loop(records)
+
     def run_on_loop(self, fn: Callable[[], T]) -> Future[T]:
         """Call `fn` in the engine's loop thread between steps, from any thread (the engine
         is not thread-safe); the loop wakes for it even when idle."""

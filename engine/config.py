@@ -63,9 +63,12 @@ class SchedulerConfig:
     # Refuse a new prompt (QueueFull) past this many prompt tokens still to be computed;
     # 0: no bound (offline batches queue everything at once). engine/core/admission.py.
     max_queued_prompt_tokens: int = 0
+    # Steps the per-step scheduler trace keeps (engine/core/step_trace.py); 0: off.
+    step_trace_size: int = 0
 
     def __post_init__(self) -> None:
         _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _require_int("step_trace_size", self.step_trace_size, 0)
         _require_int("max_num_seqs", self.max_num_seqs, 1)
         _require_int("max_model_len", self.max_model_len, 1)
         _require_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)

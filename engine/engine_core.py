@@ -24,7 +24,7 @@ from engine.outputs import EngineCoreOutput, EngineCoreOutputs
 from engine.parallel.rank0 import Rank0Runner
 from engine.parallel.workers import start_followers
 from engine.request import Request, RequestStatus
-from engine.stats import EngineStats
+from engine.stats import EngineStats, scheduler_stats
 from engine.step_timer import StepTimer
 from engine.tokenizer import Tokenizer
 from engine.worker.model_runner import ModelRunner
@@ -155,7 +155,7 @@ class EngineCore:
         return self.stats
 
     def _make_stats(self) -> EngineStats:
-        stats = self.scheduler.make_stats()
+        stats = scheduler_stats(self.scheduler)
         group = self.runner.group
         if group.size == 1:
             return stats

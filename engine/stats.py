@@ -1,6 +1,6 @@
 """EngineStats: the one shape in which an engine's statistics leave it.
 
-The scheduler builds one after every step (`Scheduler.make_stats`, on the engine's own thread)
+One is built from the scheduler after every step (`scheduler_stats`, on the engine's own thread)
 and `EngineCore.step` ships it with the step's outputs. Everything that wants to know how an
 engine is doing reads that object — metrics, the load published to the KV index, Serve's
 autoscaling stats, health, the benchmarks — never the scheduler, from any thread: it is frozen,
@@ -12,11 +12,14 @@ gauges are as of the step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from engine.core.kv_events import EngineLoad
 from engine.spec_decode.ngram import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from engine.core.scheduler import Scheduler
 
 # Connector counters Health carries as kv_<name> (protos/pdserve/v1/generate.proto).
 _KV_HEALTH = (
@@ -79,3 +82,25 @@ class EngineStats:
             "kv_faults_injected": self.kv_transfer.get("faults_injected", 0),
             **{f"kv_{name}": self.kv_transfer.get(name, 0) for name in _KV_HEALTH},
         }
+
+
+def scheduler_stats(scheduler: Scheduler) -> EngineStats:
+    """The engine's statistics as of now, from its scheduler (engine thread only)."""
+    pool = scheduler.kv_cache_manager.block_pool
+    unfinished = scheduler.get_num_unfinished_requests()
+    prefix = scheduler.kv_cache_manager.prefix_cache_stats
+    speculator = scheduler.speculator
+    connector = scheduler.connector
+    return EngineStats(
+        num_blocks=pool.num_blocks - 1,
+        num_free_blocks=pool.get_num_free_blocks(),
+        num_running=len(scheduler.running),
+        num_waiting=unfinished - len(scheduler.running),
+        num_held_requests=len(scheduler.requests) - unfinished,
+        queued_prompt_tokens=scheduler.queued_prompts.count(),
+        num_preemptions=scheduler.preemption.num_preemptions,
+        prefix_cache_queries=prefix.queries,
+        prefix_cache_hits=prefix.hits,
+        spec_decode=replace(speculator.stats) if speculator else SpecDecodeStats(),
+        kv_transfer=dict(connector.stats) if connector is not None else {},
+    )

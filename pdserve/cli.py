@@ -9,7 +9,6 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
 from pdserve.cli_options import (
@@ -62,6 +61,14 @@ def _add_trace_sink(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, TraceSinkOptions)
 
 
+def _add_trace(parser: argparse.ArgumentParser) -> None:
+    from pdserve.trace_steps import TraceStepsOptions
+
+    what = parser.add_subparsers(dest="trace", required=True, parser_class=_Parser)
+    steps = what.add_parser("steps", help="the engines' per-step scheduler traces")
+    add_flags(steps, TraceStepsOptions, flags={"tls_ca": Flag(metavar="PEM")})
+
+
 def _add_download(parser: argparse.ArgumentParser) -> None:
     from pdserve.download import DownloadOptions
 
@@ -83,6 +90,7 @@ def _add_make_model(parser: argparse.ArgumentParser) -> None:
 _BENCHES = {
     "structured": "JSON-schema constraint cost per output token",
     "serve": "a running endpoint, streaming",
+    "replay": "a recorded trace (Mooncake's format) against a running endpoint",
     "sched": "scheduler cost per step (no model)",
     "offline": "engine vs transformers.generate",
     "kv": "KV block transfer between two processes",
@@ -117,6 +125,7 @@ _COMMAND_FLAGS: dict[str, tuple[str, Any]] = {
     "serve": ("local Ray + the Serve app; blocks until Ctrl-C", _add_serve),
     "client": ("call the gRPC API", _add_client),
     "trace-sink": ("print OTLP/gRPC spans sent to it (dev tool)", _add_trace_sink),
+    "trace": ("fetch traces from a running deployment (steps: the schedulers')", _add_trace),
     "download": ("fetch a model into a directory (init containers)", _add_download),
     "drain-node": ("move Serve's replicas off this Ray node (a pod's preStop)", _add_drain_node),
     "make-model": ("write the generated tiny test model", _add_make_model),
@@ -225,7 +234,6 @@ def _offline_max_tokens(llm: Any, prompt: Any, kwargs: dict[str, Any]) -> dict[s
 def _run_client(args: argparse.Namespace) -> int:
     import grpc
 
-    from deployments.credentials import client_api_key
     from engine.request import SamplingParams
     from pdserve.client import Completion, GenerationClient, generate_request
 
@@ -234,11 +242,8 @@ def _run_client(args: argparse.Namespace) -> int:
         generate_request(p, chat=not args.raw, **_sampling_kwargs(args)) for p in _prompts(args)
     ]
     options = ClientOptions(**read_flags(args, ClientOptions))
-    roots = None
-    if options.tls_ca is not None:
-        roots = b"" if options.tls_ca == "system" else Path(options.tls_ca).read_bytes()
-    api_key = client_api_key() if options.api_key is None else options.api_key
-    with GenerationClient(options.target, options.application, api_key, roots) as client:
+    connect = GenerationClient.connect
+    with connect(options.target, options.application, options.api_key, options.tls_ca) as client:
         try:
             for request in requests:
                 completion = Completion()
@@ -270,6 +275,13 @@ def _run_trace_sink(args: argparse.Namespace) -> int:
     options = TraceSinkOptions(**read_flags(args, TraceSinkOptions))
     trace_sink.run(options.host, options.port, options.quiet)
     return 0
+
+
+def _run_trace(args: argparse.Namespace) -> int:
+    from pdserve import trace_steps
+
+    options = trace_steps.TraceStepsOptions(**read_flags(args, trace_steps.TraceStepsOptions))
+    return trace_steps.run(options)
 
 
 def _run_make_model(args: argparse.Namespace) -> int:
@@ -319,6 +331,7 @@ _COMMANDS = {
     "serve": _run_serve,
     "client": _run_client,
     "trace-sink": _run_trace_sink,
+    "trace": _run_trace,
     "make-model": _run_make_model,
     "download": _run_download,
     "drain-node": _run_drain_node,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-from deployments.credentials import bearer
+from deployments.credentials import bearer, client_api_key
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -85,6 +86,9 @@ class Completion:
             self.usage = response.usage
 
 
+MAX_ANSWER_BYTES = 256 << 20
+
+
 class GenerationClient:
     """`api_key`: sent as `authorization: Bearer KEY`. `root_certificates` (PEM): TLS to the
     proxy's TLS port, trusting that CA (b"": the system's roots); None: plain text."""
@@ -96,14 +100,28 @@ class GenerationClient:
         api_key: str = "",
         root_certificates: bytes | None = None,
     ) -> None:
+        # Answers may be larger than gRPC's default 4 MiB (a step trace of every engine).
+        options = [("grpc.max_receive_message_length", MAX_ANSWER_BYTES)]
         if root_certificates is None:
-            self.channel = grpc.insecure_channel(target)
+            self.channel = grpc.insecure_channel(target, options)
         else:
             credentials = grpc.ssl_channel_credentials(root_certificates or None)
-            self.channel = grpc.secure_channel(target, credentials)
+            self.channel = grpc.secure_channel(target, credentials, options)
         self.stub = pb_grpc.GenerationStub(self.channel)
         app = ((APP_METADATA_KEY, application),) if application else ()
         self.metadata = app + bearer(api_key)
+
+    @classmethod
+    def connect(
+        cls, target: str, application: str, api_key: str | None, tls_ca: str | None
+    ) -> GenerationClient:
+        """As the CLI's flags say: `api_key` None: $PDSERVE_API_KEY's first key; `tls_ca`: a
+        CA certificate file, "system" (the system's roots), or None (plain text)."""
+        roots = None
+        if tls_ca is not None:
+            roots = b"" if tls_ca == "system" else Path(tls_ca).read_bytes()
+        key = client_api_key() if api_key is None else api_key
+        return cls(target, application, key, roots)
 
     def stream(
         self, request: pb.GenerateRequest, timeout: float | None = None
@@ -121,6 +139,12 @@ class GenerationClient:
 
     def model_info(self, timeout: float = 10.0) -> pb.ModelInfoResponse:
         return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self.metadata)
+
+    def step_trace(
+        self, max_steps: int = 0, keep_steps: int = 0, timeout: float = 60.0
+    ) -> pb.StepTraceResponse:
+        request = pb.StepTraceRequest(max_steps=max_steps, keep_steps=keep_steps)
+        return self.stub.StepTrace(request, timeout=timeout, metadata=self.metadata)
 
     def abort(self, request_id: str, timeout: float = 10.0) -> bool:
         reply = self.stub.Abort(

@@ -158,9 +158,9 @@ def _default(item: dataclasses.Field[Any]) -> Any:
 
 
 def _annotation(config: type, name: str) -> Any:
-    module = inspect.getmodule(config)
-    hints = typing.get_type_hints(config, vars(module) if module else None)
-    return hints[name]
+    """The field's type, its annotation resolved in the module of the class declaring it (a
+    config may extend another module's)."""
+    return typing.get_type_hints(config)[name]
 
 
 def _add_one(

@@ -26,7 +26,8 @@ SERVING = "SERVING"
 DEGRADED = "DEGRADED"
 NOT_SERVING = "NOT_SERVING"
 
-# (role, replica id or "" for whichever replica Serve picks) -> EngineServer.stats()
+# (role, replica id or "" for whichever replica Serve picks) -> EngineServer.stats(), or
+# another call that names the replica that answered (`replica_id`)
 Probe = Callable[[str, str], Awaitable[dict[str, Any]]]
 # A health answer is reused this long: probes, load balancers and anyone unauthenticated cost
 # the engines at most one survey per second per router replica, however often they ask.
@@ -42,15 +43,23 @@ class HealthReport:
 async def survey(
     roles: Sequence[str], sets: ReplicaSets, probe: Probe, timeout_s: float = 2.0
 ) -> HealthReport:
-    """Every replica's stats (the roles concurrently). Where a role's set is not known yet
-    (its router has routed nothing) one probe goes to whichever replica Serve picks. The app
-    serves while some engine of any role answers: every engine can generate a whole request
-    (a prefill replica takes over when no decode replica runs, and the reverse)."""
+    """Every replica's stats. The app serves while some engine of any role answers: every
+    engine can generate a whole request (a prefill replica takes over when no decode replica
+    runs, and the reverse)."""
+    engines = await ask_every_replica(roles, sets, probe, timeout_s)
+    return HealthReport(_status(roles, engines), engines)
+
+
+async def ask_every_replica(
+    roles: Sequence[str], sets: ReplicaSets, probe: Probe, timeout_s: float = 2.0
+) -> list[dict[str, Any]]:
+    """`probe`'s answer from every replica of each role (the roles concurrently), each with
+    `state` running, or a stand-in saying it is unreachable. Where a role's set is not known
+    yet (its router has routed nothing) one probe goes to whichever replica Serve picks."""
     per_role = await asyncio.gather(
         *(_ask_each(probe, role, _replicas(sets, role), timeout_s) for role in roles)
     )
-    engines = [engine for engines in per_role for engine in engines]
-    return HealthReport(_status(roles, engines), engines)
+    return [engine for engines in per_role for engine in engines]
 
 
 def _status(roles: Sequence[str], engines: list[dict[str, Any]]) -> str:

@@ -10,6 +10,8 @@ engine can produce and consume KV, and the role only names the replica in stats 
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
 import threading
@@ -186,6 +188,19 @@ class EngineServer:
         """KV blocks and queues (pdserve.v1.EngineStats), a snapshot that may lag a step.
         `probe` only steers the call to this replica (deployments/cluster/health.py)."""
         return {"role": self.role, "replica_id": self.replica_id, **self.engine.stats.health()}
+
+    async def step_trace(
+        self, probe: ReplicaProbe | None = None, max_steps: int = 0, keep_steps: int = 0
+    ) -> dict[str, Any]:
+        """The scheduler's newest `max_steps` step records (0: all kept), each a JSON line;
+        `keep_steps` as AsyncEngine.step_trace. Where it keeps none, `error` says so."""
+        answer: dict[str, Any] = {"role": self.role, "replica_id": self.replica_id}
+        try:
+            records = await asyncio.wrap_future(self.engine.step_trace(keep_steps))
+        except ValueError as exc:
+            return {**answer, "records": [], "error": str(exc)}
+        kept = records[-max_steps:] if max_steps else records
+        return {**answer, "records": [json.dumps(r, separators=(",", ":")) for r in kept]}
 
     def rank_pids(self) -> list[int]:
         """The processes of this replica's other tensor-parallel ranks (none at one rank)."""

@@ -19,7 +19,14 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
-from deployments.cluster.health import CachedHealth, HealthReport, survey
+from deployments.cluster.health import (
+    RUNNING,
+    CachedHealth,
+    HealthReport,
+    Probe,
+    ask_every_replica,
+    survey,
+)
 from deployments.cluster.replica_set import REPLICA_SETS, RoleWatch
 from deployments.credentials import ApiKeys, kv_secret, without_credentials
 from deployments.errors import (
@@ -248,15 +255,31 @@ class Router:
         return await (self._survey() if fresh else self._health.report())
 
     async def _survey(self) -> HealthReport:
+        handles = self._engine_handles()
+        return await survey(list(handles), REPLICA_SETS, _probe(handles, "stats"))
+
+    def _engine_handles(self) -> dict[str, DeploymentHandle]:
+        """The engine deployments by role."""
         handles = {"decode" if self._prefill is not None else "colocated": self._decode}
         if self._prefill is not None:
             handles = {"prefill": self._prefill, **handles}
+        return handles
 
-        async def probe(role: str, replica: str) -> dict[str, Any]:
-            stats = handles[role].stats
-            return await (stats.remote(ReplicaProbe(replica)) if replica else stats.remote())
-
-        return await survey(list(handles), REPLICA_SETS, probe)
+    async def StepTrace(
+        self, request: pb.StepTraceRequest, grpc_context: RayServegRPCContext
+    ) -> pb.StepTraceResponse:
+        """Every engine replica's per-step scheduler trace (engine/core/step_trace.py)."""
+        self._authenticated(grpc_context)
+        request = _decoded_or_refuse(request, grpc_context)
+        if request.keep_steps < -1:
+            _refuse(grpc_context, ValueError("keep_steps must be -1, 0 or positive"))
+        handles = self._engine_handles()
+        call = _probe(handles, "step_trace", request.max_steps, request.keep_steps)
+        # A request for a whole ring may take a while to serialize: more time than Health.
+        answers = await ask_every_replica(list(handles), REPLICA_SETS, call, timeout_s=30.0)
+        engines = [_step_trace(answer) for answer in answers]
+        _fit(engines, STEP_TRACE_ANSWER_BYTES)
+        return pb.StepTraceResponse(engines=engines)
 
     async def ModelInfo(
         self, request: pb.ModelInfoRequest, grpc_context: RayServegRPCContext
@@ -271,6 +294,50 @@ class Router:
             mode="colocated" if self._prefill is None else "disaggregated",
             transport=self.settings.transport,
         )
+
+
+# What a StepTrace answer's records may take: within the 4 MiB the shipped gRPC proxies
+# send or take (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE), with room for the rest of the message.
+STEP_TRACE_ANSWER_BYTES = 3 << 20
+
+
+def _probe(handles: dict[str, DeploymentHandle], method: str, *args: Any) -> Probe:
+    """Calls of an engine method, each to the replica it names (any where it names none)."""
+
+    async def probe(role: str, replica: str) -> dict[str, Any]:
+        call = getattr(handles[role], method)
+        return await call.remote(ReplicaProbe(replica) if replica else None, *args)
+
+    return probe
+
+
+def _step_trace(answer: dict[str, Any]) -> pb.EngineStepTrace:
+    engine = pb.EngineStepTrace(role=answer["role"], replica_id=answer["replica_id"])
+    if answer["state"] != RUNNING:
+        engine.error = "the engine did not answer"
+    else:
+        engine.records.extend(answer["records"])
+        engine.error = answer.get("error", "")
+    return engine
+
+
+def _fit(engines: list[pb.EngineStepTrace], budget: int) -> None:
+    """Leave out the oldest records, from the engine holding the most bytes first, until the
+    records fit `budget` bytes; each engine counts what it lost (`left_out`)."""
+    sizes = [[len(r) for r in e.records] for e in engines]
+    held = [sum(s) for s in sizes]
+    cut = [0] * len(engines)
+    total = sum(held)
+    while total > budget:
+        i = max(range(len(engines)), key=held.__getitem__)
+        size = sizes[i][cut[i]]
+        cut[i] += 1
+        held[i] -= size
+        total -= size
+    for engine, count in zip(engines, cut, strict=True):
+        if count:
+            del engine.records[:count]
+            engine.left_out = count
 
 
 def _stream_fn(handle: DeploymentHandle, role: str, retry_after_s: float = 1.0) -> StreamFn:

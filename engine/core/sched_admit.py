@@ -113,6 +113,7 @@ class Admitter:
         if load_async:
             self.kv_transfers.start_async_load(request, num_local)
             step.skipped.append(request)
+            step.started_loading.append(request)
             return True
         if num_external:
             self.kv_transfers.note_sync_load(request)

@@ -21,6 +21,7 @@ class Step:
         "scheduled_running",
         "skipped",
         "spec_tokens",
+        "started_loading",
     )
 
     def __init__(self, budget: int) -> None:
@@ -33,6 +34,8 @@ class Step:
         self.preempted: list[Request] = []
         self.skipped: list[Request] = []  # back to skipped_waiting once the step is decided
         self.spec_tokens: dict[str, list[int]] = {}  # drafts scheduled for verification
+        # Admitted to load their KV from elsewhere while others compute (also in `skipped`).
+        self.started_loading: list[Request] = []
 
     def unschedule(self, request: Request) -> None:
         """Roll back what this step already granted a request that is now preempted."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import replace
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.core.kv_cache_manager import KVCacheManager
@@ -27,13 +26,12 @@ from engine.core.request_queue import RequestQueue, create_request_queue
 from engine.core.sched_admit import Admitter
 from engine.core.sched_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.core.sched_step import Step, build_scheduler_output
+from engine.core.step_trace import StepTrace
 from engine.core.stop import append_sampled, append_until_stop, owes_its_last_token
 from engine.kv_connector import KVConnectorBase
 from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason, Request, RequestStatus, finish_reason_of
-from engine.spec_decode.ngram import SpecDecodeStats
 from engine.spec_decode.scheduling import Speculator
-from engine.stats import EngineStats
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
@@ -87,6 +85,8 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         # Requests let go of (their ids free for new ones), counted for update_from_output.
         self._num_released = 0
+        self.step_trace: StepTrace | None = None
+        self.trace_steps(scheduler_config.step_trace_size)
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -148,40 +148,33 @@ class Scheduler:
             self.finished_req_ids or self._pending_outputs
         )
 
-    def make_stats(self) -> EngineStats:
-        """The engine's statistics as of now (after each step; engine thread only)."""
-        pool = self.kv_cache_manager.block_pool
-        unfinished = self.get_num_unfinished_requests()
-        prefix = self.kv_cache_manager.prefix_cache_stats
-        speculator = self.speculator
-        return EngineStats(
-            num_blocks=pool.num_blocks - 1,
-            num_free_blocks=pool.get_num_free_blocks(),
-            num_running=len(self.running),
-            num_waiting=unfinished - len(self.running),
-            num_held_requests=len(self.requests) - unfinished,
-            queued_prompt_tokens=self.queued_prompts.count(),
-            num_preemptions=self.preemption.num_preemptions,
-            prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits,
-            spec_decode=replace(speculator.stats) if speculator else SpecDecodeStats(),
-            kv_transfer=dict(self.connector.stats) if self.connector is not None else {},
-        )
-
     # ---------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        step = Step(self.scheduler_config.max_num_batched_tokens)
-        self._schedule_running(step)
-        # A step that had to preempt is short of blocks: admitting now would only thrash.
-        if not step.preempted:
-            self.admitter.schedule(step, self.running)
+        step = self._decide()
         finished, self.finished_req_ids = self.finished_req_ids, set()
         output = build_scheduler_output(step, self.kv_cache_manager, finished)
         output.num_released_requests = self._num_released
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
+
+    def trace_steps(self, size: int) -> None:
+        """Keep the newest `size` steps' records from now on (engine/core/step_trace.py; the
+        records kept so far go); 0: trace nothing, not even a check per step."""
+        self.step_trace = StepTrace(size) if size else None
+        self.__dict__.pop("_decide", None)  # the class's own, unwrapped
+        if self.step_trace is not None:
+            self._decide = self.step_trace.around(self, self._decide)  # type: ignore[method-assign]
+
+    def _decide(self) -> Step:
+        """The step's decisions (wrapped by the step trace where one is kept)."""
+        step = Step(self.scheduler_config.max_num_batched_tokens)
+        self._schedule_running(step)
+        # A step that had to preempt is short of blocks: admitting now would only thrash.
+        if not step.preempted:
+            self.admitter.schedule(step, self.running)
+        return step
 
     def _schedule_running(self, step: Step) -> None:
         threshold = self.scheduler_config.long_prefill_token_threshold

@@ -27,6 +27,7 @@ import functools
 import random
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,9 @@ class LatencyBenchConfig:
     """the engines' attention backend (auto: cpu on CPUs, triton on CUDA)"""
     load_format: str = "auto"
     """auto: read the checkpoint; dummy: random weights from config.json alone"""
+    step_trace_size: int = 0
+    """run each batch with the scheduler's step trace off and on (keeping this many steps),
+    alternating on one engine: what tracing costs"""
 
     def __post_init__(self) -> None:
         for name in ("input_len", "repeats"):
@@ -87,6 +91,8 @@ class LatencyBenchConfig:
             raise ValueError(f"batch sizes must be >= 1, got {list(self.batch_sizes)}")
         if not self.linear_backends or len(set(self.linear_backends)) != len(self.linear_backends):
             raise ValueError(f"linear backends must be distinct, got {list(self.linear_backends)}")
+        if self.step_trace_size and len(self.linear_backends) > 1:
+            raise ValueError("step_trace_size compares one engine with itself: one linear backend")
 
 
 def run(config: LatencyBenchConfig) -> dict[str, Any]:
@@ -109,10 +115,19 @@ def run(config: LatencyBenchConfig) -> dict[str, Any]:
                 attention_backend=config.attention_backend,
                 load_format=config.load_format,
             )
-        if len(llms) == 1:
+        if config.step_trace_size:
+            llm = llms[config.linear_backends[0]]
+            keep = llm.engine.scheduler.trace_steps
+            variants: dict[str, tuple[Any, Callable[[], None]]] = {
+                "trace_off": (llm, functools.partial(keep, 0)),
+                "trace_on": (llm, functools.partial(keep, config.step_trace_size)),
+            }
+            report = _side_by_side(variants, config)
+            keep(0)
+        elif len(llms) == 1:
             report = _report(llms[config.linear_backends[0]], config)
         else:
-            report = _side_by_side(llms, config)
+            report = _side_by_side({b: (llm, _as_is) for b, llm in llms.items()}, config)
     finally:
         for llm in llms.values():
             llm.close()  # a split engine's ranks end with it
@@ -125,19 +140,27 @@ def run(config: LatencyBenchConfig) -> dict[str, Any]:
     return report
 
 
-def _side_by_side(llms: dict[str, Any], config: LatencyBenchConfig) -> dict[str, Any]:
-    """Whole reports of each engine in turn, `repeats` times (one run each per turn): each
-    batch's best run per engine, and the first engine's decode speed over the others'."""
+def _as_is() -> None:
+    pass
+
+
+def _side_by_side(
+    variants: dict[str, tuple[Any, Callable[[], None]]], config: LatencyBenchConfig
+) -> dict[str, Any]:
+    """Whole reports of each variant (an engine, and what sets it up) in turn, `repeats`
+    times (one run each per turn): each batch's best run per variant, and the first one's
+    decode speed over the others'."""
     once = dataclasses.replace(config, repeats=1)
     best: dict[str, dict[str, Any]] = {}
     for _ in range(config.repeats):
-        for backend, llm in llms.items():
+        for name, (llm, set_up) in variants.items():
+            set_up()
             report = _report(llm, once)
-            kept = best.setdefault(backend, report)
+            kept = best.setdefault(name, report)
             for size, entry in report["batches"].items():
                 if entry["decode_tokens_per_s"] > kept["batches"][size]["decode_tokens_per_s"]:
                     kept["batches"][size] = entry
-    first, *others = config.linear_backends
+    first, *others = variants
     for size, entry in best[first]["batches"].items():
         for other in others:
             theirs = best[other]["batches"][size]["decode_tokens_per_s"]

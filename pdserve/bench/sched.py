@@ -9,10 +9,12 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.scheduler import Scheduler
 from engine.request import Request, SamplingParams
+from engine.stats import scheduler_stats
 from engine.testing.fake_runner import FakeModelRunner
 from pdserve.bench.stats import summarize
 
@@ -45,6 +47,11 @@ class SchedWorkload:
     """the fake model's vocabulary"""
     seed: int = 0
     """the workload's random draws"""
+    step_trace_size: int = 0
+    """also run the workload with the scheduler's step trace on (keeping this many steps),
+    alternating with it off, `repeats` times each: what tracing adds to a step"""
+    repeats: int = 3
+    """runs of each, with --step-trace-size"""
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -68,11 +75,33 @@ def make_requests(w: SchedWorkload) -> list[Request]:
 
 
 def run(w: SchedWorkload) -> dict[str, object]:
+    if not w.step_trace_size:
+        return _run_once(w, 0)
+    runs: dict[str, list[dict[str, Any]]] = {"trace_off": [], "trace_on": []}
+    for _ in range(w.repeats):
+        runs["trace_off"].append(_run_once(w, 0))
+        runs["trace_on"].append(_run_once(w, w.step_trace_size))
+    # Each variant's fastest run (the least disturbed by the machine), by mean step time.
+    best = {name: min(rs, key=lambda r: r["step_us"]["mean"]) for name, rs in runs.items()}
+    added = {
+        key: round(best["trace_on"][key]["mean"] - best["trace_off"][key]["mean"], 2)
+        for key in ("step_us", "steady_decode_step_us")
+    }
+    return {
+        "benchmark": "sched",
+        "step_trace_size": w.step_trace_size,
+        **best,
+        "trace_adds_us": added,
+    }
+
+
+def _run_once(w: SchedWorkload, step_trace_size: int) -> dict[str, Any]:
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=w.max_num_batched_tokens,
             max_num_seqs=w.max_num_seqs,
             max_model_len=w.max_prompt + w.max_output,
+            step_trace_size=step_trace_size,
         ),
         CacheConfig(block_size=w.block_size, num_blocks=w.num_blocks),
     )
@@ -89,14 +118,14 @@ def run(w: SchedWorkload) -> dict[str, object]:
         mro = runner.execute(so)
         t2 = clock()
         scheduler.update_from_output(so, mro)
-        stats = scheduler.make_stats()  # every engine step ships one with its outputs
+        stats = scheduler_stats(scheduler)  # every engine step ships one with its outputs
         t3 = clock()
         step_us = ((t1 - t0) + (t3 - t2)) * 1e6
         all_us.append(step_us)
         num_reqs = len(so.num_scheduled_tokens)
         if num_reqs >= 0.97 * w.max_num_seqs and so.total_num_scheduled_tokens == num_reqs:
             steady_us.append(step_us)
-    stats = scheduler.make_stats()
+    stats = scheduler_stats(scheduler)
     return {
         "benchmark": "sched",
         "workload": asdict(w),

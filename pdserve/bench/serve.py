@@ -61,8 +61,8 @@ class ServeBenchConfig:
     num_cpus: int | None = None
     """Ray's logical CPUs for --deploy (none: enough for every replica)"""
     workload: str = "random"
-    """random, multiturn (conversations behind a shared system prompt) or mixed (steady
-    decodes under bursts of long prompts)"""
+    """random, multiturn (conversations behind a shared system prompt), mixed (steady
+    decodes under bursts of long prompts) or replay (a recorded trace: --trace)"""
     num_prompts: int = 64
     """requests (random); conversations (multiturn); steady requests (mixed)"""
     input_len: int = 128
@@ -88,8 +88,18 @@ class ServeBenchConfig:
     """mixed: the bursts' output tokens"""
     burst_size: int = 4
     """mixed: requests per burst"""
-    burst_interval_s: float = 5.0
-    """mixed: seconds between bursts"""
+    burst_every: int = 8
+    """mixed: a burst as every this many steady requests start (counted in requests, not
+    seconds: every configuration compared gets the same bursts)"""
+    trace: str | None = None
+    """replay: a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length,
+    hash_ids of 512-token blocks)"""
+    trace_token_scale: float = 1 / 32
+    """replay: token counts (and the 512-token blocks) times this"""
+    trace_time_scale: float = 1.0
+    """replay: the trace's clock times this (2: half the request rate)"""
+    trace_max_requests: int = 100
+    """replay: the trace's first this many requests (0: all)"""
     warmup: int = 2
     """requests sent before the measured ones"""
     seed: int = 0
@@ -120,11 +130,17 @@ class ServeBenchConfig:
         for name in ("num_prompts", "input_len", "output_len", "turns", "turn_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("long_input_len", "burst_output_len", "burst_size"):
+        for name in ("long_input_len", "burst_output_len", "burst_size", "burst_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.think_time_s < 0 or self.burst_interval_s <= 0:
-            raise ValueError("think_time_s must be >= 0 and burst_interval_s > 0")
+        if self.think_time_s < 0:
+            raise ValueError("think_time_s must be >= 0")
+        if self.trace is not None and self.workload != "replay":
+            raise ValueError("--trace is for the replay workload only")
+        if self.trace_token_scale <= 0 or self.trace_time_scale <= 0:
+            raise ValueError("trace_token_scale and trace_time_scale must be > 0")
+        if self.trace_max_requests < 0:
+            raise ValueError("trace_max_requests must be >= 0")
         if not 0 <= self.shared_prefix_len < self.input_len:
             raise ValueError("shared_prefix_len must be in [0, input_len)")
         if self.request_rate is not None and self.request_rate <= 0:

@@ -7,8 +7,13 @@
   a think time. What KV-aware routing and cache-aware disaggregation are for: a follow-up's
   earlier context is cached on the replicas that served the previous turn.
 - `mixed`: steady decodes (short prompts, long answers, a fixed number in flight) with bursts
-  of long prompts arriving at a fixed interval. What disaggregation is for: with one engine
-  doing both, a burst's prefills stall every running stream's next token.
+  of long prompts, one as every `burst_every` steady requests start. What disaggregation is
+  for: with one engine doing both, a burst's prefills stall every running stream's next token.
+- `replay`: a recorded trace's requests at its timestamps (pdserve/bench/replay.py).
+
+Every workload sends the same requests to every configuration it compares: drawn from seeded
+generators, bursts counted in requests, never in elapsed time (a slower app would otherwise
+get fewer bursts). Only multiturn's later turns carry the answers the app gave.
 
 Each workload calls `send(prompt, output_len, kind)` for every request and awaits its result
 (`RequestResult.kind` tells the streams apart in the summary); prompts are token ids drawn from
@@ -26,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pdserve.bench.serve import ServeBenchConfig
 
-WORKLOADS = ("random", "multiturn", "mixed")
+WORKLOADS = ("random", "multiturn", "mixed", "replay")
 # Low ids hold the special tokens of small vocabularies: random prompts avoid them.
 _FIRST_PLAIN_TOKEN = 16
 
@@ -98,6 +103,10 @@ def max_tokens_needed(config: ServeBenchConfig) -> int:
     if config.workload == "mixed":
         burst = config.long_input_len + config.burst_output_len
         return max(config.input_len + config.output_len, burst)
+    if config.workload == "replay":
+        from pdserve.bench.replay import replay_max_tokens
+
+        return replay_max_tokens(config)
     return config.input_len + config.output_len
 
 
@@ -107,6 +116,10 @@ async def drive(config: ServeBenchConfig, vocab_size: int, send: Send) -> None:
         await _multiturn(config, vocab_size, send)
     elif config.workload == "mixed":
         await _mixed(config, vocab_size, send)
+    elif config.workload == "replay":
+        from pdserve.bench.replay import replay
+
+        await replay(config, vocab_size, send)
     else:
         await _random(config, make_prompts(config, vocab_size), send)
 
@@ -170,36 +183,26 @@ async def _multiturn(config: ServeBenchConfig, vocab_size: int, send: Send) -> N
 
 async def _mixed(config: ServeBenchConfig, vocab_size: int, send: Send) -> None:
     """`num_prompts` steady requests (`input_len` in, `output_len` out), `concurrency` of them
-    in flight at all times; meanwhile every `burst_interval_s` a burst of `burst_size` prompts
-    of `long_input_len` tokens (`burst_output_len` out), until the steady ones are done."""
+    in flight at all times; as every `burst_every`-th of them starts, a burst of `burst_size`
+    prompts of `long_input_len` tokens (`burst_output_len` out)."""
     draw = TokenDraw(vocab_size, config.seed)
     steady = [draw(config.input_len) for _ in range(config.num_prompts)]
-    done = asyncio.Event()
+    every = config.burst_every
+    bursts = [
+        [draw(config.long_input_len) for _ in range(config.burst_size)]
+        for _ in range(config.num_prompts // every)
+    ]
+    sent: list[asyncio.Task[RequestResult]] = []
 
-    async def steady_stream() -> None:
-        await _random(config, steady, _as_kind(send, "steady"))
-        done.set()
+    def start(i: int) -> Callable[[], Awaitable[None]]:
+        async def one() -> None:
+            if (i + 1) % every == 0:
+                for prompt in bursts[(i + 1) // every - 1]:
+                    burst = send(prompt, config.burst_output_len, "burst")
+                    sent.append(asyncio.create_task(burst))
+            await send(steady[i], config.output_len, "steady")
 
-    async def bursts() -> None:
-        sent: list[asyncio.Task[RequestResult]] = []
-        while True:
-            try:
-                await asyncio.wait_for(done.wait(), config.burst_interval_s)
-                break
-            except TimeoutError:
-                pass
-            for _ in range(config.burst_size):
-                prompt = draw(config.long_input_len)
-                sent.append(asyncio.create_task(send(prompt, config.burst_output_len, "burst")))
-        await asyncio.gather(*sent)
+        return one
 
-    await asyncio.gather(steady_stream(), bursts())
-
-
-def _as_kind(send: Send, kind: str) -> Send:
-    def relabelled(
-        prompt: list[int], output_len: int, _: str
-    ) -> Coroutine[Any, Any, RequestResult]:
-        return send(prompt, output_len, kind)
-
-    return relabelled
+    await _arrivals(config, [start(i) for i in range(len(steady))])
+    await asyncio.gather(*sent)

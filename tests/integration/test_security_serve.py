@@ -93,8 +93,13 @@ def test_grpc_needs_a_valid_key(secured: Secured) -> None:
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             anonymous = client.health()  # probes need no key, and learn the status alone
             assert anonymous.status and not anonymous.engines
+            with pytest.raises(grpc.RpcError) as refused:
+                client.step_trace(keep_steps=16)  # the schedulers' traces: keyed callers only
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with _grpc(secured, KEYS[1]) as client:
         assert client.health().engines  # every replica's figures, for a caller with a key
+        traces = client.step_trace().engines  # off here: each engine says so
+        assert traces and all("keeps no step trace" in e.error for e in traces)
         completion = client.complete(generate_request(PROMPT, **PARAMS), timeout=120)
     assert len(completion.token_ids) == PARAMS["max_tokens"]
     assert completion.route == "disaggregated"

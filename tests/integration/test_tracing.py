@@ -5,6 +5,8 @@ Prometheus endpoint serves the metrics."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -262,3 +264,45 @@ def test_prometheus_endpoint_exports_the_metrics(served: Served) -> None:
         )
 
     assert wait_until(grown, 90, period_s=2), {n: (before.get(n), after.get(n)) for n in wanted}
+
+
+def _trace_steps(served: Served, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`pdserve trace steps` against the app, as an operator runs it."""
+    target = f"127.0.0.1:{served.app.grpc_port}"
+    command = [sys.executable, "-m", "pdserve.cli", "trace", "steps", "--target", target]
+    return subprocess.run([*command, *flags], capture_output=True, text=True, timeout=120)
+
+
+def test_pdserve_trace_steps_fetches_every_engines_scheduler_trace(served: Served) -> None:
+    """Tracing is turned on in the running app, a request crosses it, and the records say
+    what each engine's scheduler decided: the prefill engine computed the prompt, the decode
+    engine admitted it to load the prompt's KV from the prefill engine first (the external
+    hit), as JSON lines and as a Chrome trace; turned off again, the engines say so."""
+    started = _trace_steps(served, "--keep-steps", "256")
+    assert started.returncode == 0, started.stderr
+    prompt = long_prompt("step trace")
+    done = served.client.complete(generate_request(prompt, max_tokens=4, temperature=0.0))
+    listed = _trace_steps(served)
+    assert listed.returncode == 0, listed.stderr
+    records = [json.loads(line) for line in listed.stdout.splitlines()]
+    by_role: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        by_role.setdefault(record["role"], []).append(record)
+    assert set(by_role) == {"prefill", "decode"}
+    prompt_tokens = len(done.prompt_token_ids)
+    prefill_hits = [h for r in by_role["prefill"] for h in r["prefix_hits"].values()]
+    assert any(h["prompt_tokens"] == prompt_tokens for h in prefill_hits)
+    loads = [h for r in by_role["decode"] for h in r["prefix_hits"].values() if h["async_load"]]
+    assert loads and loads[0]["external"] > 0  # the KV it read over NIXL
+    assert any(r["started_loading"] for r in by_role["decode"])
+    for role_records in by_role.values():
+        steps = [r["step"] for r in role_records]
+        assert steps == sorted(steps) and len(set(steps)) == len(steps)
+    chrome = _trace_steps(served, "--format", "chrome")
+    events = json.loads(chrome.stdout)["traceEvents"]
+    assert {e["ph"] for e in events} == {"M", "C", "i"}
+    assert len([e for e in events if e["ph"] == "i"]) == len(records)
+    stopped = _trace_steps(served, "--keep-steps", "-1")
+    assert stopped.returncode == 0 and stopped.stdout == ""
+    off = _trace_steps(served)
+    assert off.stdout == "" and off.stderr.count("keeps no step trace") == 2, off.stderr

@@ -10,6 +10,7 @@ import pytest
 from engine.core.scheduler import Scheduler
 from engine.llm import LLM
 from engine.request import SamplingParams
+from engine.stats import scheduler_stats
 from tests.model.conftest import HFReference
 
 
@@ -81,10 +82,10 @@ def test_async_equals_sync_for_every_kind_of_request(hf_refs, monkeypatch):
     tight = dict(num_gpu_blocks_override=21, max_num_batched_tokens=24)
     sync = engine(ref, False, **tight)
     expected = outputs_of(sync, prompts, params)
-    assert not preempted_in_flight and sync.engine.scheduler.make_stats().num_preemptions > 0
+    assert not preempted_in_flight and scheduler_stats(sync.engine.scheduler).num_preemptions > 0
     fast = engine(ref, True, **tight)
     assert outputs_of(fast, prompts, params) == expected
-    assert fast.engine.scheduler.make_stats().num_preemptions > 0 and preempted_in_flight
+    assert scheduler_stats(fast.engine.scheduler).num_preemptions > 0 and preempted_in_flight
     # An unconstrained pool, a second round over cached prefixes: the same again.
     roomy = engine(ref, True)
     assert outputs_of(roomy, prompts, params) == expected

@@ -10,6 +10,7 @@ from engine.core.kv_cache_utils import prompt_block_hashes
 from engine.core.kv_events import BlockRemoved
 from engine.llm import LLM
 from engine.request import SamplingParams
+from engine.stats import scheduler_stats
 
 BLOCK = 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -133,7 +134,7 @@ def test_an_engine_s_load_counts_its_queues_and_the_prompt_work_left(hf_refs):
     assert core.stats.load.num_running == core.stats.load.num_waiting == 0
     for i in range(3):  # distinct prompts: no prefix hits between them
         core.add_request(Request(f"r{i}", [i * 50 + t for t in range(1, 21)], PARAMS))
-    before = core.scheduler.make_stats().load  # what a step would find before it ran
+    before = scheduler_stats(core.scheduler).load  # what a step would find before it ran
     assert (before.num_running, before.num_waiting) == (0, 3)
     assert before.queued_prompt_tokens == 60 and before.kv_cache_usage == 0.0
     during = core.step().stats.load  # r0's 20 tokens and 4 of r1's

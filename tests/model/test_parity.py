@@ -15,6 +15,7 @@ from engine.layers.attention.triton import TritonBackend
 from engine.layers.linear import BF16Linear, BlockedLinear, PackedLinear
 from engine.llm import LLM
 from engine.request import SamplingParams
+from engine.stats import scheduler_stats
 from engine.worker.draft_model import DraftModelProposer
 from tests.model.hf_models import ARCHITECTURES
 
@@ -83,7 +84,7 @@ def test_preemption_with_a_tiny_pool_matches_hf(hf_refs, arch, scheduling):
     llm = make_llm(ref, num_gpu_blocks_override=27, **scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     check_against_hf(ref, llm, prompts(2), params)
-    assert llm.engine.scheduler.make_stats().num_preemptions > 0
+    assert scheduler_stats(llm.engine.scheduler).num_preemptions > 0
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "mistral"])
@@ -249,7 +250,7 @@ def test_a_model_drafting_for_itself_is_accepted_and_matches_hf(
     check_against_hf(ref, llm, prompts(6), params)
     stats = llm.engine.scheduler.speculator.stats
     assert stats.num_draft_tokens > 50 and stats.acceptance_rate > 0.9
-    assert llm.engine.scheduler.make_stats().num_preemptions > 0
+    assert scheduler_stats(llm.engine.scheduler).num_preemptions > 0
     assert llm.engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 39
     assert max(passes) == 24  # the budget, reached by a catch-up (prompts go up to 40)
 

@@ -25,6 +25,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     connector=None,
     speculative=None,
+    step_trace_size: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -34,6 +35,7 @@ def make_scheduler(
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_chunked_prefill=enable_chunked_prefill,
             policy=policy,  # type: ignore[arg-type]
+            step_trace_size=step_trace_size,
         ),
         CacheConfig(
             block_size=block_size,

@@ -89,7 +89,9 @@ def test_ratios_compare_against_the_first_app() -> None:
         ({"apps": []}, "distinct"),
         ({"workload": "bursty"}, "workload"),
         ({"turns": 0}, "turns"),
-        ({"burst_interval_s": 0}, "burst_interval_s"),
+        ({"burst_every": 0}, "burst_every"),
+        ({"trace": "t.jsonl"}, "replay workload only"),
+        ({"workload": "replay", "trace": "t.jsonl", "trace_token_scale": 0}, "scale"),
         ({"deploy": {"a": {}}, "interleave": True}, "interleave"),
     ],
 )
@@ -144,40 +146,42 @@ def test_multiturn_conversations_carry_their_answers_into_the_next_turn() -> Non
     assert sorted(map(str, again.sent)) == sorted(map(str, send.sent))  # seeded
 
 
-def test_mixed_sends_bursts_of_long_prompts_while_the_steady_stream_runs() -> None:
+def test_mixed_sends_the_same_bursts_to_a_fast_and_a_slow_app() -> None:
+    """Bursts are counted in requests: an app answering ten times slower gets exactly the
+    requests a fast one gets (in elapsed time, it got fewer bursts)."""
     config = ServeBenchConfig(
         workload="mixed",
-        num_prompts=6,
+        num_prompts=7,
         input_len=10,
         output_len=3,
         concurrency=2,
         long_input_len=50,
         burst_output_len=2,
         burst_size=3,
-        burst_interval_s=0.02,
+        burst_every=3,
     )
 
-    class UntilABurst(Recorder):
-        """Steady requests are answered once a burst has come: the steady stream lasts
-        past at least one burst interval, however fast the machine."""
+    class Slow(Recorder):
+        """Answers after the event loop has run everything else `turns` times: a slower app,
+        without a clock."""
 
-        def __init__(self) -> None:
+        def __init__(self, turns: int) -> None:
             super().__init__()
-            self.burst = asyncio.Event()
+            self.turns = turns
 
         async def __call__(self, prompt, output_len, kind):
-            if kind == "burst":
-                self.burst.set()
-            else:
-                await asyncio.wait_for(self.burst.wait(), 10)
+            for _ in range(self.turns):
+                await asyncio.sleep(0)  # one turn of the loop
             return await super().__call__(prompt, output_len, kind)
 
-    send = UntilABurst()
-    asyncio.run(drive(config, 500, send))
-    steady = [p for p, n, k in send.sent if k == "steady"]
-    bursts = [(p, n) for p, n, k in send.sent if k == "burst"]
-    assert len(steady) == 6 and all(len(p) == 10 for p in steady)
-    assert bursts and len(bursts) % 3 == 0  # whole bursts only
+    fast, slow = Slow(0), Slow(40)
+    asyncio.run(drive(config, 500, fast))
+    asyncio.run(drive(config, 500, slow))
+    assert sorted(map(str, fast.sent)) == sorted(map(str, slow.sent))
+    steady = [p for p, n, k in fast.sent if k == "steady"]
+    bursts = [(p, n) for p, n, k in fast.sent if k == "burst"]
+    assert len(steady) == 7 and all(len(p) == 10 for p in steady)
+    assert len(bursts) == 2 * 3  # after the 3rd and the 6th steady request
     assert all(len(p) == 50 and n == 2 for p, n in bursts)
     assert max_tokens_needed(config) == 52
 

@@ -36,7 +36,7 @@ def test_every_method_is_registered_with_a_decoder_that_never_fails() -> None:
     server = _Server()
     add_GenerationServicer_to_server(GenerationServicer(), server)
     handlers = server.registered["pdserve.v1.Generation"]
-    assert set(handlers) == {"Generate", "Abort", "Health", "ModelInfo"}
+    assert set(handlers) == {"Generate", "Abort", "Health", "ModelInfo", "StepTrace"}
     assert len(server.generic) == 1
     good = pb.GenerateRequest(text="Hello", request_id="r1").SerializeToString()
     decode = handlers["Generate"].request_deserializer

@@ -1,4 +1,4 @@
-"""make_stats against a brute-force recount, at every turn of random workloads: prefix hits,
+"""scheduler_stats against a brute-force recount, at every turn of random workloads: prefix hits,
 preemptions, remote KV read asynchronously (WAITING_FOR_REMOTE_KVS: its prompt is not
 queued here) or synchronously, loads that fail and rewind, requests held finished for a
 remote reader, aborts, speculative decoding, steps scheduled ahead of their outputs.
@@ -16,6 +16,7 @@ from engine.config import SpeculativeConfig
 from engine.core.sched_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.request import Request, RequestStatus, SamplingParams
+from engine.stats import scheduler_stats
 from tests.unit.fake_connector import FakeConnector
 from tests.unit.sched_utils import make_scheduler
 
@@ -24,7 +25,7 @@ MAX_MODEL_LEN = 64
 
 
 def recount(scheduler: Scheduler, added: list[Request]) -> dict[str, int]:
-    """make_stats' fields, counted from scratch (`added`: every request the run added)."""
+    """scheduler_stats' fields, counted from scratch (`added`: every request the run added)."""
     unfinished = [*scheduler.running, *scheduler.waiting, *scheduler.skipped_waiting]
     assert len({id(r) for r in unfinished}) == len(unfinished)  # each request in one queue
     assert all(not r.is_finished for r in unfinished)
@@ -96,7 +97,7 @@ class RandomRun:
 
     def check_stats(self) -> None:
         expected = recount(self.scheduler, self.added)
-        stats = self.scheduler.make_stats()
+        stats = scheduler_stats(self.scheduler)
         assert {name: getattr(stats, name) for name in expected} == expected
 
     def arrivals_and_aborts(self) -> None:
@@ -184,7 +185,7 @@ class RandomRun:
             self.update(so, out, draining)
         else:
             raise AssertionError("the run did not drain")
-        assert scheduler.make_stats().queued_prompt_tokens == 0
+        assert scheduler_stats(scheduler).queued_prompt_tokens == 0
         assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == (
             scheduler.kv_cache_manager.block_pool.num_blocks - 1
         )
@@ -196,5 +197,5 @@ class RandomRun:
     [("fcfs", False, False), ("priority", False, False), ("fcfs", True, False),
      ("fcfs", False, True), ("priority", False, True)],
 )  # fmt: skip
-def test_make_stats_equals_a_recount(seed, policy, speculate, ahead):
+def test_scheduler_stats_equal_a_recount(seed, policy, speculate, ahead):
     RandomRun(seed, policy, speculate, ahead).run()

@@ -7,6 +7,7 @@ import pytest
 from engine.config import SchedulerConfig
 from engine.core.sched_output import ModelRunnerOutput
 from engine.request import FinishReason, RequestStatus
+from engine.stats import scheduler_stats
 from tests.unit.sched_utils import (
     make_request,
     make_scheduler,
@@ -138,7 +139,7 @@ def test_fcfs_preempts_the_most_recently_admitted():
     step(scheduler, runner)  # each needs a 3rd block at position 8: 3 more needed, 2 free
     # Step 2 gave r0 and r1 their 3rd block; r2 could not grow and preempted itself.
     assert scheduler.requests["r2"].status == RequestStatus.PREEMPTED
-    assert scheduler.make_stats().num_preemptions == 1
+    assert scheduler_stats(scheduler).num_preemptions == 1
     assert [r.request_id for r in scheduler.running] == ["r0", "r1"]
 
 

@@ -65,7 +65,7 @@ def _clear_json_names(messages: Any) -> None:
 
 def test_grpc_module_serves_every_rpc_of_the_service() -> None:
     methods = pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name
-    assert set(methods) == {"Generate", "Abort", "Health", "ModelInfo"}
+    assert set(methods) == {"Generate", "Abort", "Health", "ModelInfo", "StepTrace"}
     servicer = pb_grpc.GenerationServicer
     assert all(hasattr(servicer, name) for name in methods)
 

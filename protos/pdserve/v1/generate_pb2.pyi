@@ -250,3 +250,31 @@ class ModelInfoResponse(_message.Message):
     mode: str
     transport: str
     def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., mode: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class StepTraceRequest(_message.Message):
+    __slots__ = ("max_steps", "keep_steps")
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    max_steps: int
+    keep_steps: int
+    def __init__(self, max_steps: _Optional[int] = ..., keep_steps: _Optional[int] = ...) -> None: ...
+
+class EngineStepTrace(_message.Message):
+    __slots__ = ("role", "replica_id", "records", "error", "left_out")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    replica_id: str
+    records: _containers.RepeatedScalarFieldContainer[str]
+    error: str
+    left_out: int
+    def __init__(self, role: _Optional[str] = ..., replica_id: _Optional[str] = ..., records: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., left_out: _Optional[int] = ...) -> None: ...
+
+class StepTraceResponse(_message.Message):
+    __slots__ = ("engines",)
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    engines: _containers.RepeatedCompositeFieldContainer[EngineStepTrace]
+    def __init__(self, engines: _Optional[_Iterable[_Union[EngineStepTrace, _Mapping]]] = ...) -> None: ...

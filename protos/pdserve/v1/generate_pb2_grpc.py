@@ -54,6 +54,11 @@ class GenerationStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_generate__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.StepTrace = channel.unary_unary(
+                '/pdserve.v1.Generation/StepTrace',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_generate__pb2.StepTraceRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_generate__pb2.StepTraceResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -86,6 +91,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepTrace(self, request, context):
+        """Every engine replica's per-step scheduler trace (engine argument step_trace_size, or
+        keep_steps here); where the app has API keys, a key is required. `pdserve trace steps`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +121,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_generate__pb2.ModelInfoRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_generate__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'StepTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.StepTrace,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_generate__pb2.StepTraceRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_generate__pb2.StepTraceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +236,33 @@ class Generation:
             '/pdserve.v1.Generation/ModelInfo',
             protos_dot_pdserve_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_generate__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Generation/StepTrace',
+            protos_dot_pdserve_dot_v1_dot_generate__pb2.StepTraceRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_generate__pb2.StepTraceResponse.FromString,
             options,
             channel_credentials,
             insecure,
