@@ -172,3 +172,65 @@ def test_a_survey_names_the_decode_holder_and_a_lender_worth_borrowing_from():
     nothing = survey(only_prefill, [], 100, 16)
     assert nothing.lender is None and nothing.decode_holder is None
     assert nothing.prefill_tokens == 64
+
+
+def test_matching_by_holders_equals_a_walk_of_each_replicas_blocks():
+    """Random stores, removals, clears, gaps, snapshots and forgets over 6 replicas: every
+    match equals each replica's own walk of the prompt over the blocks it holds (what the
+    index did before it kept holders per hash), and the holders index nothing else."""
+    import random
+    from collections import Counter
+
+    rng = random.Random(7)
+    index = PrefixIndex()
+    truth: dict[str, Counter[bytes]] = {}  # current replicas' blocks
+    seqs: dict[str, int] = {}
+    chains = [[bytes([c, i]) for i in range(12)] for c in range(4)]
+    for turn in range(3000):
+        replica = f"r{rng.randrange(6)}"
+        action = rng.random()
+        seq = seqs.get(replica, 0)
+        if action < 0.02:  # forgotten (stopped running)
+            index.forget(replica)
+            truth.pop(replica, None)
+            seqs.pop(replica, None)
+            continue
+        if action < 0.05:  # a snapshot of what it holds (or held)
+            held = truth.get(replica, Counter())
+            index.load_snapshot(replica, KVSnapshot("e", seq, tuple(held.elements())))
+            truth[replica] = Counter(held)
+            continue
+        if action < 0.07 and replica in truth:  # a lost batch: stale until a snapshot
+            assert not index.apply(replica, batch(seq + 1, stored(b"x")))
+            truth[replica] = Counter()  # matches nothing now
+            seqs[replica] = seq
+            continue
+        chain = rng.choice(chains)
+        cut = rng.randrange(1, len(chain) + 1)
+        if action < 0.6:
+            event = stored(*chain[:cut])
+        elif action < 0.97:
+            event = BlockRemoved(chain[rng.randrange(cut) : cut])
+        else:
+            event = AllBlocksCleared()
+        if index.apply(replica, batch(seq, event, epoch="e")):
+            blocks = truth.setdefault(replica, Counter())
+            if isinstance(event, BlockStored):
+                blocks.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                blocks.subtract(h for h in event.block_hashes if blocks[h] > 0)
+                blocks += Counter()  # drop what reached 0
+            else:
+                blocks.clear()
+            seqs[replica] = seq + 1
+        prompt = rng.choice(chains)[: rng.randrange(1, 13)]
+        expected = {}
+        for name in index.replicas:
+            held = truth.get(name, Counter()) if index.is_current(name) else Counter()
+            run = 0
+            while run < len(prompt) and held[prompt[run]] > 0:
+                run += 1
+            expected[name] = run
+        assert index.match(prompt) == expected, turn
+    current = [truth.get(r, Counter()) for r in index.replicas if index.is_current(r)]
+    assert index.num_entries() == sum(len(+c) for c in current)
