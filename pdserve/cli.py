@@ -94,6 +94,7 @@ _BENCHES = {
     "sched": "scheduler cost per step (no model)",
     "offline": "engine vs transformers.generate",
     "kv": "KV block transfer between two processes",
+    "index": "the cluster KV index's lookup cost and size at many replicas (no Ray)",
     "handoff": "TTFT of a prefill -> decode hand-off, and its KV checksums' share",
     "latency": "decode tokens/s against the bandwidth bound",
     "perplexity": "accuracy of quantized linears: perplexity, greedy agreement",

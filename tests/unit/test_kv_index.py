@@ -234,3 +234,11 @@ def test_matching_by_holders_equals_a_walk_of_each_replicas_blocks():
         assert index.match(prompt) == expected, turn
     current = [truth.get(r, Counter()) for r in index.replicas if index.is_current(r)]
     assert index.num_entries() == sum(len(+c) for c in current)
+
+
+def test_bench_index_measures_lookups_and_size():
+    from pdserve.bench.index import IndexBenchConfig, run
+
+    report = run(IndexBenchConfig(replicas=8, chains=4, chain_blocks=50, lookups=20))
+    assert report["entries"] > 0 and report["bytes_per_entry"] > 0
+    assert report["match_us"]["p50"] > 0
