@@ -95,6 +95,7 @@ _BENCHES = {
     "offline": "engine vs transformers.generate",
     "kv": "KV block transfer between two processes",
     "index": "the cluster KV index's lookup cost and size at many replicas (no Ray)",
+    "router-sim": "the real routing code over simulated engines at cluster scale (no Ray)",
     "handoff": "TTFT of a prefill -> decode hand-off, and its KV checksums' share",
     "latency": "decode tokens/s against the bandwidth bound",
     "perplexity": "accuracy of quantized linears: perplexity, greedy agreement",
@@ -112,8 +113,12 @@ def _add_bench(parser: argparse.ArgumentParser, chosen: Sequence[str] | None) ->
     for name, help_text in _BENCHES.items():
         bench = benches.add_parser(name, help=help_text)
         if chosen is None or chosen[:1] == [name]:
-            module = importlib.import_module(f"pdserve.bench.{name}")
+            module = importlib.import_module(_bench_module(name))
             add_flags(bench, module.CONFIG, flags=_flags(module))
+
+
+def _bench_module(name: str) -> str:
+    return f"pdserve.bench.{name.replace('-', '_')}"
 
 
 def _flags(module: Any) -> dict[str, Flag]:
@@ -303,7 +308,7 @@ def _run_make_model(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    module = importlib.import_module(f"pdserve.bench.{args.bench}")
+    module = importlib.import_module(_bench_module(args.bench))
     config = module.CONFIG(**read_flags(args, module.CONFIG, flags=_flags(module)))
     print(json.dumps(module.run(config), indent=2))
     return 0

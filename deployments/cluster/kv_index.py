@@ -93,7 +93,11 @@ class PrefixIndex:
     def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """Per replica: how many leading blocks of a prompt (its chained hashes) it holds;
         stale replicas count 0."""
-        out = dict.fromkeys(self._replicas, 0)
+        return {**dict.fromkeys(self._replicas, 0), **self.match_held(block_hashes)}
+
+    def match_held(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        """`match`, for the replicas holding at least the prompt's first block only."""
+        out: dict[str, int] = {}
         alive: set[str] | None = None  # the replicas holding every block so far
         depth = 0
         for block_hash in block_hashes:
@@ -162,6 +166,10 @@ class _Announced:
     load: EngineLoad | None = None
 
 
+_UNANNOUNCED = _Announced()
+_NOTHING = Holding(0, None)
+
+
 class KVIndexServer:
     """The app's one KV index, as a Ray actor: engine replicas push their batches, snapshots
     and load (`KVEventPublisher`), the request routers of both legs ask it per request.
@@ -176,6 +184,9 @@ class KVIndexServer:
         self.index = PrefixIndex()
         # What each replica announced with its snapshot and its latest load, by replica.
         self.replicas: dict[str, _Announced] = {}
+        # Per role ("": all) each replica's holding of a prompt it holds nothing of, kept as
+        # loads change: a lookup copies these and replaces the few replicas that hold blocks.
+        self._idle: dict[str, dict[str, Holding]] = {"": {}}
 
     def apply(
         self, replica: str, batches: list[KVEventBatch], load: EngineLoad | None = None
@@ -183,11 +194,14 @@ class KVIndexServer:
         """False: the replica must send a snapshot (also for a replica the index does not
         know: an index that restarted learns of idle replicas from their heartbeats)."""
         announced = self.replicas.get(replica)
-        if announced is not None and load is not None:
+        if announced is not None and load is not None and load != announced.load:
             announced.load = load
+            self._announce(replica, announced)
         ok = announced is not None
         for batch in batches:
             ok = self.index.apply(replica, batch) and ok
+        if announced is None and replica in self.index.replicas:
+            self._idle[""].setdefault(replica, _NOTHING)
         return ok and self.index.is_current(replica)
 
     def load_snapshot(
@@ -200,13 +214,17 @@ class KVIndexServer:
     ) -> None:
         """A replica (re)announces itself: its whole cache, its role, where it lends from."""
         self.index.load_snapshot(replica, snapshot)
-        self.replicas[replica] = _Announced(role, side_channel, load)
+        previous = self.replicas.get(replica)
+        if previous is not None and previous.role != role:
+            self._idle.get(previous.role, {}).pop(replica, None)
+        self.replicas[replica] = announced = _Announced(role, side_channel, load)
+        self._announce(replica, announced)
 
     def lookup(self, block_hashes: list[bytes], role: str = "") -> dict[str, Holding]:
         """Per replica (of `role`, or all): the prompt's leading blocks it holds, its load."""
-        holdings = {}
-        for replica, count in self.index.match(block_hashes).items():
-            announced = self.replicas.get(replica, _Announced())
+        holdings = dict(self._idle.get(role, {}))
+        for replica, count in self.index.match_held(block_hashes).items():
+            announced = self.replicas.get(replica, _UNANNOUNCED)
             if not role or announced.role == role:
                 holdings[replica] = Holding(
                     count, announced.load, announced.role, announced.side_channel
@@ -216,7 +234,15 @@ class KVIndexServer:
     def forget(self, replicas: list[str]) -> None:
         for replica in replicas:
             self.index.forget(replica)
-            self.replicas.pop(replica, None)
+            announced = self.replicas.pop(replica, None)
+            self._idle[""].pop(replica, None)
+            if announced is not None:
+                self._idle.get(announced.role, {}).pop(replica, None)
+
+    def _announce(self, replica: str, announced: _Announced) -> None:
+        idle = Holding(0, announced.load, announced.role, announced.side_channel)
+        self._idle[""][replica] = idle
+        self._idle.setdefault(announced.role, {})[replica] = idle
 
     def current(self) -> dict[str, bool]:
         return {replica: self.index.is_current(replica) for replica in self.index.replicas}

@@ -44,6 +44,9 @@ class Holding:
     side_channel: str = ""  # "host:port" of its KV side channel ("" without KV transfer)
 
 
+_NOTHING = Holding(0, None)  # a replica the index does not know
+
+
 def replica_cost(
     prompt_tokens: int,
     block_size: int,
@@ -72,12 +75,12 @@ def rank_by_cost(
 ) -> list[list[str]] | None:
     """Candidates in ranks of equal cost, cheapest first (Serve takes the first rank with
     room); None when the cache does not tell them apart and load alone should decide."""
-    blocks = {c: holdings[c].cached_blocks if c in holdings else 0 for c in candidates}
-    if not blocks or max(blocks.values()) == 0 or len(set(blocks.values())) == 1:
+    chosen = [holdings.get(c, _NOTHING) for c in candidates]
+    counts = {h.cached_blocks for h in chosen}
+    if not chosen or max(counts) == 0 or len(counts) == 1:
         return None
     costs: dict[float, list[str]] = {}
-    for candidate in candidates:
-        holding = holdings.get(candidate, Holding(0, None))
+    for candidate, holding in zip(candidates, chosen, strict=True):
         cost = replica_cost(prompt_tokens, block_size, holding, ongoing.get(candidate, 0), weights)
         costs.setdefault(cost, []).append(candidate)
     return [costs[cost] for cost in sorted(costs)]

@@ -39,7 +39,7 @@ class ReplayedRequest:
 def replay_max_tokens(config: ServeBenchConfig) -> int:
     """The longest sequence the replay produces: prompt and output, scaled."""
     scale = config.trace_token_scale
-    rows = _rows(_trace(config), config.trace_max_requests)
+    rows = trace_rows(_trace(config), config.trace_max_requests)
     return max(_scaled(r["input_length"], scale) + _scaled(r["output_length"], scale) for r in rows)
 
 
@@ -78,7 +78,7 @@ def _replayed(
         return blocks[hash_id]
 
     requests = []
-    for number, row in enumerate(_rows(path, limit)):
+    for number, row in enumerate(trace_rows(path, limit)):
         input_len = _scaled(row["input_length"], token_scale)
         tokens = [t for hash_id in row["hash_ids"] for t in block(hash_id)][:input_len]
         if len(tokens) < input_len:  # the trace's last block was rounded down: a tail of its own
@@ -95,7 +95,7 @@ def _replayed(
     return requests
 
 
-def _rows(path: Path, limit: int) -> list[dict]:
+def trace_rows(path: Path, limit: int) -> list[dict]:
     rows = []
     with path.open() as lines:
         for number, line in enumerate(lines, start=1):

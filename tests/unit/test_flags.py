@@ -14,7 +14,7 @@ import pytest
 
 from deployments.app_config import AppConfig
 from deployments.launch import ServeOptions
-from pdserve.cli import _BENCHES, _build_parser
+from pdserve.cli import _BENCHES, _bench_module, _build_parser
 from pdserve.flags import Flag, add_flags, field_docs, int_list, named_json_object, read_flags
 
 
@@ -146,7 +146,7 @@ def test_serve_flags_are_the_app_and_launch_settings() -> None:
 
 @pytest.mark.parametrize("name", list(_BENCHES))
 def test_every_bench_setting_is_a_flag_with_its_docstring(name: str) -> None:
-    module = importlib.import_module(f"pdserve.bench.{name}")
+    module = importlib.import_module(_bench_module(name))
     assert set(field_docs(module.CONFIG)) == {f.name for f in dataclasses.fields(module.CONFIG)}
     args = _build_parser().parse_args(["bench", name])
     config = module.CONFIG(**read_flags(args, module.CONFIG, flags=getattr(module, "FLAGS", {})))

@@ -97,8 +97,17 @@ def test_the_index_actor_answers_per_role_with_each_replica_s_load():
     assert server.lookup([b"1", b"2"], "prefill") == {"p1": Holding(2, busy, "prefill", "h:1")}
     assert server.lookup([b"1", b"2"], "decode") == {"d1": Holding(2, None, "decode", "h:2")}
     assert set(server.lookup([b"1"])) == {"p1", "d1"}
+    # A replica holding none of the prompt is there too, at 0, with its latest load.
+    idle = EngineLoad(num_running=0, num_waiting=0, queued_prompt_tokens=0, kv_cache_usage=0.0)
+    assert server.apply("d1", [], idle)
+    assert server.lookup([b"9"], "decode") == {"d1": Holding(0, idle, "decode", "h:2")}
+    assert server.lookup([b"9"]) == {
+        "p1": Holding(0, busy, "prefill", "h:1"),
+        "d1": Holding(0, idle, "decode", "h:2"),
+    }
     server.forget(["p1"])
     assert server.lookup([b"1"], "prefill") == {}
+    assert set(server.lookup([b"9"])) == {"d1"}
     assert not server.apply("p1", [], busy)  # forgotten: announce again
 
 

@@ -1,0 +1,314 @@
+"""`pdserve bench router-sim`: the real routing code at cluster scale on a simulated clock.
+
+The app's KV index (`KVIndexServer`, the actor's class, called in this process), the cache
+survey, cache-aware disaggregation and the cost ranking (deployments/cluster/) route every
+request of a trace (Mooncake's format) or of a synthetic multi-turn workload over simulated
+prefill and decode engines (pdserve/bench/sim_engine.py): prefix caches with LRU eviction
+that publish their KV events in numbered batches every 20 ms of simulated time, as real
+engines do, and a timing model. Each policy routes the same requests over fresh engines:
+- `kv`: pdserve's (as the Router and both legs' request routers do it);
+- `round_robin`;
+- `dynamo`: Dynamo's published KV-router cost, overlap weight x blocks to prefill + blocks
+  active on the worker, the least taken.
+
+Reported per policy: the wall time of the routing code per request (what a router spends;
+the actor call around a lookup, ~1 ms in a deployment, is not simulated), prefix hit rate
+against an oracle with unlimited cache (every block ever computed anywhere), TTFT / TPOT and
+goodput under an SLO on the simulated clock; and the index's size per (hash, replica) entry.
+Role switching (the issue's Deliver 4) is not simulated yet.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+import tracemalloc
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from deployments.cluster.kv_index import KVIndexServer, PrefixIndex
+from deployments.cluster.kv_scoring import decode_holder, rank_by_cost, survey
+from engine.core.kv_events import KVSnapshot
+from pdserve.bench.sim_engine import EngineModel, SimEngine
+from pdserve.bench.sim_workload import SimRequest, sim_requests
+from pdserve.bench.stats import summarize
+from pdserve.flags import Flag, str_list
+
+POLICIES = ("kv", "round_robin", "dynamo")
+
+
+@dataclass(frozen=True)
+class RouterSimConfig:
+    prefill_replicas: int = 64
+    """simulated prefill engines"""
+    decode_replicas: int = 64
+    """simulated decode engines"""
+    policies: tuple[str, ...] = POLICIES
+    """routing policies compared, comma-separated: kv, round_robin, dynamo"""
+    trace: str | None = None
+    """a Mooncake-format trace (none: synthetic multi-turn conversations)"""
+    num_requests: int = 4000
+    """requests routed (the trace's first ones)"""
+    request_rate: float = 1000.0
+    """arrivals per second on the simulated clock (a trace's clock is scaled to it)"""
+    block_size: int = 16
+    """tokens per KV block (a trace's 512-token blocks are 512 / 16 of them)"""
+    max_prompt_blocks: int = 512
+    """a prompt's blocks at most (longer ones are cut)"""
+    prefill_tokens_per_s: float = EngineModel.prefill_tokens_per_s
+    """a simulated engine's prefill rate"""
+    step_s: float = EngineModel.step_s
+    """a decode step of one sequence"""
+    step_per_seq_s: float = EngineModel.step_per_seq_s
+    """what each further sequence adds to a decode step"""
+    capacity_blocks: int = EngineModel.capacity_blocks
+    """each engine's KV blocks"""
+    max_local_prefill_tokens: int = 128
+    """cache-aware disaggregation (kv): a decode replica holding all but this many tokens
+    computes the prompt itself"""
+    min_loan_tokens: int = 64
+    """prefix loans (kv): the prefill replica borrows a prompt's blocks from the engine
+    holding the most when that spares it at least this many tokens"""
+    slo_ttft_ms: float = 2000.0
+    """goodput counts requests whose TTFT is within this"""
+    slo_tpot_ms: float = 100.0
+    """and whose time per output token is within this"""
+    seed: int = 0
+    """the workload's and the tie-breaks' random draws"""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.policies) - set(POLICIES)
+        if unknown or not self.policies:
+            raise ValueError(f"policies must be among {POLICIES}, got {list(self.policies)}")
+        for name in ("prefill_replicas", "decode_replicas", "num_requests", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.request_rate <= 0:
+            raise ValueError("request_rate must be > 0")
+
+
+def run(config: RouterSimConfig) -> dict[str, Any]:
+    requests = sim_requests(config)
+    report: dict[str, Any] = {"benchmark": "router-sim", "config": asdict(config)}
+    report["workload"] = {
+        "requests": len(requests),
+        "mean_prompt_blocks": round(sum(len(r.hashes) for r in requests) / len(requests), 1),
+        "simulated_s": round(requests[-1].at_s, 3),
+    }
+    report["oracle_hit_rate"] = round(_oracle_hit_rate(requests), 4)
+    report["policies"] = {}
+    for policy in config.policies:
+        report["policies"][policy] = _Simulation(config, policy).run(requests)
+        hit = report["policies"][policy]["hit_rate"]
+        report["policies"][policy]["hit_rate_of_oracle"] = (
+            round(hit / report["oracle_hit_rate"], 3) if report["oracle_hit_rate"] else None
+        )
+    return report
+
+
+def _oracle_hit_rate(requests: list[SimRequest]) -> float:
+    """With unlimited cache anywhere: each prompt's leading run of blocks computed before."""
+    seen: set[bytes] = set()
+    hits = total = 0
+    for request in requests:
+        run = 0
+        for block_hash in request.hashes:
+            if block_hash not in seen:
+                break
+            run += 1
+        hits += run
+        total += len(request.hashes)
+        seen.update(request.hashes)
+    return hits / max(1, total)
+
+
+class _Simulation:
+    def __init__(self, config: RouterSimConfig, policy: str) -> None:
+        self.config, self.policy = config, policy
+        model = EngineModel(
+            config.prefill_tokens_per_s,
+            config.step_s,
+            config.step_per_seq_s,
+            config.capacity_blocks,
+        )
+        bs = config.block_size
+        self.prefill = [
+            SimEngine(f"p{i}", "prefill", model, bs) for i in range(config.prefill_replicas)
+        ]
+        self.decode = [
+            SimEngine(f"d{i}", "decode", model, bs) for i in range(config.decode_replicas)
+        ]
+        self.engines = {e.name: e for e in (*self.prefill, *self.decode)}
+        self.index = KVIndexServer()
+        for engine in self.engines.values():
+            self.index.load_snapshot(
+                engine.name, engine.snapshot(), engine.role, engine.load(0.0), engine.name
+            )
+        self.rng = random.Random(config.seed)
+        self._turn = {"prefill": 0, "decode": 0}
+        # What the router itself knows of what it sent: per replica, its requests in flight
+        # (Serve's queue lengths, which the kv policy's ranking takes) and their blocks
+        # (dynamo's active blocks); `_ends` says when each leaves.
+        self._inflight: dict[str, int] = dict.fromkeys(self.engines, 0)
+        self._active: dict[str, int] = dict.fromkeys(self.engines, 0)
+        self._ends: list[tuple[float, str, int]] = []
+        self.events = 0
+
+    def run(self, requests: list[SimRequest]) -> dict[str, Any]:
+        period, published = 0.02, 0.0
+        decisions_us, ttft_s, tpot_s, hits, tokens = [], [], [], 0, 0
+        cached_routes = 0
+        for request in requests:
+            while published + period <= request.at_s:
+                published += period
+                self._publish(published)
+            self._leave(request.at_s)
+            start = time.perf_counter()
+            prefill, decode, lent = self._route(request)
+            decisions_us.append((time.perf_counter() - start) * 1e6)
+            ttft, tpot, held = self._serve(request, prefill, decode, lent)
+            prefilled = request.at_s + ttft
+            self._sent(prefill, prefilled, len(request.hashes))
+            self._sent(decode, prefilled + tpot * request.output_len, len(request.hashes))
+            ttft_s.append(ttft)
+            tpot_s.append(tpot)
+            hits += held * self.config.block_size
+            tokens += len(request.hashes) * self.config.block_size
+            cached_routes += prefill is None
+        good = sum(
+            1
+            for a, b in zip(ttft_s, tpot_s, strict=True)
+            if a * 1e3 <= self.config.slo_ttft_ms and b * 1e3 <= self.config.slo_tpot_ms
+        )
+        duration = max(requests[-1].at_s, 1e-9)
+        return {
+            "decision_us": summarize(decisions_us, (0.5, 0.99)),
+            "hit_rate": round(hits / max(1, tokens), 4),
+            "decode_only_routes": cached_routes,
+            "ttft_ms": summarize([t * 1e3 for t in ttft_s], (0.5, 0.99)),
+            "tpot_ms": summarize([t * 1e3 for t in tpot_s], (0.5, 0.99)),
+            "goodput_per_s": round(good / duration, 1),
+            "kv_events_per_s": round(self.events / duration),
+            **self._index_size(),
+        }
+
+    def _publish(self, now: float) -> None:
+        """Every engine's batch of the last period, and its load, to the index."""
+        for engine in self.engines.values():
+            batch = engine.take_batch()
+            if batch is not None:
+                self.events += len(batch.events)
+                self.index.apply(engine.name, [batch], engine.load(now))
+
+    # ------------------------------------------------------------------ routing
+
+    def _route(self, request: SimRequest) -> tuple[str | None, str, int]:
+        """(prefill replica or None for decode-only, decode replica, blocks a loan gives the
+        prefill replica)."""
+        if self.policy == "round_robin":
+            return self._next("prefill"), self._next("decode"), 0
+        if self.policy == "dynamo":
+            return self._dynamo(request, "prefill"), self._dynamo(request, "decode"), 0
+        return self._kv(request)
+
+    def _kv(self, request: SimRequest) -> tuple[str | None, str, int]:
+        """As the Router (survey, cache-aware disaggregation, a prefix loan worth taking) and
+        each leg's request router (its role's holdings, ranked by cost) do it."""
+        bs, tokens = self.config.block_size, request.prompt_tokens
+        holdings = self.index.lookup(request.hashes)
+        found = survey(holdings, request.hashes, tokens, bs)
+        hint = decode_holder(found, tokens, self.config.max_local_prefill_tokens)
+        if hint:
+            return None, hint, 0
+        lender = found.lender
+        lent = 0
+        if (
+            lender is not None
+            and lender.tokens - found.prefill_tokens >= self.config.min_loan_tokens
+        ):
+            lent = lender.tokens // bs  # what PrefixBorrower.borrow asks for
+        return self._ranked(request, "prefill"), self._ranked(request, "decode"), lent
+
+    def _ranked(self, request: SimRequest, role: str) -> str:
+        names = [e.name for e in (self.prefill if role == "prefill" else self.decode)]
+        holdings = self.index.lookup(request.hashes, role)
+        bs = self.config.block_size
+        ranks = rank_by_cost(names, holdings, request.prompt_tokens, bs, self._inflight)
+        if ranks is None:  # the cache says nothing: Serve's power of two choices
+            return min(self.rng.sample(names, 2), key=lambda n: _busy(holdings.get(n)))
+        return min(ranks[0], key=lambda n: _busy(holdings.get(n)))
+
+    def _dynamo(self, request: SimRequest, role: str) -> str:
+        """Dynamo's KV router: overlap weight (1, its default) x blocks to prefill + blocks
+        active on the worker once this request is there, the least taken; it counts active
+        blocks itself, from the requests it routed (not from the engines' reports)."""
+        holdings = self.index.lookup(request.hashes, role)
+        blocks = len(request.hashes)
+        active = self._active
+
+        def cost(name: str) -> float:
+            holding = holdings.get(name)
+            overlap = holding.cached_blocks if holding is not None else 0
+            return 1.0 * (blocks - overlap) + active[name] + blocks
+
+        return min(holdings, key=cost)
+
+    def _sent(self, name: str | None, end: float, blocks: int) -> None:
+        """A request was sent to `name` and runs there until `end`."""
+        if name is not None:
+            self._inflight[name] += 1
+            self._active[name] += blocks
+            heapq.heappush(self._ends, (end, name, blocks))
+
+    def _leave(self, now: float) -> None:
+        """The requests that ended by `now` leave the router's counts."""
+        ends = self._ends
+        while ends and ends[0][0] <= now:
+            _, name, blocks = heapq.heappop(ends)
+            self._inflight[name] -= 1
+            self._active[name] -= blocks
+
+    def _next(self, role: str) -> str:
+        engines = self.prefill if role == "prefill" else self.decode
+        turn = self._turn[role]
+        self._turn[role] = turn + 1
+        return engines[turn % len(engines)].name
+
+    # ------------------------------------------------------------------ serving
+
+    def _serve(
+        self, request: SimRequest, prefill: str | None, decode: str, lent: int
+    ) -> tuple[float, float, int]:
+        """Serve it on the simulated engines: (TTFT, TPOT, blocks the computing engine held
+        or borrowed)."""
+        bs, now = self.config.block_size, request.at_s
+        decoder = self.engines[decode]
+        computer = decoder if prefill is None else self.engines[prefill]
+        held = max(computer.store(request.hashes), lent)
+        done = computer.prefill(now, max(1, request.prompt_tokens - held * bs))
+        if prefill is not None:
+            decoder.store(request.hashes)  # the KV it read from the prefill engine
+        tpot = decoder.decode(done, request.output_len, len(request.hashes))
+        return done - now, tpot, held
+
+    def _index_size(self) -> dict[str, Any]:
+        """The index's entries, and its bytes per entry, rebuilt alone from the engines'
+        caches (measuring it during the run would slow every lookup)."""
+        tracemalloc.start()
+        index = PrefixIndex()
+        for engine in self.engines.values():
+            index.load_snapshot(engine.name, KVSnapshot(engine.name, 0, engine.cached()))
+        size, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        entries = index.num_entries()
+        return {"index_entries": entries, "index_bytes_per_entry": round(size / max(1, entries), 1)}
+
+
+def _busy(holding: Any) -> int:
+    load = holding.load if holding is not None else None
+    return (load.num_running + load.num_waiting) if load is not None else 0
+
+
+CONFIG = RouterSimConfig
+FLAGS = {"policies": Flag(parse=str_list)}
