@@ -9,8 +9,10 @@ deployments/router/telemetry.py and deployments/replica/telemetry.py).
 - No label of ours changes when a replica restarts. Serve's metrics API tags every series with
   the replica's id, new on each restart, so every restart would begin new series for each
   metric. Ours carry the application, the deployment and the replica's *rank*: Serve's ordinal
-  of the replica within its deployment (0..N-1), which a replacement takes over. Ray's own
-  per-process labels are another matter: see k8s/monitoring.yaml.
+  of the replica within its deployment (0..N-1), which a replacement takes over (read when the
+  replica starts: after a scale-down Serve may renumber running replicas, which keep the rank
+  they started with). Ray's own per-process labels are another matter: see
+  k8s/monitoring.yaml.
 
 Ray's metric classes are used directly (`ray.util.metrics`), created lazily: the modules import
 without Ray running, and outside a Serve replica (tests, local use) the identity tags are empty.

@@ -133,7 +133,15 @@ def _step_events(pid: int, record: dict[str, Any]) -> list[dict[str, Any]]:
     }
     decision = {
         key: record[key]
-        for key in ("new", "resumed", "kept_running", "preempted", "started_loading", "prefix_hits")
+        for key in (
+            "new",
+            "resumed",
+            "kept_running",
+            "preempted",
+            "started_loading",
+            "loaded",
+            "prefix_hits",
+        )
         if record.get(key)
     }
     return [

@@ -110,6 +110,8 @@ class PrefixIndex:
                 for replica in alive - holders:
                     out[replica] = depth
                 alive &= holders
+                if not alive:
+                    return out
             depth += 1
         for replica in alive or ():
             out[replica] = depth

@@ -190,17 +190,24 @@ class EngineServer:
         return {"role": self.role, "replica_id": self.replica_id, **self.engine.stats.health()}
 
     async def step_trace(
-        self, probe: ReplicaProbe | None = None, max_steps: int = 0, keep_steps: int = 0
+        self,
+        probe: ReplicaProbe | None = None,
+        max_steps: int = 0,
+        keep_steps: int = 0,
+        max_bytes: int = 0,
     ) -> dict[str, Any]:
-        """The scheduler's newest `max_steps` step records (0: all kept), each a JSON line;
+        """The scheduler's newest `max_steps` step records (0: all kept), each a JSON line,
+        the oldest left out past `max_bytes` (0: no bound; `left_out` counts them);
         `keep_steps` as AsyncEngine.step_trace. Where it keeps none, `error` says so."""
         answer: dict[str, Any] = {"role": self.role, "replica_id": self.replica_id}
         try:
             records = await asyncio.wrap_future(self.engine.step_trace(keep_steps))
         except ValueError as exc:
-            return {**answer, "records": [], "error": str(exc)}
+            return {**answer, "records": [], "left_out": 0, "error": str(exc)}
         kept = records[-max_steps:] if max_steps else records
-        return {**answer, "records": [json.dumps(r, separators=(",", ":")) for r in kept]}
+        # Encoding a whole ring takes a while: not on the loop that streams tokens.
+        lines, left_out = await asyncio.to_thread(_newest_lines, kept, max_bytes)
+        return {**answer, "records": lines, "left_out": left_out}
 
     def rank_pids(self) -> list[int]:
         """The processes of this replica's other tensor-parallel ranks (none at one rank)."""
@@ -239,6 +246,20 @@ def _exit_when_a_rank_died(failure: BaseException) -> None:
         logger.error("a tensor-parallel rank of this replica failed (%s): it exits", failure)
         logging.shutdown()
         os._exit(1)
+
+
+def _newest_lines(records: list[dict[str, Any]], max_bytes: int) -> tuple[list[str], int]:
+    """`records` as JSON lines, the newest that fit `max_bytes` (0: all); how many did not."""
+    lines: list[str] = []
+    size = 0
+    for record in reversed(records):
+        line = json.dumps(record, separators=(",", ":"))
+        size += len(line)
+        if max_bytes and size > max_bytes:
+            break
+        lines.append(line)
+    lines.reverse()
+    return lines, len(records) - len(lines)
 
 
 def _engine_metrics(transport: str) -> EngineMetrics | None:

@@ -271,12 +271,17 @@ class Router:
         """Every engine replica's per-step scheduler trace (engine/core/step_trace.py)."""
         self._authenticated(grpc_context)
         request = _decoded_or_refuse(request, grpc_context)
-        if request.keep_steps < -1:
-            _refuse(grpc_context, ValueError("keep_steps must be -1, 0 or positive"))
+        if not -1 <= request.keep_steps <= MAX_TRACE_STEPS:
+            message = f"keep_steps must be -1, 0 or up to {MAX_TRACE_STEPS}"
+            _refuse(grpc_context, ValueError(message))
         handles = self._engine_handles()
-        call = _probe(handles, "step_trace", request.max_steps, request.keep_steps)
-        # A request for a whole ring may take a while to serialize: more time than Health.
-        answers = await ask_every_replica(list(handles), REPLICA_SETS, call, timeout_s=30.0)
+        # Each engine trims its answer to its share of what the proxies carry: the router
+        # never holds more than about one answer's worth.
+        known = sum(len(REPLICA_SETS.replica_ids(role) or [""]) for role in handles)
+        share = STEP_TRACE_ANSWER_BYTES // max(1, known)
+        call = _probe(handles, "step_trace", request.max_steps, request.keep_steps, share)
+        # A whole ring takes a while to encode: more time than Health's probes.
+        answers = await ask_every_replica(list(handles), REPLICA_SETS, call, timeout_s=10.0)
         engines = [_step_trace(answer) for answer in answers]
         _fit(engines, STEP_TRACE_ANSWER_BYTES)
         return pb.StepTraceResponse(engines=engines)
@@ -299,6 +304,9 @@ class Router:
 # What a StepTrace answer's records may take: within the 4 MiB the shipped gRPC proxies
 # send or take (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE), with room for the rest of the message.
 STEP_TRACE_ANSWER_BYTES = 3 << 20
+# The most steps a StepTrace call may ask every engine to keep (a record is ~0.1-1 KB per
+# request in the step): a bound on what tracing may hold in an engine.
+MAX_TRACE_STEPS = 65536
 
 
 def _probe(handles: dict[str, DeploymentHandle], method: str, *args: Any) -> Probe:
@@ -317,6 +325,7 @@ def _step_trace(answer: dict[str, Any]) -> pb.EngineStepTrace:
         engine.error = "the engine did not answer"
     else:
         engine.records.extend(answer["records"])
+        engine.left_out = answer.get("left_out", 0)
         engine.error = answer.get("error", "")
     return engine
 
@@ -337,7 +346,7 @@ def _fit(engines: list[pb.EngineStepTrace], budget: int) -> None:
     for engine, count in zip(engines, cut, strict=True):
         if count:
             del engine.records[:count]
-            engine.left_out = count
+            engine.left_out += count
 
 
 def _stream_fn(handle: DeploymentHandle, role: str, retry_after_s: float = 1.0) -> StreamFn:

@@ -6,9 +6,10 @@ step leaves one record of
 - what the scheduler saw before deciding: the waiting, skipped (blocked) and running queues'
   sizes, and per KV tier its blocks in all, free and holding a cached prefix;
 - what it decided: the requests it admitted new, resumed, kept running (tokens each) and
-  preempted, those it admitted to load their KV from another engine first, and for each
-  admitted one its prefix hits (tokens found in this engine's cache, tokens read from another
-  engine, and whether that load runs while others compute).
+  preempted, those it admitted to load their KV from another engine first and those whose
+  load ended (admitted as new then), and for each admitted one its prefix hits, once (tokens
+  found in this engine's cache, tokens read from another engine, and whether that load runs
+  while others compute).
 
 The records are plain dicts (JSON as they are), the newest `size` of them kept. `pdserve trace
 steps` fetches them from a running deployment (JSONL, or a Chrome / Perfetto trace file:
@@ -79,7 +80,13 @@ def _after(record: dict[str, Any], step: Step) -> dict[str, Any]:
     """`record` with the step's decisions."""
     tokens = step.num_scheduled
     loading = step.started_loading  # they wait for their KV, holding their blocks
-    admitted = [*step.scheduled_new, *step.scheduled_resumed, *loading]
+    # A request whose load ended is admitted as new (this step or a later one): its hits were
+    # counted when it began loading.
+    admitted = [
+        *(r for r in step.scheduled_new if r.timing.kv_load_end is None),
+        *step.scheduled_resumed,
+        *loading,
+    ]
     record.update(
         {
             "new": {r.request_id: tokens[r.request_id] for r in step.scheduled_new},
@@ -87,6 +94,7 @@ def _after(record: dict[str, Any], step: Step) -> dict[str, Any]:
             "kept_running": {r.request_id: tokens[r.request_id] for r in step.scheduled_running},
             "preempted": [r.request_id for r in step.preempted],
             "started_loading": [r.request_id for r in loading],
+            "loaded": [r.request_id for r in step.loaded],
             "scheduled_tokens": sum(tokens.values()),
             "prefix_hits": {r.request_id: _hits(r, r in loading) for r in admitted},
         }

@@ -53,7 +53,10 @@ def run(config: IndexBenchConfig) -> dict[str, Any]:
     for r in range(config.replicas):
         held: list[bytes] = []
         for c in rng.sample(range(config.chains), config.chains_per_replica):
-            held += chains[c][: rng.randrange(1, config.chain_blocks + 1)]
+            # A copy of each hash per replica, as the actor gets them (one message each).
+            held += (
+                bytes(bytearray(h)) for h in chains[c][: rng.randrange(1, config.chain_blocks + 1)]
+            )
         index.load_snapshot(f"replica-{r}", KVSnapshot(f"epoch-{r}", 0, tuple(held)))
     size, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()

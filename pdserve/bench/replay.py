@@ -78,7 +78,8 @@ def _replayed(
         return blocks[hash_id]
 
     requests = []
-    for number, row in enumerate(trace_rows(path, limit)):
+    rows = trace_rows(path, limit)
+    for number, row in enumerate(rows):
         input_len = _scaled(row["input_length"], token_scale)
         tokens = [t for hash_id in row["hash_ids"] for t in block(hash_id)][:input_len]
         if len(tokens) < input_len:  # the trace's last block was rounded down: a tail of its own
@@ -86,7 +87,7 @@ def _replayed(
             tokens += tail(input_len - len(tokens))
         requests.append(
             ReplayedRequest(
-                at_s=row["timestamp"] / 1000 * time_scale,
+                at_s=(row["timestamp"] - rows[0]["timestamp"]) / 1000 * time_scale,
                 prompt=tokens,
                 output_len=_scaled(row["output_length"], token_scale),
                 hash_ids=tuple(row["hash_ids"]),

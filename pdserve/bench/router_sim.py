@@ -153,6 +153,7 @@ class _Simulation:
         self._inflight: dict[str, int] = dict.fromkeys(self.engines, 0)
         self._active: dict[str, int] = dict.fromkeys(self.engines, 0)
         self._ends: list[tuple[float, str, int]] = []
+        self._loads: dict[str, Any] = {}  # each engine's load as last published
         self.events = 0
 
     def run(self, requests: list[SimRequest]) -> dict[str, Any]:
@@ -194,12 +195,15 @@ class _Simulation:
         }
 
     def _publish(self, now: float) -> None:
-        """Every engine's batch of the last period, and its load, to the index."""
+        """Every engine's batch of the last period and its load, when either changed, to the
+        index (as KVEventPublisher sends them)."""
         for engine in self.engines.values():
             batch = engine.take_batch()
-            if batch is not None:
-                self.events += len(batch.events)
-                self.index.apply(engine.name, [batch], engine.load(now))
+            load = engine.load(now)
+            if batch is not None or load != self._loads.get(engine.name):
+                self._loads[engine.name] = load
+                self.events += len(batch.events) if batch is not None else 0
+                self.index.apply(engine.name, [batch] if batch is not None else [], load)
 
     # ------------------------------------------------------------------ routing
 
@@ -236,7 +240,8 @@ class _Simulation:
         bs = self.config.block_size
         ranks = rank_by_cost(names, holdings, request.prompt_tokens, bs, self._inflight)
         if ranks is None:  # the cache says nothing: Serve's power of two choices
-            return min(self.rng.sample(names, 2), key=lambda n: _busy(holdings.get(n)))
+            two = self.rng.sample(names, min(2, len(names)))
+            return min(two, key=lambda n: _busy(holdings.get(n)))
         return min(ranks[0], key=lambda n: _busy(holdings.get(n)))
 
     def _dynamo(self, request: SimRequest, role: str) -> str:
@@ -289,7 +294,7 @@ class _Simulation:
         done = computer.prefill(now, max(1, request.prompt_tokens - held * bs))
         if prefill is not None:
             decoder.store(request.hashes)  # the KV it read from the prefill engine
-        tpot = decoder.decode(done, request.output_len, len(request.hashes))
+        tpot = decoder.decode(now, done, request.output_len, len(request.hashes))
         return done - now, tpot, held
 
     def _index_size(self) -> dict[str, Any]:
@@ -298,7 +303,9 @@ class _Simulation:
         tracemalloc.start()
         index = PrefixIndex()
         for engine in self.engines.values():
-            index.load_snapshot(engine.name, KVSnapshot(engine.name, 0, engine.cached()))
+            # A copy of each hash per replica, as the actor gets them (one message each).
+            held = tuple(bytes(bytearray(h)) for h in engine.cached())
+            index.load_snapshot(engine.name, KVSnapshot(engine.name, 0, held))
         size, _ = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         entries = index.num_entries()

@@ -38,9 +38,8 @@ class SimEngine:
         self._events: list[KVCacheEvent] = []
         self._seq = 0
         self.free_at = 0.0  # when the prefill work queued here is done
-        self._queued: list[tuple[float, int]] = []  # (start, tokens) of prefills not started
-        self._decoding: list[tuple[float, int]] = []  # each running decode's end, its blocks
-        self.ongoing = 0  # requests the router has in flight here (its own count)
+        self._prefills: list[tuple[float, float, int]] = []  # (start, end, tokens)
+        self._decodes: list[tuple[float, float, int]] = []  # (start, end, blocks held)
 
     # ------------------------------------------------------------------ cache
 
@@ -93,26 +92,29 @@ class SimEngine:
         """Queue `tokens` of prefill behind what is queued; when they are done."""
         start = max(now, self.free_at)
         self.free_at = start + tokens / self.model.prefill_tokens_per_s
-        self._queued.append((start, tokens))
+        self._prefills.append((start, self.free_at, tokens))
         return self.free_at
 
-    def decode(self, start: float, output_len: int, blocks: int) -> float:
-        """Decode `output_len` tokens from `start` beside what runs then, holding `blocks` KV
-        blocks meanwhile; the time per output token."""
-        running = [(end, held) for end, held in self._decoding if end > start]
-        tpot = self.model.step_s + self.model.step_per_seq_s * len(running)
-        running.append((start + tpot * output_len, blocks))
-        self._decoding = running
+    def decode(self, now: float, start: float, output_len: int, blocks: int) -> float:
+        """Decode `output_len` tokens from `start` (not before `now`) beside the decodes
+        running then, holding `blocks` KV blocks meanwhile; the time per output token. (A
+        prefill computed here meanwhile does not slow them: not modelled.)"""
+        self._decodes = [d for d in self._decodes if d[1] > now]
+        beside = sum(1 for s, e, _ in self._decodes if s <= start < e)
+        tpot = self.model.step_s + self.model.step_per_seq_s * beside
+        self._decodes.append((start, start + tpot * output_len, blocks))
         return tpot
 
     def load(self, now: float) -> EngineLoad:
-        """As the engine reports it: KV usage counts the blocks running requests hold (cached
-        blocks nobody uses are free to evict)."""
-        self._queued = [(s, t) for s, t in self._queued if s > now]
-        running = [held for end, held in self._decoding if end > now]
+        """As the engine reports it: a prefill computing or a decode counts as running, a
+        prefill not started as waiting; KV usage counts the blocks running requests hold
+        (cached blocks nobody uses are free to evict)."""
+        self._prefills = [p for p in self._prefills if p[1] > now]
+        waiting = [tokens for start, _, tokens in self._prefills if start > now]
+        decoding = [held for start, end, held in self._decodes if start <= now < end]
         return EngineLoad(
-            num_running=len(running),
-            num_waiting=len(self._queued),
-            queued_prompt_tokens=sum(t for _, t in self._queued),
-            kv_cache_usage=round(min(1.0, sum(running) / self.model.capacity_blocks), 3),
+            num_running=len(decoding) + len(self._prefills) - len(waiting),
+            num_waiting=len(waiting),
+            queued_prompt_tokens=sum(waiting),
+            kv_cache_usage=round(min(1.0, sum(decoding) / self.model.capacity_blocks), 3),
         )

@@ -212,10 +212,11 @@ INCREMENTAL_BREAKS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-def test_the_incremental_upgrade_overlay_surges_one_gpu_pod_at_a_time() -> None:
+def test_the_incremental_upgrade_overlay_surges_a_share_of_the_gpu_pods() -> None:
     """KubeRay's incremental upgrade, set as KubeRay 1.7's schema takes it: a GPU pod's share
-    of the base's minimum per capacity step, traffic in smaller steps a minute apart; and each
-    way of setting it that KubeRay could not carry out is caught."""
+    of the base's minimum per capacity step (Serve starts one replica per role at the first
+    step whatever the share), traffic in smaller steps a minute apart; and each way of setting
+    it that KubeRay could not carry out is caught."""
     rayservice = the_rayservice(kustomize(K8S / "overlays" / "incremental-upgrade"))
     strategy = rayservice["spec"]["upgradeStrategy"]
     assert strategy["type"] == "NewClusterWithIncrementalUpgrade"

@@ -198,3 +198,29 @@ def test_connector_output_without_tokens_is_accepted():
     so = scheduler.schedule()
     out = ModelRunnerOutput([], [], KVConnectorOutput(finished_sending={"gone"}))
     assert scheduler.update_from_output(so, out) == []
+
+
+def test_the_step_trace_counts_a_loaded_requests_hits_once():
+    """An async load: the step that admits it to load records its hits (16 tokens from the
+    remote engine); the step that admits it once its KV arrived lists it as loaded and new,
+    and does not count those tokens again, as local hits."""
+    scheduler, connector, runner = setup(step_trace_size=16)
+    scheduler.add_request(remote_request())
+    step(scheduler, runner)
+    land_load(scheduler, runner, "d")
+    connector.loads_in_flight.discard("d")
+    report(scheduler, runner, finished_recving={"d"})
+    step(scheduler, runner)
+    records = scheduler.step_trace.records()
+    first, admitted = records[0], records[-1]
+    assert first["started_loading"] == ["d"]
+    assert first["prefix_hits"]["d"] == {
+        "prompt_tokens": 17,
+        "local": 0,
+        "external": 16,
+        "async_load": True,
+    }
+    assert admitted["new"] == {"d": 1} and admitted["loaded"] == ["d"]
+    assert "d" not in admitted["prefix_hits"]
+    counted = [r for r in records if "d" in r["prefix_hits"]]
+    assert counted == [first]

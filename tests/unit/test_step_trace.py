@@ -146,3 +146,13 @@ def test_an_answer_too_large_for_the_proxy_loses_its_oldest_records_and_says_so(
     untouched = pb.EngineStepTrace(records=["z"] * 3)
     _fit([untouched], 700)
     assert untouched.left_out == 0 and len(untouched.records) == 3
+
+
+def test_an_engine_answers_its_newest_records_within_its_share() -> None:
+    from deployments.replica.engine_server import _newest_lines
+
+    records = [{"step": i, "pad": "x" * 40} for i in range(10)]
+    lines, left_out = _newest_lines(records, 200)
+    assert [json.loads(line)["step"] for line in lines] == [7, 8, 9] and left_out == 7
+    everything, none_left = _newest_lines(records, 0)
+    assert len(everything) == 10 and none_left == 0
