@@ -34,11 +34,10 @@ def replica_identity() -> dict[str, str]:
         context = serve.get_replica_context()
     except Exception:  # not in a replica (RayServeException), or Serve not importable
         return dict.fromkeys(IDENTITY_TAGS, "")
-    rank = getattr(context, "rank", None)
     return {
         "application": context.app_name,
         "deployment": context.deployment,
-        "rank": str(getattr(rank, "rank", rank if rank is not None else "")),
+        "rank": str(context.rank.rank),  # Serve's ReplicaRank
     }
 
 

@@ -68,11 +68,11 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _require_int("step_trace_size", self.step_trace_size, 0)
         _require_int("max_num_seqs", self.max_num_seqs, 1)
         _require_int("max_model_len", self.max_model_len, 1)
         _require_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _require_int("max_queued_prompt_tokens", self.max_queued_prompt_tokens, 0)
+        _require_int("step_trace_size", self.step_trace_size, 0)
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if self.policy not in _POLICIES:

@@ -248,8 +248,7 @@ def _run_client(args: argparse.Namespace) -> int:
         generate_request(p, chat=not args.raw, **_sampling_kwargs(args)) for p in _prompts(args)
     ]
     options = ClientOptions(**read_flags(args, ClientOptions))
-    connect = GenerationClient.connect
-    with connect(options.target, options.application, options.api_key, options.tls_ca) as client:
+    with GenerationClient.connect(options) as client:
         try:
             for request in requests:
                 completion = Completion()

@@ -63,22 +63,28 @@ class SamplingOptions:
 
 
 @dataclass
-class ClientOptions:
-    """Where `client` calls the gRPC API, and how."""
+class EndpointOptions:
+    """Where a command calls the gRPC API (GenerationClient.connect takes these)."""
 
     target: str = "127.0.0.1:9000"
     """the gRPC proxy, HOST:PORT"""
     application: str = "pdserve"
     """the Serve app to call (Serve's gRPC proxy routes on it)"""
-    stream: bool = False
-    """print the text as it arrives"""
-    timeout: float = 300.0
-    """seconds a request may take"""
     api_key: str | None = None
     """sent as 'authorization: Bearer KEY' (none: $PDSERVE_API_KEY's first key)"""
     tls_ca: str | None = None
     """call the proxy's TLS port, trusting this CA certificate (PEM; 'system': the system's
     roots)"""
+
+
+@dataclass
+class ClientOptions(EndpointOptions):
+    """Where `client` calls the gRPC API, and how."""
+
+    stream: bool = False
+    """print the text as it arrives"""
+    timeout: float = 300.0
+    """seconds a request may take"""
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from deployments.credentials import bearer, client_api_key
+from pdserve.cli_options import EndpointOptions
 from protos.pdserve.v1 import generate_pb2 as pb
 from protos.pdserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -112,16 +113,14 @@ class GenerationClient:
         self.metadata = app + bearer(api_key)
 
     @classmethod
-    def connect(
-        cls, target: str, application: str, api_key: str | None, tls_ca: str | None
-    ) -> GenerationClient:
+    def connect(cls, endpoint: EndpointOptions) -> GenerationClient:
         """As the CLI's flags say: `api_key` None: $PDSERVE_API_KEY's first key; `tls_ca`: a
         CA certificate file, "system" (the system's roots), or None (plain text)."""
         roots = None
-        if tls_ca is not None:
-            roots = b"" if tls_ca == "system" else Path(tls_ca).read_bytes()
-        key = client_api_key() if api_key is None else api_key
-        return cls(target, application, key, roots)
+        if endpoint.tls_ca is not None:
+            roots = b"" if endpoint.tls_ca == "system" else Path(endpoint.tls_ca).read_bytes()
+        key = client_api_key() if endpoint.api_key is None else endpoint.api_key
+        return cls(endpoint.target, endpoint.application, key, roots)
 
     def stream(
         self, request: pb.GenerateRequest, timeout: float | None = None

@@ -16,22 +16,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from pdserve.cli_options import EndpointOptions
+
 FORMATS = ("jsonl", "chrome")
 
 
 @dataclass
-class TraceStepsOptions:
+class TraceStepsOptions(EndpointOptions):
     """Where `trace steps` asks, and what it writes."""
 
-    target: str = "127.0.0.1:9000"
-    """the gRPC proxy, HOST:PORT"""
-    application: str = "pdserve"
-    """the Serve app to ask"""
-    api_key: str | None = None
-    """sent as 'authorization: Bearer KEY' (none: $PDSERVE_API_KEY's first key)"""
-    tls_ca: str | None = None
-    """call the proxy's TLS port, trusting this CA certificate (PEM; 'system': the system's
-    roots)"""
     max_steps: int = 0
     """the newest this many steps of each engine (0: all it keeps)"""
     keep_steps: int = 0
@@ -56,8 +49,7 @@ def run(options: TraceStepsOptions) -> int:
 
     from pdserve.client import GenerationClient
 
-    connect = GenerationClient.connect
-    with connect(options.target, options.application, options.api_key, options.tls_ca) as client:
+    with GenerationClient.connect(options) as client:
         try:
             reply = client.step_trace(options.max_steps, options.keep_steps, options.timeout)
         except grpc.RpcError as exc:

@@ -8,7 +8,8 @@ every token before it — so the blocks of a prompt that a replica can reuse are
 of the prompt's hashes it holds, which is what the engine's own lookup finds (`match`): one
 walk of the prompt's hashes, narrowing the replicas still holding every block so far, done
 where none holds the next (not one walk per replica: at 128 replicas and 1,000-block prompts
-that was ~5x slower, `tests/unit/test_kv_index.py` keeps the two equal).
+that was about 7x slower, `pdserve bench index`; `tests/unit/test_kv_index.py` keeps the two
+equal).
 
 Lost or late events never corrupt it silently. A batch numbered out of turn (events were
 lost) or from an epoch the index has not seen (the replica restarted) makes the replica stale:
@@ -28,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.cluster.kv_scoring import CacheSurvey, Holding, survey
+from deployments.cluster.kv_scoring import NOTHING_HELD, CacheSurvey, Holding, survey
 from engine.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -169,7 +170,6 @@ class _Announced:
 
 
 _UNANNOUNCED = _Announced()
-_NOTHING = Holding(0, None)
 
 
 class KVIndexServer:
@@ -203,7 +203,7 @@ class KVIndexServer:
         for batch in batches:
             ok = self.index.apply(replica, batch) and ok
         if announced is None and replica in self.index.replicas:
-            self._idle[""].setdefault(replica, _NOTHING)
+            self._idle[""].setdefault(replica, NOTHING_HELD)
         return ok and self.index.is_current(replica)
 
     def load_snapshot(

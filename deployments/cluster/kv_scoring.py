@@ -44,7 +44,7 @@ class Holding:
     side_channel: str = ""  # "host:port" of its KV side channel ("" without KV transfer)
 
 
-_NOTHING = Holding(0, None)  # a replica the index does not know
+NOTHING_HELD = Holding(0, None)  # a replica the index does not know
 
 
 def replica_cost(
@@ -75,7 +75,7 @@ def rank_by_cost(
 ) -> list[list[str]] | None:
     """Candidates in ranks of equal cost, cheapest first (Serve takes the first rank with
     room); None when the cache does not tell them apart and load alone should decide."""
-    chosen = [holdings.get(c, _NOTHING) for c in candidates]
+    chosen = [holdings.get(c, NOTHING_HELD) for c in candidates]
     counts = {h.cached_blocks for h in chosen}
     if not chosen or max(counts) == 0 or len(counts) == 1:
         return None
@@ -151,6 +151,16 @@ def cheapest(
         return None
     replica = best[1]
     return replica, min(prompt_tokens, holdings[replica].cached_blocks * block_size)
+
+
+def lender_worth_borrowing(survey: CacheSurvey | None, min_tokens: int) -> Lender | None:
+    """Prefix loans: the lender whose blocks spare the prefill leg at least `min_tokens` more
+    than the best prefill replica holds (0: never); None where none does (routing then finds
+    the prompt on a prefill replica, or nobody holds it)."""
+    if survey is None or survey.lender is None or min_tokens <= 0:
+        return None
+    lender = survey.lender
+    return lender if lender.tokens - survey.prefill_tokens >= min_tokens else None
 
 
 def decode_holder(survey: CacheSurvey | None, prompt_tokens: int, limit: int) -> str:

@@ -23,7 +23,7 @@ import grpc
 
 from connector.metadata import RemoteKV, tokens_hash
 from connector.side_channel_client import SideChannelClient, SideChannelError
-from deployments.cluster.kv_scoring import CacheSurvey
+from deployments.cluster.kv_scoring import CacheSurvey, lender_worth_borrowing
 from engine.config import SideChannelTLS
 
 logger = logging.getLogger(__name__)
@@ -91,11 +91,9 @@ class PrefixBorrower:
     async def borrow(self, prompt: list[int], survey: CacheSurvey | None) -> dict[str, Any] | None:
         """Remote-prefill kv_transfer_params for the lent blocks, or None (nothing worth
         borrowing, or the lender refused or did not answer: the prefill computes it all)."""
-        if survey is None or survey.lender is None or self.min_tokens <= 0:
+        lender = lender_worth_borrowing(survey, self.min_tokens)
+        if survey is None or lender is None:
             return None
-        lender = survey.lender
-        if lender.tokens - survey.prefill_tokens < self.min_tokens:
-            return None  # a prefill replica holds (nearly) as much: routing finds it there
         host, _, port = lender.side_channel.rpartition(":")
         hashes = survey.block_hashes[: lender.tokens // self.block_size]
         try:

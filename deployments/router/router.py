@@ -114,6 +114,8 @@ class Router:
         self.kv_secret = kv_secret(settings.kv_secret)  # resolved on this node, once
         self._decode = decode
         self._prefill = prefill
+        # The role of the engines every request reaches (a colocated app has no other).
+        self._decode_role = "decode" if prefill is not None else "colocated"
         self._in_flight: dict[str, _InFlight] = {}
         self._peers = RouterPeers()
         self._health = CachedHealth(self._survey)
@@ -123,17 +125,16 @@ class Router:
             self.tokenizer,
             self.facts,
             settings.flow,
-            decode=_stream_fn(decode, "decode" if prefill is not None else "colocated", retry),
+            decode=_stream_fn(decode, self._decode_role, retry),
             prefill=_stream_fn(prefill, "prefill", retry) if prefill is not None else None,
             release=LeaseReleaser(self.kv_secret, tls=settings.side_channel_tls),
-            telemetry=RouterTelemetry(self.tracing.tracer, RouterMetrics(self._roles())),
+            telemetry=RouterTelemetry(
+                self.tracing.tracer, RouterMetrics(tuple(self._engine_handles()))
+            ),
             prefill_replicas=RoleWatch("prefill") if prefill is not None else None,
-            decode_replicas=RoleWatch("decode" if prefill is not None else "colocated"),
+            decode_replicas=RoleWatch(self._decode_role),
             **self._cluster_cache(settings, prefill is not None),
         )
-
-    def _roles(self) -> tuple[str, ...]:
-        return ("decode", "prefill") if self._prefill is not None else ("colocated",)
 
     def _cluster_cache(self, settings: RouterSettings, disaggregated: bool) -> dict[str, Any]:
         """The engines' caches as the app's KV index sees them, where the engines publish to
@@ -260,10 +261,9 @@ class Router:
 
     def _engine_handles(self) -> dict[str, DeploymentHandle]:
         """The engine deployments by role."""
-        handles = {"decode" if self._prefill is not None else "colocated": self._decode}
-        if self._prefill is not None:
-            handles = {"prefill": self._prefill, **handles}
-        return handles
+        if self._prefill is None:
+            return {self._decode_role: self._decode}
+        return {"prefill": self._prefill, self._decode_role: self._decode}
 
     async def StepTrace(
         self, request: pb.StepTraceRequest, grpc_context: RayServegRPCContext

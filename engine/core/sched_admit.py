@@ -55,12 +55,10 @@ class Admitter:
                 break
             queue = self._select_queue()
             request = queue.peek_request()
-            if request.status == _WAITING_FOR_REMOTE_KVS:
-                if not self.kv_transfers.promote(request):
-                    queue.pop_request()
-                    step.skipped.append(request)
-                    continue
-                step.loaded.append(request)
+            if request.status == _WAITING_FOR_REMOTE_KVS and not self.kv_transfers.promote(request):
+                queue.pop_request()
+                step.skipped.append(request)
+                continue
             if self._try_admit(request, queue, step, running) is None:
                 break
         if step.skipped:

@@ -13,7 +13,6 @@ class Step:
 
     __slots__ = (
         "budget",
-        "loaded",
         "new_blocks",
         "num_scheduled",
         "preempted",
@@ -37,8 +36,6 @@ class Step:
         self.spec_tokens: dict[str, list[int]] = {}  # drafts scheduled for verification
         # Admitted to load their KV from elsewhere while others compute (also in `skipped`).
         self.started_loading: list[Request] = []
-        # Whose KV load ended, considered for admission again (its hits were those it loaded).
-        self.loaded: list[Request] = []
 
     def unschedule(self, request: Request) -> None:
         """Roll back what this step already granted a request that is now preempted."""

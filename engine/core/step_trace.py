@@ -6,8 +6,8 @@ step leaves one record of
 - what the scheduler saw before deciding: the waiting, skipped (blocked) and running queues'
   sizes, and per KV tier its blocks in all, free and holding a cached prefix;
 - what it decided: the requests it admitted new, resumed, kept running (tokens each) and
-  preempted, those it admitted to load their KV from another engine first and those whose
-  load ended (admitted as new then), and for each admitted one its prefix hits, once (tokens
+  preempted, those it admitted to load their KV from another engine first and those admitted
+  once their load ended, and for each admitted one its prefix hits, once (tokens
   found in this engine's cache, tokens read from another engine, and whether that load runs
   while others compute).
 
@@ -32,8 +32,8 @@ PRIMARY = "primary"  # the engine's own KV pool (offload tiers will sit below it
 
 
 class StepTrace:
-    """The newest `size` steps' records of one scheduler (engine thread only; `records()`
-    copies, so another thread may read them)."""
+    """The newest `size` steps' records of one scheduler, on the engine thread only (another
+    thread asks for a copy through AsyncEngine.step_trace, taken between steps)."""
 
     def __init__(self, size: int) -> None:
         if size < 1:
@@ -80,13 +80,11 @@ def _after(record: dict[str, Any], step: Step) -> dict[str, Any]:
     """`record` with the step's decisions."""
     tokens = step.num_scheduled
     loading = step.started_loading  # they wait for their KV, holding their blocks
-    # A request whose load ended is admitted as new (this step or a later one): its hits were
-    # counted when it began loading.
-    admitted = [
-        *(r for r in step.scheduled_new if r.timing.kv_load_end is None),
-        *step.scheduled_resumed,
-        *loading,
-    ]
+    # A request whose load ended is admitted as new: its hits were counted when it began
+    # loading (its load's end is when it was promoted).
+    loaded = [r for r in step.scheduled_new if r.timing.kv_load_end is not None]
+    fresh = [r for r in step.scheduled_new if r.timing.kv_load_end is None]
+    admitted = [*fresh, *step.scheduled_resumed, *loading]
     record.update(
         {
             "new": {r.request_id: tokens[r.request_id] for r in step.scheduled_new},
@@ -94,7 +92,7 @@ def _after(record: dict[str, Any], step: Step) -> dict[str, Any]:
             "kept_running": {r.request_id: tokens[r.request_id] for r in step.scheduled_running},
             "preempted": [r.request_id for r in step.preempted],
             "started_loading": [r.request_id for r in loading],
-            "loaded": [r.request_id for r in step.loaded],
+            "loaded": [r.request_id for r in loaded],
             "scheduled_tokens": sum(tokens.values()),
             "prefix_hits": {r.request_id: _hits(r, r in loading) for r in admitted},
         }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import time
 import tracemalloc
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -48,18 +49,13 @@ def run(config: IndexBenchConfig) -> dict[str, Any]:
         [(c * config.chain_blocks + i).to_bytes(8, "little") for i in range(config.chain_blocks)]
         for c in range(config.chains)
     ]
-    tracemalloc.start()
-    index = PrefixIndex()
+    held: dict[str, list[bytes]] = {}
     for r in range(config.replicas):
-        held: list[bytes] = []
-        for c in rng.sample(range(config.chains), config.chains_per_replica):
-            # A copy of each hash per replica, as the actor gets them (one message each).
-            held += (
-                bytes(bytearray(h)) for h in chains[c][: rng.randrange(1, config.chain_blocks + 1)]
-            )
-        index.load_snapshot(f"replica-{r}", KVSnapshot(f"epoch-{r}", 0, tuple(held)))
-    size, _ = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+        runs = rng.sample(range(config.chains), config.chains_per_replica)
+        held[f"replica-{r}"] = [
+            h for c in runs for h in chains[c][: rng.randrange(1, config.chain_blocks + 1)]
+        ]
+    index, size = built_index(held)
     entries = index.num_entries()
     times_us = []
     for _ in range(config.lookups):
@@ -76,6 +72,21 @@ def run(config: IndexBenchConfig) -> dict[str, Any]:
         "bytes": size,
         "bytes_per_entry": round(size / max(1, entries), 1),
     }
+
+
+def built_index(held: Mapping[str, Iterable[bytes]]) -> tuple[PrefixIndex, int]:
+    """An index of each replica's hashes, and the bytes it took: a copy of each hash per
+    replica, as the actor gets them (each replica's in messages of its own)."""
+    tracemalloc.start()
+    try:
+        index = PrefixIndex()
+        for replica, hashes in held.items():
+            copies = tuple(bytes(bytearray(h)) for h in hashes)
+            index.load_snapshot(replica, KVSnapshot(replica, 0, copies))
+        size, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return index, size
 
 
 CONFIG = IndexBenchConfig

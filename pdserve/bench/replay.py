@@ -33,7 +33,6 @@ class ReplayedRequest:
     at_s: float  # since the replay began
     prompt: list[int]
     output_len: int
-    hash_ids: tuple[int, ...]
 
 
 def replay_max_tokens(config: ServeBenchConfig) -> int:
@@ -90,7 +89,6 @@ def _replayed(
                 at_s=(row["timestamp"] - rows[0]["timestamp"]) / 1000 * time_scale,
                 prompt=tokens,
                 output_len=_scaled(row["output_length"], token_scale),
-                hash_ids=tuple(row["hash_ids"]),
             )
         )
     return requests

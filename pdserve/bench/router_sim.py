@@ -23,14 +23,18 @@ from __future__ import annotations
 import heapq
 import random
 import time
-import tracemalloc
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deployments.cluster.kv_index import KVIndexServer, PrefixIndex
-from deployments.cluster.kv_scoring import decode_holder, rank_by_cost, survey
-from engine.core.kv_events import KVSnapshot
-from pdserve.bench.sim_engine import EngineModel, SimEngine
+from deployments.cluster.kv_index import KVIndexServer
+from deployments.cluster.kv_scoring import (
+    decode_holder,
+    lender_worth_borrowing,
+    rank_by_cost,
+    survey,
+)
+from pdserve.bench.index import built_index
+from pdserve.bench.sim_engine import EngineModel, SimEngine, leading_run
 from pdserve.bench.sim_workload import SimRequest, sim_requests
 from pdserve.bench.stats import summarize
 from pdserve.flags import Flag, str_list
@@ -112,12 +116,7 @@ def _oracle_hit_rate(requests: list[SimRequest]) -> float:
     seen: set[bytes] = set()
     hits = total = 0
     for request in requests:
-        run = 0
-        for block_hash in request.hashes:
-            if block_hash not in seen:
-                break
-            run += 1
-        hits += run
+        hits += leading_run(request.hashes, seen)
         total += len(request.hashes)
         seen.update(request.hashes)
     return hits / max(1, total)
@@ -158,7 +157,7 @@ class _Simulation:
 
     def run(self, requests: list[SimRequest]) -> dict[str, Any]:
         period, published = 0.02, 0.0
-        decisions_us, ttft_s, tpot_s, hits, tokens = [], [], [], 0, 0
+        decisions_us, ttft_s, tpot_s, hits, blocks = [], [], [], 0, 0
         cached_routes = 0
         for request in requests:
             while published + period <= request.at_s:
@@ -174,8 +173,8 @@ class _Simulation:
             self._sent(decode, prefilled + tpot * request.output_len, len(request.hashes))
             ttft_s.append(ttft)
             tpot_s.append(tpot)
-            hits += held * self.config.block_size
-            tokens += len(request.hashes) * self.config.block_size
+            hits += held
+            blocks += len(request.hashes)
             cached_routes += prefill is None
         good = sum(
             1
@@ -185,7 +184,7 @@ class _Simulation:
         duration = max(requests[-1].at_s, 1e-9)
         return {
             "decision_us": summarize(decisions_us, (0.5, 0.99)),
-            "hit_rate": round(hits / max(1, tokens), 4),
+            "hit_rate": round(hits / max(1, blocks), 4),
             "decode_only_routes": cached_routes,
             "ttft_ms": summarize([t * 1e3 for t in ttft_s], (0.5, 0.99)),
             "tpot_ms": summarize([t * 1e3 for t in tpot_s], (0.5, 0.99)),
@@ -225,13 +224,8 @@ class _Simulation:
         hint = decode_holder(found, tokens, self.config.max_local_prefill_tokens)
         if hint:
             return None, hint, 0
-        lender = found.lender
-        lent = 0
-        if (
-            lender is not None
-            and lender.tokens - found.prefill_tokens >= self.config.min_loan_tokens
-        ):
-            lent = lender.tokens // bs  # what PrefixBorrower.borrow asks for
+        lender = lender_worth_borrowing(found, self.config.min_loan_tokens)
+        lent = lender.tokens // bs if lender is not None else 0  # as PrefixBorrower borrows
         return self._ranked(request, "prefill"), self._ranked(request, "decode"), lent
 
     def _ranked(self, request: SimRequest, role: str) -> str:
@@ -300,14 +294,7 @@ class _Simulation:
     def _index_size(self) -> dict[str, Any]:
         """The index's entries, and its bytes per entry, rebuilt alone from the engines'
         caches (measuring it during the run would slow every lookup)."""
-        tracemalloc.start()
-        index = PrefixIndex()
-        for engine in self.engines.values():
-            # A copy of each hash per replica, as the actor gets them (one message each).
-            held = tuple(bytes(bytearray(h)) for h in engine.cached())
-            index.load_snapshot(engine.name, KVSnapshot(engine.name, 0, held))
-        size, _ = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
+        index, size = built_index({e.name: e.cached() for e in self.engines.values()})
         entries = index.num_entries()
         return {"index_entries": entries, "index_bytes_per_entry": round(size / max(1, entries), 1)}
 

@@ -9,6 +9,7 @@ scoring code, deployments/cluster/) against what it does to caches and queues.""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import dataclass
 
 from engine.core.kv_events import (
@@ -31,6 +32,16 @@ class EngineModel:
     capacity_blocks: int = 8192  # the prefix cache (KV pool) in blocks
 
 
+def leading_run(hashes: list[bytes], held: Container[bytes]) -> int:
+    """How many of a prompt's chained block hashes, from the first, `held` holds."""
+    run = 0
+    for block_hash in hashes:
+        if block_hash not in held:
+            break
+        run += 1
+    return run
+
+
 class SimEngine:
     def __init__(self, name: str, role: str, model: EngineModel, block_size: int) -> None:
         self.name, self.role, self.model, self.block_size = name, role, model, block_size
@@ -45,12 +56,7 @@ class SimEngine:
 
     def held_blocks(self, hashes: list[bytes]) -> int:
         """The leading run of `hashes` in the cache (the engine's own lookup)."""
-        run = 0
-        for block_hash in hashes:
-            if block_hash not in self._cache:
-                break
-            run += 1
-        return run
+        return leading_run(hashes, self._cache)
 
     def store(self, hashes: list[bytes]) -> int:
         """Use `hashes` (a prompt's blocks): the held leading run is touched, the rest stored,

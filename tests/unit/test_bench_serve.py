@@ -170,8 +170,11 @@ def test_mixed_sends_the_same_bursts_to_a_fast_and_a_slow_app() -> None:
             self.turns = turns
 
         async def __call__(self, prompt, output_len, kind):
-            for _ in range(self.turns):
-                await asyncio.sleep(0)  # one turn of the loop
+            loop = asyncio.get_running_loop()
+            for _ in range(self.turns):  # one turn of the loop each: no clock involved
+                turn = loop.create_future()
+                loop.call_soon(turn.set_result, None)
+                await turn
             return await super().__call__(prompt, output_len, kind)
 
     fast, slow = Slow(0), Slow(40)

@@ -122,8 +122,10 @@ def test_health_is_surveyed_once_per_ttl_however_many_ask():
 
     now = [0.0]
     release = asyncio.Event()
+    surveying = asyncio.Event()
 
     async def survey_once() -> HealthReport:
+        surveying.set()
         await release.wait()
         return HealthReport(SERVING, [stats("decode", f"r{cached.surveys}")])
 
@@ -132,7 +134,8 @@ def test_health_is_surveyed_once_per_ttl_however_many_ask():
     async def scenario() -> list[HealthReport]:
         waiting = [asyncio.ensure_future(cached.report()) for _ in range(20)]
         impatient = asyncio.ensure_future(cached.report())
-        await asyncio.sleep(0)  # let every caller reach the shared survey
+        # The survey starts after every caller scheduled before it has reached it.
+        await asyncio.wait_for(surveying.wait(), 10)
         impatient.cancel()
         release.set()
         first = await asyncio.gather(*waiting)
