@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from connector.checksums import timed_block_checksums
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV
 from connector.read_watch import Doom, ReadWatch
 from connector.side_channel_client import SideChannelClient, SideChannelError
 from connector.transport import BlockRead, KVTransport
+from engine.block_checksums import timed_block_checksums
 from engine.config import KVTransferConfig
 from engine.core.block_pool import NULL_BLOCK_ID
 

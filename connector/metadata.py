@@ -9,7 +9,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connector.checksums import CHECKSUM_SCHEME, parse_checksums
+from engine.block_checksums import CHECKSUM_SCHEME, parse_checksums
 from engine.kv_connector import KV_CACHE_LAYOUT
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ class RemoteKV:
     lease_id: str
     num_tokens: int  # prompt positions whose KV the remote computed
     tokens_hash: str  # of those tokens: the KV is only good for a prompt that starts with them
-    # One per block, as the producer wrote it (connector/checksums.py): a read is verified
+    # One per block, as the producer wrote it (engine/block_checksums.py): a read is verified
     # against them before anything is computed from it.
     block_checksums: list[str]
     # The producer's compatibility hash (compatibility_hash): routers send the request to an

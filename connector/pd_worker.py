@@ -12,13 +12,13 @@ from collections.abc import Callable
 
 import torch
 
-from connector.checksums import timed_block_checksums
 from connector.faults import NO_FAULTS, FaultyTransport
 from connector.kv_reads import KVReads
 from connector.leases import no_generations
 from connector.metadata import ConnectorMetadata, RemoteKV, tokens_hash
 from connector.side_channel import Loan, SideChannelServer
 from connector.transport import KVTransport
+from engine.block_checksums import timed_block_checksums
 from engine.config import KVTransferConfig
 
 logger = logging.getLogger(__name__)

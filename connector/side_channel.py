@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from connector.block_data import encode_block_data
-from connector.checksums import from_hex
 from connector.file_watch import FileWatch
 from connector.leases import Lease, LeaseError, LeaseTable, no_generations
+from engine.block_checksums import from_hex
 from engine.config import KVTransferConfig, SideChannelTLS
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
@@ -399,4 +399,4 @@ class Loan:
 
     block_ids: list[int]
     lease: Lease
-    checksums: list[str]  # of the blocks as lent (connector/checksums.py)
+    checksums: list[str]  # of the blocks as lent (engine/block_checksums.py)

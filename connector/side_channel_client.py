@@ -11,7 +11,6 @@ from typing import Any
 import grpc
 
 from connector.block_data import BlockChunk, decode_block_data
-from connector.checksums import to_hex
 from connector.side_channel import (
     CHANNEL_OPTIONS,
     SECRET_METADATA_KEY,
@@ -19,6 +18,7 @@ from connector.side_channel import (
     client_channel,
     grpc_host,
 )
+from engine.block_checksums import to_hex
 from engine.config import SideChannelTLS
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
@@ -71,7 +71,7 @@ class LendReply:
     block_ids: list[int]
     lease_id: str
     lease_seconds: float
-    block_checksums: list[str]  # one per block, as lent (connector/checksums.py)
+    block_checksums: list[str]  # one per block, as lent (engine/block_checksums.py)
 
 
 class BlockStream:

@@ -93,6 +93,13 @@ class EngineArgs:
     tensor_parallel_collectives: str = "auto"
     """how the ranks exchange: shm (shared memory, float32 on CPUs), torch (torch.distributed:
     gloo on CPUs, NCCL on GPUs) or auto (shm where it applies)"""
+    kv_offloading_size: float = 0.0
+    """GiB of a KV tier below the primary pool: blocks leaving the pool are copied there, and a
+    prompt whose prefix is found there loads it back instead of computing it (0: no tier)"""
+    kv_offloading_backend: str = "cpu"
+    """the tier's medium: cpu (host memory) or disk (a file under kv_offloading_path)"""
+    kv_offloading_path: str | None = None
+    """disk: the directory of the tier's file (none: the system's temporary directory)"""
     kv_events_config: dict[str, Any] | None = None
     """{"enable_kv_cache_events": true}: number the prefix cache's events for a cluster index
     (vLLM's name and key)"""
@@ -169,6 +176,9 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             sliding_window=arch.sliding_window,
             enable_kv_cache_events=self._kv_events_enabled(),
+            kv_offloading_size=self.kv_offloading_size,
+            kv_offloading_backend=self.kv_offloading_backend,
+            kv_offloading_path=self.kv_offloading_path,
         )
 
     def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
@@ -230,6 +240,14 @@ def _check_parallel_support(config: EngineConfig, arch: ModelArchConfig) -> None
                 f"kv_transfer_config with tensor_parallel_size={size} needs the model's "
                 f"{arch.num_key_value_heads} KV heads to split evenly between the ranks"
             )
+    if config.cache.kv_offloading_size and (
+        config.model.device != "cpu" or arch.num_key_value_heads % size
+    ):
+        # The tier copies whole blocks of every head, as a KV transfer does.
+        raise ValueError(
+            f"kv_offloading_size with tensor_parallel_size={size} needs device cpu and the "
+            f"model's {arch.num_key_value_heads} KV heads split evenly between the ranks"
+        )
     if config.speculative is not None and config.speculative.uses_draft_model:
         raise ValueError(
             "speculative method 'draft_model' is not supported with tensor_parallel_size > 1"

@@ -107,9 +107,16 @@ class CacheConfig:
     prefix_caching_hash_algo: str = "sha256"
     enable_kv_cache_events: bool = False
     sliding_window: int | None = None
+    # A tier below the primary pool (engine/offload/): GiB of it, 0 for none (vLLM's names).
+    kv_offloading_size: float = 0.0
+    kv_offloading_backend: str = "cpu"  # cpu (host memory) or disk (a file)
+    kv_offloading_path: str | None = None  # disk: the directory of its file (default: /tmp)
+    # The tier's blocks: filled in by the engine from kv_offloading_size and a block's bytes.
+    num_tier_blocks: int | None = None
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1)
+        _check_offloading(self)
         if self.num_blocks is not None:
             # One null block plus at least one usable block.
             _require_int("num_blocks", self.num_blocks, 2)
@@ -120,6 +127,28 @@ class CacheConfig:
             )
         if self.sliding_window is not None:
             _require_int("sliding_window", self.sliding_window, 1)
+
+
+_OFFLOADING_BACKENDS = ("cpu", "disk")
+
+
+def _check_offloading(config: CacheConfig) -> None:
+    size = config.kv_offloading_size
+    if isinstance(size, bool) or not isinstance(size, int | float) or not size >= 0:
+        raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {size!r}")
+    if config.kv_offloading_backend not in _OFFLOADING_BACKENDS:
+        raise ValueError(
+            f"kv_offloading_backend must be one of {_OFFLOADING_BACKENDS}, "
+            f"got {config.kv_offloading_backend!r}"
+        )
+    if config.kv_offloading_path is not None and config.kv_offloading_backend != "disk":
+        raise ValueError("kv_offloading_path is for kv_offloading_backend 'disk'")
+    if size and not config.enable_prefix_caching:
+        raise ValueError(
+            "kv_offloading_size needs enable_prefix_caching (tiers keep cached blocks)"
+        )
+    if size and config.sliding_window is not None:
+        raise ValueError("kv_offloading_size is not supported for sliding-window models yet")
 
 
 @dataclass(frozen=True)

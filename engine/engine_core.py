@@ -20,6 +20,7 @@ from engine.core.scheduler import Scheduler
 from engine.inputs import InputProcessor, ReasoningTokens
 from engine.kv_connector import KVConnectorBase, create_kv_connector
 from engine.models import ModelArchConfig
+from engine.offload.stores import num_tier_slots
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs
 from engine.parallel.rank0 import Rank0Runner
 from engine.parallel.workers import start_followers
@@ -73,6 +74,9 @@ class EngineCore:
         self.runner.load_model()
         num_blocks = self.runner.determine_num_blocks()
         cache = replace(config.cache, num_blocks=num_blocks)
+        if cache.kv_offloading_size:
+            block_bytes = self.runner.kv_cache_spec().bytes_per_block
+            cache = replace(cache, num_tier_blocks=num_tier_slots(cache, block_bytes))
         if connector is None and config.kv_transfer is not None:
             connector = create_kv_connector(config, arch)
         self.connector = connector
@@ -80,6 +84,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, cache, connector, config.speculative)
         self.runner.connector = connector
         self.runner.initialize_kv_cache(num_blocks)
+        if cache.num_tier_blocks:
+            self.runner.start_tier(cache.num_tier_blocks)
         self.num_blocks = num_blocks
         self._async = AsyncRunner(self) if config.scheduler.async_scheduling else None
         # The prefix cache's events, numbered for a cluster index (kv_events_config).
@@ -217,6 +223,11 @@ class EngineCore:
         return self._async is not None and self._async.in_flight
 
     def _waiting_on_transfers(self) -> bool:
+        """Copies in flight: a connector's transfers, or the KV tier's (blocks held for them
+        are let go of only when a step hears they are done)."""
+        tier = self.scheduler.tier
+        if tier is not None and tier.busy:
+            return True
         return self.connector is not None and self.connector.has_pending_transfers()
 
     # ------------------------------------------------------------------ what callers ask
@@ -230,6 +241,12 @@ class EngineCore:
         """The KV transport's name ("nixl", "grpc"), "" without KV transfer."""
         kv = self.config.kv_transfer
         return kv.connector if kv is not None else ""
+
+    @property
+    def kv_tier(self) -> str:
+        """The KV tier below the pool ("cpu", "disk"), "" without one."""
+        tier = self.scheduler.tier
+        return tier.name if tier is not None else ""
 
     @property
     def side_channel_port(self) -> int | None:
@@ -293,6 +310,8 @@ class EngineCore:
     def close(self) -> None:
         if self._async is not None:
             self._async.close()
+        if self.runner.tier is not None:
+            self.runner.tier.close()
         if self.connector is not None:
             self.connector.close()
         if self.followers is not None:

@@ -241,6 +241,7 @@ class RequestTiming:
     kv_load_descriptors: int = 0
     kv_load_outcome: str | None = None  # "ok", "recovered" (recomputed) or "failed"
     kv_load_problem: str | None = None  # why not "ok" (KVConnectorBase.take_load_problems)
+    kv_load_tier: str | None = None  # loaded from this engine's own KV tier ("cpu", "disk")
 
 
 class Request:

@@ -12,7 +12,7 @@ gauges are as of the step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from engine.core.kv_events import EngineLoad
@@ -47,6 +47,8 @@ class EngineStats:
     # The KV connector's counters (KVConnectorBase.stats: loads, blocks read and verified,
     # checksum failures...); empty without KV transfer.
     kv_transfer: dict[str, int] = field(default_factory=dict)
+    # The KV tier's counters (engine/offload/tier_index.py TierStats); empty without a tier.
+    kv_tier: dict[str, int] = field(default_factory=dict)
     tensor_parallel_size: int = 1
     # Counter: rank 0's time in all-reduce and all-gather (exchanging, and waiting for the
     # slower ranks), microseconds; 0 at one rank.
@@ -103,4 +105,5 @@ def scheduler_stats(scheduler: Scheduler) -> EngineStats:
         prefix_cache_hits=prefix.hits,
         spec_decode=replace(speculator.stats) if speculator else SpecDecodeStats(),
         kv_transfer=dict(connector.stats) if connector is not None else {},
+        kv_tier=asdict(scheduler.tier.stats) if scheduler.tier is not None else {},
     )

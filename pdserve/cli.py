@@ -96,6 +96,7 @@ _BENCHES = {
     "kv": "KV block transfer between two processes",
     "index": "the cluster KV index's lookup cost and size at many replicas (no Ray)",
     "router-sim": "the real routing code over simulated engines at cluster scale (no Ray)",
+    "offload": "multi-turn past the KV pool, with and without a KV tier below it",
     "handoff": "TTFT of a prefill -> decode hand-off, and its KV checksums' share",
     "latency": "decode tokens/s against the bandwidth bound",
     "perplexity": "accuracy of quantized linears: perplexity, greedy agreement",

@@ -4,8 +4,8 @@
 from the repository root) runs it as its `checksums` section; alone:
 `python3 tools/device_check.py` (torch and Triton only). It finishes in well under a minute.
 
-- KV block checksums (connector/checksums.py) on 1 GiB of 2 MiB blocks in GPU memory: the
-  Triton kernel (connector/checksum_triton.py, its launch alone) and torch's integer ops,
+- KV block checksums (engine/block_checksums.py) on 1 GiB of 2 MiB blocks in GPU memory: the
+  Triton kernel (engine/block_checksum_triton.py, its launch alone) and torch's integer ops,
   timed (CUDA events, median of 10 after warm-up), against a device-to-device copy of the same
   bytes; every block's sum must be equal by all three ways (Triton, torch on the GPU, torch on
   a host copy), or the script exits 2.
@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from connector import checksum_triton, checksums
+from engine import block_checksum_triton as checksum_triton
+from engine import block_checksums as checksums
 
 _BLOCK_BYTES = 2 << 20
 _NUM_BLOCKS = 512

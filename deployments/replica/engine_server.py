@@ -87,7 +87,7 @@ class EngineServer:
         self.block_bytes = core.kv_block_bytes
         self.replica_id = replica_name()
         self.tracing = Tracing(self.role, self.replica_id, otlp_endpoint)
-        self.metrics = _engine_metrics(self.transport)
+        self.metrics = _engine_metrics(self.transport, core.kv_tier)
         self._latencies = RecentLatencies(latency_window_s)
         self._sampler = _start_sampler(self) if self.metrics is not None else None
         self._kv_publisher = _start_kv_publisher(self.engine, self.role)
@@ -262,9 +262,9 @@ def _newest_lines(records: list[dict[str, Any]], max_bytes: int) -> tuple[list[s
     return lines, len(records) - len(lines)
 
 
-def _engine_metrics(transport: str) -> EngineMetrics | None:
+def _engine_metrics(transport: str, tier: str) -> EngineMetrics | None:
     """Metrics inside a Serve replica; None elsewhere (an engine embedded in a test)."""
-    return EngineMetrics(transport) if serve_replica_id() is not None else None
+    return EngineMetrics(transport, tier=tier) if serve_replica_id() is not None else None
 
 
 def _start_sampler(server: EngineServer, period_s: float = 1.0) -> threading.Event:

@@ -74,6 +74,8 @@ def _record_kv_transfer(
         start_time=_ns(timing.kv_load_start),
     )
     outcome = timing.kv_load_outcome or "ok"
+    if timing.kv_load_tier is not None:  # from this engine's own tier, not another engine
+        span.set_attribute("pdserve.kv.tier", timing.kv_load_tier)
     span.set_attributes(
         {
             "pdserve.kv.transport": kv.get("transport", ""),
@@ -91,6 +93,36 @@ def _record_kv_transfer(
     span.end(end_time=_ns(timing.kv_load_end))
 
 
+def _checksum_seconds(make: ReplicaMetrics) -> Any:
+    return make.counter(
+        "pdserve_kv_checksum_seconds",
+        "Time spent summing KV blocks: those handed out or lent (side=produced), those read, "
+        "to check them (side=verified)",
+        ("side",),
+        each("side", ("produced", "verified")),
+    )
+
+
+def _tier_counters(make: ReplicaMetrics, tier: str) -> tuple[Any, Any]:
+    """The KV tier's counters (engine/offload/), their series at 0 from start-up where the
+    engine has a tier."""
+    blocks = make.counter(
+        "pdserve_kv_tier_blocks",
+        "KV blocks the engine's tier below its pool took in (op=stored), gave back verified "
+        "(loaded; swapped_in: a preempted request's own), failed to give back (failed: "
+        "recomputed) or dropped for room (evicted)",
+        ("tier", "op"),
+        [{"tier": tier, "op": op} for op in TIER_OPS] if tier else [],
+    )
+    hit_tokens = make.counter(
+        "pdserve_kv_tier_hit_tokens",
+        "Prompt tokens found in the engine's KV tier past its pool's hits",
+        ("tier",),
+        each("tier", [tier] if tier else []),
+    )
+    return blocks, hit_tokens
+
+
 def _spec_decode_counters(make: ReplicaMetrics) -> dict[str, Any]:
     return {
         field: make.counter(f"pdserve_spec_decode_{field}", help_text)
@@ -103,7 +135,7 @@ def _spec_decode_counters(make: ReplicaMetrics) -> dict[str, Any]:
 
 
 def _kv_check_counters(make: ReplicaMetrics) -> dict[str, Any]:
-    """What the reader's checks found in the KV it read (connector/checksums.py), by the
+    """What the reader's checks found in the KV it read (engine/block_checksums.py), by the
     connector counter each follows: blocks that matched their producer's checksum, blocks that
     did not (never used: recomputed or failed by kv_load_failure_policy), and the reads they
     were in; reads fenced (the lease had ended), given up on (connector/read_watch.py) or
@@ -137,6 +169,8 @@ def _kv_check_counters(make: ReplicaMetrics) -> dict[str, Any]:
 
 # How a KV load that was not simply "ok" ended (engine/core/kv_transfer_state.py).
 KV_LOAD_FAILURES = ("recovered", "failed")
+# The KV tier's block counters (engine/offload/tier_index.py TierStats), by op.
+TIER_OPS = ("stored", "loaded", "swapped_in", "failed", "evicted")
 
 
 class EngineMetrics:
@@ -144,9 +178,13 @@ class EngineMetrics:
     `transport`: the engine's KV transport ("nixl", "grpc"; "" without KV transfer), whose
     series exist from start-up."""
 
-    def __init__(self, transport: str = "", make: ReplicaMetrics | None = None) -> None:
+    def __init__(
+        self, transport: str = "", make: ReplicaMetrics | None = None, tier: str = ""
+    ) -> None:
         make = make or ReplicaMetrics()
         transports = each("transport", [transport] if transport else [])
+        self.tier = tier
+        self.tier_blocks, self.tier_hit_tokens = _tier_counters(make, tier)
         self.running = make.gauge("pdserve_running_requests", "Requests running")
         self.waiting = make.gauge("pdserve_waiting_requests", "Requests waiting")
         self.kv_usage = make.gauge("pdserve_kv_cache_usage", "Fraction of KV blocks in use")
@@ -185,13 +223,7 @@ class EngineMetrics:
             [{**t, "outcome": o} for t in transports for o in KV_LOAD_FAILURES],
         )
         self.kv_counters = _kv_check_counters(make)
-        self.kv_checksum_seconds = make.counter(
-            "pdserve_kv_checksum_seconds",
-            "Time spent summing KV blocks: those handed out or lent (side=produced), those "
-            "read, to check them (side=verified)",
-            ("side",),
-            each("side", ("produced", "verified")),
-        )
+        self.kv_checksum_seconds = _checksum_seconds(make)
         # Speculative decoding (vLLM's spec_decode counters): acceptance rate = accepted / draft
         # tokens, mean accepted length = 1 + accepted / drafts.
         self.spec_counters = _spec_decode_counters(make)
@@ -242,11 +274,22 @@ class EngineMetrics:
                 self.kv_checksum_seconds.inc(micros / 1e6, {"side": side})
         if (micros := stats.tp_collective_us - (seen.tp_collective_us if seen else 0)) > 0:
             self.tp_collective_seconds.inc(micros / 1e6)
+        if self.tier:
+            self._sample_tier(stats.kv_tier, seen.kv_tier if seen else {})
         self._seen = stats
+
+    def _sample_tier(self, now: dict[str, int], seen: dict[str, int]) -> None:
+        for op in TIER_OPS:
+            if (delta := now.get(op, 0) - seen.get(op, 0)) > 0:
+                self.tier_blocks.inc(delta, {"tier": self.tier, "op": op})
+        if (delta := now.get("hit_tokens", 0) - seen.get("hit_tokens", 0)) > 0:
+            self.tier_hit_tokens.inc(delta, {"tier": self.tier})
 
     def observe_transfer(self, timing: RequestTiming, transport: str, block_bytes: int) -> None:
         if timing.kv_load_start is None or timing.kv_load_end is None:
             return
+        if timing.kv_load_tier is not None:
+            return  # this engine's own tier: counted by pdserve_kv_tier_blocks
         tags = {"transport": transport}
         self.kv_seconds.observe(timing.kv_load_end - timing.kv_load_start, tags)
         if timing.kv_load_blocks and block_bytes:

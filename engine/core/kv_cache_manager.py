@@ -19,6 +19,7 @@ from engine.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
+from engine.offload.tier_index import TierIndex
 from engine.request import Request
 
 
@@ -60,6 +61,15 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         # Prefix blocks lent to other engines, by loan (lease) id.
         self._loans: dict[str, list[KVCacheBlock]] = {}
+        # The tier below this pool (engine/offload/), where one is configured.
+        self.tier: TierIndex | None = None
+        if cache_config.num_tier_blocks:
+            self.tier = TierIndex(
+                cache_config.kv_offloading_backend,
+                cache_config.num_tier_blocks,
+                self.block_size,
+                self.block_pool,
+            )
 
     @property
     def usage(self) -> float:
@@ -202,7 +212,13 @@ class KVCacheManager:
                 request.request_id, request.num_computed_tokens // self.block_size
             )
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, preempted: bool = False) -> None:
+        """Let go of the request's blocks. With a tier, its cached ones go down, tail first:
+        held until copied while steps go on, or, for a preempted request (its blocks are
+        needed now), copied before the next step runs."""
+        if self.tier is not None:
+            blocks = self.manager.req_to_blocks.get(request.request_id, [])
+            self.tier.offer(blocks[::-1], hold=not preempted)
         self.manager.free(request.request_id)
         self.running_room.pop(request.request_id, None)
 
@@ -218,25 +234,31 @@ class KVCacheManager:
         return [b.block_id for b in self.manager.req_to_blocks.get(request_id, ())]
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.tier is not None:
+            self.tier.clear()
+        return True
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
 
     def check_integrity(self) -> None:
-        """The pool's invariants, plus: every block a request (or a loan) holds is counted in
-        its ref_cnt."""
+        """The pool's invariants, plus: every block a request, a loan or a store to the tier
+        holds is counted in its ref_cnt."""
         self.block_pool.check_integrity()
         users: dict[int, int] = {}
         for blocks in [*self.manager.req_to_blocks.values(), *self._loans.values()]:
             for block in blocks:
                 if not block.is_null:
                     users[block.block_id] = users.get(block.block_id, 0) + 1
+        for block_id in self.tier.storing_block_ids() if self.tier is not None else ():
+            users[block_id] = users.get(block_id, 0) + 1
         for block in self.block_pool.blocks[1:]:
             if block.ref_cnt != users.get(block.block_id, 0):
                 raise AssertionError(
                     f"{block}: ref_cnt {block.ref_cnt} but held by "
-                    f"{users.get(block.block_id, 0)} requests and loans"
+                    f"{users.get(block.block_id, 0)} requests, loans and tier stores"
                 )
 
 

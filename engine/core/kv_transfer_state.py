@@ -61,8 +61,21 @@ class KVTransferState:
         # Unfinished requests that hand their KV on (do_remote_decode): their blocks are
         # checksummed as they finish, so no step may be writing into them then.
         self._handoffs: set[str] = set()
+        # Requests loading from the KV tier below the pool: a bad block is recomputed
+        # whatever the connector's policy (it is this engine's own copy, not a remote's).
+        self._tier_loads: set[str] = set()
+        # Preempted requests loading their KV back: they resume (the worker kept their state).
+        self._resuming: set[str] = set()
 
-    def start_async_load(self, request: Request, num_local_computed_tokens: int) -> None:
+    def start_async_load(
+        self, request: Request, num_local_computed_tokens: int, tier: str = ""
+    ) -> None:
+        """`tier`: the KV comes from this engine's tier of that name, not another engine."""
+        if tier:
+            self._tier_loads.add(request.request_id)
+            request.timing.kv_load_tier = tier
+        if request.status == RequestStatus.PREEMPTED:  # its KV comes back from the tier
+            self._resuming.add(request.request_id)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_computed_tokens = num_local_computed_tokens
         target = num_local_computed_tokens + request.num_external_computed_tokens
@@ -83,6 +96,7 @@ class KVTransferState:
             return False
         self._finished_recving.discard(req_id)
         target = self._load_targets.pop(req_id)
+        self._tier_loads.discard(req_id)
         request.timing.kv_load_end = time.time()
         if req_id in self._failed_recving:
             self._failed_recving.discard(req_id)  # already rewound to the valid prefix
@@ -91,7 +105,9 @@ class KVTransferState:
             request.num_computed_tokens = target
             request.timing.kv_load_outcome = "ok"
         self._kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        request.status = RequestStatus.WAITING
+        resuming = req_id in self._resuming
+        self._resuming.discard(req_id)
+        request.status = RequestStatus.PREEMPTED if resuming else RequestStatus.WAITING
         return True
 
     def handle_invalid_blocks(
@@ -111,7 +127,7 @@ class KVTransferState:
                 continue
             outcome.discarded.add(req_id)
             request.timing.kv_load_problem = kv_output.load_problems.get(req_id, "unknown")
-            if self._policy == "fail":
+            if self._policy == "fail" and req_id not in self._tier_loads:
                 request.timing.kv_load_end = time.time()
                 request.timing.kv_load_outcome = "failed"
                 bad = sorted(invalid_block_ids)
@@ -170,6 +186,8 @@ class KVTransferState:
 
     def forget(self, req_id: str) -> None:
         self._load_targets.pop(req_id, None)
+        self._tier_loads.discard(req_id)
+        self._resuming.discard(req_id)
         self._finished_recving.discard(req_id)
         self._failed_recving.discard(req_id)
 

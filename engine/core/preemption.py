@@ -80,7 +80,7 @@ class Preemption:
 
     def preempt(self, request: Request) -> None:
         """Drop every block of `request` (already out of the running list) and queue it first."""
-        self.kv_cache_manager.free(request)
+        self.kv_cache_manager.free(request, preempted=True)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []

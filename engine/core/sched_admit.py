@@ -81,6 +81,7 @@ class Admitter:
         new_computed_blocks: list[KVCacheBlock] = []
         num_local = num_external = 0
         load_async = False
+        tier_slots: list[int] = []
         if request.num_computed_tokens == 0:
             new_computed_blocks, num_local = kv.get_computed_blocks(request)
             if self.connector is not None:
@@ -92,6 +93,10 @@ class Admitter:
                 # At least one token is always computed here, for its logits.
                 num_external = max(0, min(matched, request.num_tokens - 1 - num_local))
                 load_async = load_async and num_external > 0
+            if num_external == 0 and kv.tier is not None:
+                tier_slots = self._tier_hits(request, num_local)
+                num_external = len(tier_slots) * kv.block_size
+                load_async = bool(tier_slots)
         num_computed = request.num_computed_tokens + num_local + num_external
         num_new_tokens = 0 if load_async else self._num_new_tokens(request, num_computed, step)
         if num_new_tokens is None:
@@ -109,9 +114,13 @@ class Admitter:
         if new_blocks is None:
             return None
         queue.pop_request()
-        self._note_admitted(request, num_local, num_external)
+        self._note_admitted(request, num_local, num_external, bool(tier_slots))
         if load_async:
-            self.kv_transfers.start_async_load(request, num_local)
+            if tier_slots:
+                self._load_from_tier(request, num_local, tier_slots)
+            tier = self.kv_cache_manager.tier
+            tier_name = tier.name if tier_slots and tier is not None else ""
+            self.kv_transfers.start_async_load(request, num_local, tier_name)
             step.skipped.append(request)
             step.started_loading.append(request)
             return True
@@ -120,10 +129,31 @@ class Admitter:
         _start_running(request, num_computed, num_new_tokens, step, running)
         return True
 
-    def _note_admitted(self, request: Request, num_local: int, num_external: int) -> None:
+    def _tier_hits(self, request: Request, num_local: int) -> list[int]:
+        """The tier's slots of the prompt's blocks after its `num_local` cached tokens: whole
+        blocks, short of the last token (computed for its logits)."""
+        tier = self.kv_cache_manager.tier
+        assert tier is not None
+        block_size = self.kv_cache_manager.block_size
+        room = (request.num_tokens - 1 - num_local) // block_size
+        return tier.match(request.block_hashes, num_local // block_size, room)
+
+    def _load_from_tier(self, request: Request, num_local: int, slots: list[int]) -> None:
+        kv = self.kv_cache_manager
+        assert kv.tier is not None
+        first = num_local // kv.block_size
+        block_ids = kv.get_block_ids(request.request_id)[first : first + len(slots)]
+        kv.tier.load(request.request_id, slots, block_ids, request.status == _PREEMPTED)
+
+    def _note_admitted(
+        self, request: Request, num_local: int, num_external: int, from_tier: bool = False
+    ) -> None:
         if self.connector is not None:
             blocks = self.kv_cache_manager.get_blocks(request.request_id)
-            self.connector.update_state_after_alloc(request, blocks, num_external)
+            # The tier's blocks are this engine's own: nothing for the connector to load.
+            self.connector.update_state_after_alloc(
+                request, blocks, 0 if from_tier else num_external
+            )
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_local + num_external
         request.num_external_computed_tokens = num_external

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.offload.copies import TierCopy, TierReport
 from engine.outputs import EngineCoreOutput, TokenLogprobs
 from engine.request import Request, SamplingParams
 
@@ -76,11 +77,14 @@ class SchedulerOutput:
     # a new one by the time the step's output is back: after a release, ids are checked.
     scheduled_requests: list[Request] = field(default_factory=list)
     num_released_requests: int = 0
+    # Copies between the primary pool and the KV tier (engine/offload/), in decided order.
+    tier_copies: list[TierCopy] = field(default_factory=list)
+    tier_copies_first: bool = False  # made before the step runs (a preemption's stores)
 
     def for_workers(self) -> SchedulerOutput:
-        """What the model runners read, without the scheduler's own (sent to the other
-        tensor-parallel ranks each step)."""
-        return replace(self, scheduled_requests=[], num_released_requests=0)
+        """What the other tensor-parallel ranks' runners read each step: not the scheduler's
+        own, nor the tier's copies (rank 0 makes them in the cache the ranks share)."""
+        return replace(self, scheduled_requests=[], num_released_requests=0, tier_copies=[])
 
 
 @dataclass
@@ -112,6 +116,8 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs]] | None = None
     # Speculative method draft_model: {req_id: drafts} proposed after this step's samples.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # The KV tier's copies that ended since the last step (engine/offload/).
+    tier_report: TierReport | None = None
 
     def attach_logprobs(self, outputs: list[EngineCoreOutput]) -> None:
         """Each output gets the logprobs of the tokens it carries."""

@@ -63,6 +63,7 @@ class Scheduler:
         # Finished since the last schedule(): the worker drops their state.
         self.finished_req_ids: set[str] = set()
         self.kv_transfers = KVTransferState(self.kv_cache_manager, self.requests, connector)
+        self.tier = self.kv_cache_manager.tier  # the KV tier below the pool, if any
         self.queued_prompts = QueuedPromptTokens()
         self.admitter = Admitter(
             scheduler_config,
@@ -157,6 +158,8 @@ class Scheduler:
         output.num_released_requests = self._num_released
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        if self.tier is not None:
+            output.tier_copies, output.tier_copies_first = self.tier.take_copies()
         return output
 
     def trace_steps(self, size: int) -> None:
@@ -267,9 +270,14 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions, settle KV transfers."""
         outputs, self._pending_outputs = self._pending_outputs, []
         kv_output = model_runner_output.kv_connector_output
+        tier_report = model_runner_output.tier_report
+        loads = [kv_output] if kv_output is not None else []
+        if tier_report is not None and self.tier is not None:
+            loads.append(self.tier.settle(tier_report))
         discarded: set[str] = set()
-        if kv_output is not None and kv_output.invalid_block_ids:
-            discarded = self._handle_invalid_blocks(kv_output, scheduler_output)
+        for load in loads:
+            if load.invalid_block_ids:
+                discarded |= self._handle_invalid_blocks(load, scheduler_output)
         self.kv_transfers.end_step(scheduler_output.num_scheduled_tokens)
         first_output = len(outputs)
         self._settle_samples(scheduler_output, model_runner_output, discarded, outputs)
@@ -281,11 +289,11 @@ class Scheduler:
             model_runner_output.attach_logprobs(outputs[first_output:])
         outputs.extend(self._pending_outputs)
         self._pending_outputs = []
-        if kv_output is not None:
-            for done in self.kv_transfers.update_from_xfer_finished(kv_output):
+        for load in loads:
+            for done in self.kv_transfers.update_from_xfer_finished(load):
                 self.free_request_blocks(done)
-            if self.connector is not None:
-                self.connector.update_connector_output(kv_output)
+        if kv_output is not None and self.connector is not None:
+            self.connector.update_connector_output(kv_output)
         return outputs
 
     def _handle_invalid_blocks(
@@ -417,6 +425,8 @@ class Scheduler:
         if self.connector is not None:
             block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
             delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
+        if self.tier is not None and self.tier.is_loading(request.request_id):
+            delay_free = True  # the tier's copy into its blocks ends first (finished_recving)
         if not delay_free:
             self.free_request_blocks(request)
         return kv_transfer_params

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from engine.core.scheduler import Scheduler
     from engine.request import Request
 
-PRIMARY = "primary"  # the engine's own KV pool (offload tiers will sit below it)
+PRIMARY = "primary"  # the engine's own KV pool (a tier below it is named by its backend)
 
 
 class StepTrace:
@@ -58,19 +58,28 @@ class StepTrace:
     def _before(self, scheduler: Scheduler) -> dict[str, Any]:
         """What the scheduler sees as a step begins."""
         pool = scheduler.kv_cache_manager.block_pool
+        tiers = {
+            PRIMARY: {
+                "blocks": pool.num_blocks - 1,  # block 0 is the null block
+                "free": pool.get_num_free_blocks(),
+                "cached": len(pool.cached_block_hash_to_block),
+            }
+        }
+        tier = scheduler.tier
+        if tier is not None:  # a tier's blocks all hold a cached prefix
+            used = tier.num_used_slots
+            tiers[tier.name] = {
+                "blocks": tier.num_slots,
+                "free": tier.num_slots - used,
+                "cached": used,
+            }
         record = {
             "step": self._next_step,
             "time": time.time(),
             "waiting": len(scheduler.waiting),
             "skipped_waiting": len(scheduler.skipped_waiting),
             "running": len(scheduler.running),
-            "tiers": {
-                PRIMARY: {
-                    "blocks": pool.num_blocks - 1,  # block 0 is the null block
-                    "free": pool.get_num_free_blocks(),
-                    "cached": len(pool.cached_block_hash_to_block),
-                }
-            },
+            "tiers": tiers,
         }
         self._next_step += 1
         return record

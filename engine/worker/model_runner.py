@@ -24,6 +24,8 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_fused import FusedDecodeStep
 from engine.models.loader import load_model
 from engine.models.quantized_loading import block_kernels
+from engine.offload.stores import make_store
+from engine.offload.tier_worker import TierWorker
 from engine.outputs import TokenLogprobs
 from engine.parallel.group import SINGLE_RANK, TPGroup, rank_device
 from engine.parallel.layout import TPLayout
@@ -100,6 +102,7 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = None
         self.drafter: DraftModelProposer | None = None  # speculative method draft_model
         self.connector: KVConnectorBase | None = None
+        self.tier: TierWorker | None = None  # the KV tier's copies (start_tier)
         self.kv_cache: torch.Tensor | None = None
         self.kv_layers: list[torch.Tensor] = []
         # Decode steps on CUDA replay captured graphs (set up with the KV cache).
@@ -213,12 +216,27 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
+    def start_tier(self, num_slots: int) -> None:
+        """The KV tier's worker over this runner's cache (engine/offload/), its `num_slots`
+        blocks as the configuration says: host memory or a file."""
+        assert self.kv_cache is not None, "initialize_kv_cache() first"
+        cache = self.config.cache
+        block_bytes = self.kv_cache[0].nbytes
+        store = make_store(cache, num_slots, block_bytes)
+        self.tier = TierWorker(store, self.kv_cache, num_slots)
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        if self.tier is not None:
+            # Held blocks are never written by the step; a preemption's stores (unheld: their
+            # blocks may be reallocated by this very step) are made before it runs.
+            self.tier.submit(so.tier_copies, wait=so.tier_copies_first)
         if self.connector is not None:
             self.connector.start_load_kv(so.kv_connector_metadata)
         output = self._run(so) if so.total_num_scheduled_tokens else EMPTY_MODEL_RUNNER_OUTPUT
+        if self.tier is not None:
+            output = replace(output, tier_report=self.tier.report())
         if self.connector is None:
             return output
         done_sending, done_recving = self.connector.get_finished()

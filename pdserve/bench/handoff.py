@@ -8,7 +8,8 @@ For each prompt length, `repeats` times in turn: a fresh prompt of random tokens
 reads (`ttft_ms` covers both: what a client of a P/D app waits for before the first token,
 less the router); another fresh prompt runs on the decode engine alone (`colocated_ttft_ms`).
 `checksum_ms` is the time both engines spent summing KV blocks for it — the producer at
-hand-off, the reader before it used them (connector/checksums.py; the engines' own counters,
+hand-off, the reader before it used them (engine/block_checksums.py; the engines' own
+counters,
 `checksum_us_produced` and `checksum_us_verified`) — and `checksum_share_of_ttft` its median
 over the hand-off's median TTFT. The first run of each length is a warm-up, not counted.
 """

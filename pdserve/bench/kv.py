@@ -13,8 +13,8 @@ two pre-touched buffers on one thread. With gRPC in the run, the bench also meas
 over loopback between two processes (`tcp_loopback_gbps`): the most any TCP transport can
 carry here, and gRPC's `ratio_to_tcp_loopback`. After each timed read the decode process
 checksums the blocks it read, as an engine does before computing from them
-(connector/checksums.py): `gbps_verified` is the throughput with that pass, `checksum_overhead`
-its time over the read's.
+(engine/block_checksums.py): `gbps_verified` is the throughput with that pass,
+`checksum_overhead` its time over the read's.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from connector.checksums import block_checksums
 from connector.testing import (
     REMOTE_ENGINE_ID,
     CacheSpec,
@@ -46,6 +45,7 @@ from connector.testing import (
     wait_for,
 )
 from connector.transport import BlockRead, KVTransport
+from engine.block_checksums import block_checksums
 from engine.config import KV_TRANSPORTS, check_transport
 from engine.worker.host_memory import zeros_on_huge_pages
 from pdserve.bench.tcp_ceiling import tcp_loopback_gbps

@@ -1,4 +1,4 @@
-"""KV block checksums (connector/checksums.py): the CPU kernel, the Triton kernel (under
+"""KV block checksums (engine/block_checksums.py): the CPU kernel, the Triton kernel (under
 Triton's interpreter), torch's ops and the definition written out in Python agree; every
 single-bit change is caught; bad input is refused."""
 
@@ -10,8 +10,8 @@ import struct
 import pytest
 import torch
 
-from connector import checksums
-from connector.checksums import block_checksums, parse_checksums
+from engine import block_checksums as checksums
+from engine.block_checksums import block_checksums, parse_checksums
 
 _MASK = (1 << 64) - 1
 
@@ -105,7 +105,7 @@ def test_params_checksums_are_checked(values, message):
 # flag must be set before Triton is first imported.
 _INTERPRETED = """
 import sys, torch
-from connector import checksum_triton, checksums
+from engine import block_checksum_triton as checksum_triton, block_checksums as checksums
 sums = []
 for cache, ids in torch.load(sys.argv[1]):
     blocks = cache.view(cache.shape[0], -1).view(torch.uint8)
@@ -117,8 +117,8 @@ torch.save(sums, sys.argv[2])
 
 
 def _interpreted(tmp_path, cases: list[tuple[torch.Tensor, list[int]]]) -> list[list[str]]:
-    """connector/checksum_triton.py's kernel, its own code run by Triton's interpreter on the
-    CPU (no GPU here): the hex sums of each (cache, block ids)."""
+    """engine/block_checksum_triton.py's kernel, its own code run by Triton's
+    interpreter on the CPU (no GPU here): the hex sums of each (cache, block ids)."""
     import os
     import subprocess
     import sys
@@ -157,7 +157,7 @@ def test_a_failing_triton_kernel_falls_back_to_torch_ops_for_good(monkeypatch, c
     torch's ops, the same values, and Triton is not tried again."""
     import threading
 
-    from connector import checksum_triton
+    from engine import block_checksum_triton as checksum_triton
 
     calls = []
 
@@ -171,7 +171,7 @@ def test_a_failing_triton_kernel_falls_back_to_torch_ops_for_good(monkeypatch, c
     cache = torch.randn(4, 2, 64)
     blocks = cache.view(4, -1).view(torch.uint8)
     weights = checksums._weights(blocks.shape[1] // 4, blocks.device)
-    with caplog.at_level("ERROR", logger="connector.checksums"):
+    with caplog.at_level("ERROR", logger="engine.block_checksums"):
         sums = checksums._gpu_sums(blocks, torch.tensor([3, 1]), weights)
     assert [checksums.to_hex(s) for s in sums] == block_checksums(cache, [3, 1])
     assert "the Triton checksum kernel failed" in caplog.text

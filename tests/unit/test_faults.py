@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.checksums import block_checksums
 from connector.faults import FaultInjector, FaultyTransport
 from connector.transport import BlockRead, KVTransport, TransferResults
+from engine.block_checksums import block_checksums
 from engine.config import KVFaultInjection
 from tests.waiting import wait_until
 

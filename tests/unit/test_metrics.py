@@ -10,8 +10,9 @@ import pytest
 from ray.util import metrics
 
 from deployments.metrics import IDENTITY_TAGS, ReplicaMetrics, replica_identity
-from deployments.replica.telemetry import KV_LOAD_FAILURES, EngineMetrics
+from deployments.replica.telemetry import KV_LOAD_FAILURES, TIER_OPS, EngineMetrics
 from deployments.router.telemetry import OUTCOMES, RouterMetrics
+from engine.stats import EngineStats
 
 IDENTITY = {"application": "pdserve", "deployment": "DecodeServer", "rank": "1"}
 
@@ -80,6 +81,24 @@ def test_an_engine_without_kv_transfer_starts_no_transport_series(records) -> No
     assert "pdserve_kv_transfer_bytes" not in names
     assert "pdserve_kv_transfer_failures" not in names
     assert "pdserve_kv_blocks_verified" in names  # the check counters are per engine
+
+
+def test_an_engine_with_a_kv_tier_starts_its_series_at_0_and_counts_what_it_did(records) -> None:
+    metrics_ = EngineMetrics("", ReplicaMetrics(IDENTITY), tier="cpu")
+    ops = {t["op"] for n, v, t in records if n == "pdserve_kv_tier_blocks" and v == 0}
+    assert ops == set(TIER_OPS)
+    assert any(n == "pdserve_kv_tier_hit_tokens" and t["tier"] == "cpu" for n, _, t in records)
+    base = {"num_blocks": 8, "num_free_blocks": 8, "num_running": 0, "num_waiting": 0}
+    base |= {"num_held_requests": 0, "queued_prompt_tokens": 0}
+    metrics_.sample(EngineStats(**base, kv_tier={"stored": 3, "hit_tokens": 16}))
+    metrics_.sample(EngineStats(**base, kv_tier={"stored": 5, "loaded": 4, "hit_tokens": 16}))
+    counted = [(n, v, t.get("op")) for n, v, t in records if n.startswith("pdserve_kv_tier") and v]
+    assert counted == [
+        ("pdserve_kv_tier_blocks", 3, "stored"),
+        ("pdserve_kv_tier_hit_tokens", 16, None),
+        ("pdserve_kv_tier_blocks", 2, "stored"),  # the deltas since the last sample
+        ("pdserve_kv_tier_blocks", 4, "loaded"),
+    ]
 
 
 def test_outside_a_replica_the_identity_is_empty() -> None:

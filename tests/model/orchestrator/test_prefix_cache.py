@@ -189,8 +189,8 @@ def test_a_lent_block_that_changed_before_the_read_is_recomputed(servers, offlin
 def test_a_loan_nobody_reads_is_released_and_an_engine_lends_nothing_it_lacks(servers):
     """The lender's side: blocks are lent only for hashes it holds, stay out of eviction
     while lent, and come back when the lease is released."""
-    from connector.checksums import block_checksums
     from connector.side_channel_client import SideChannelClient, SideChannelError
+    from engine.block_checksums import block_checksums
     from engine.core.kv_cache_utils import prompt_block_hashes
 
     engine = servers[1]

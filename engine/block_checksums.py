@@ -6,7 +6,7 @@ A block's checksum is a position-weighted sum of its 32-bit words, modulo 2**64:
 
 Why this sum: it runs at memory speed (32 x 32 -> 64-bit products vectorise; a CPU kernel in
 engine/layers/csrc/block_checksum.h, a Triton kernel over the blocks in GPU memory
-(connector/checksum_triton.py), torch's integer ops elsewhere, all exact, so every device
+(engine/block_checksum_triton.py), torch's integer ops elsewhere, all exact, so every device
 computes the same value), and it catches what goes wrong with bytes in transit or at rest:
 - any single flipped bit (it moves the sum by an odd multiple of a power of two below 2**64,
   never a multiple of 2**64);
@@ -43,6 +43,11 @@ _triton_failed = threading.Event()  # set once the Triton kernel failed: torch's
 
 def block_checksums(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> list[str]:
     """The checksum of each block of a block-contiguous cache ([num_blocks, ...]), as hex."""
+    return [to_hex(value) for value in block_sums(kv_cache, block_ids)]
+
+
+def block_sums(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
+    """The checksum of each block of a block-contiguous cache ([num_blocks, ...])."""
     import torch
 
     if not block_ids:
@@ -52,7 +57,7 @@ def block_checksums(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> list[st
     if ids.min() < 0 or ids.max() >= blocks.shape[0]:
         raise ValueError(f"block ids outside [0, {blocks.shape[0]})")
     weights = _weights(blocks.shape[1] // 4, blocks.device)
-    return [to_hex(value) for value in _sums(blocks, ids, weights)]
+    return _sums(blocks, ids, weights)
 
 
 def _sums(blocks: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> list[int]:
@@ -69,7 +74,7 @@ def _sums(blocks: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> lis
 def _gpu_sums(blocks: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> list[int]:
     """The Triton kernel's sums; torch's ops where Triton is missing or its kernel failed."""
     if _triton_usable():
-        from connector import checksum_triton
+        from engine import block_checksum_triton as checksum_triton
 
         try:
             return checksum_triton.block_sums(blocks, ids, weights)
@@ -157,7 +162,7 @@ def _triton_usable() -> bool:
 @functools.cache
 def _triton_installed() -> bool:
     try:
-        from connector import checksum_triton  # noqa: F401 - imported to know it can be
+        from engine import block_checksum_triton  # noqa: F401 - imported to know it can be
     except ImportError:
         return False
     return True

@@ -1,4 +1,4 @@
-"""The KV block checksum (connector/checksums.py) as a Triton kernel over blocks in device
+"""The KV block checksum (engine/block_checksums.py) as a Triton kernel over blocks in device
 memory: what a GPU engine runs, where torch's integer ops would widen every word to 64 bits in
 a temporary first.
 

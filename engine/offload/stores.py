@@ -1,0 +1,117 @@
+"""Where a KV tier keeps its blocks: slots of one block each, in host memory or in a file.
+
+A slot holds a block's bytes exactly (every layer, K and V: the primary pool's block layout),
+so a block comes back bit for bit and its checksum is the one it left with.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from engine.config import CacheConfig
+from engine.worker.host_memory import zeros_on_huge_pages
+
+GIB = 1 << 30
+
+
+class TierStore(Protocol):
+    """Slots of `block_bytes` each; `write` and `read` copy one whole block (a uint8 view of
+    the primary pool's block, on its device)."""
+
+    name: str
+
+    def write(self, slot: int, block: torch.Tensor) -> None: ...
+
+    def read(self, slot: int, block: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def num_tier_slots(config: CacheConfig, block_bytes: int) -> int:
+    """Blocks of `block_bytes` the configured tier holds (ValueError: not even one)."""
+    slots = int(config.kv_offloading_size * GIB) // block_bytes
+    if slots < 1:
+        raise ValueError(
+            f"kv_offloading_size={config.kv_offloading_size} GiB holds no KV block of "
+            f"{block_bytes} bytes"
+        )
+    return slots
+
+
+def make_store(config: CacheConfig, num_slots: int, block_bytes: int) -> TierStore:
+    if config.kv_offloading_backend == "disk":
+        return DiskStore(num_slots, block_bytes, config.kv_offloading_path)
+    return HostStore(num_slots, block_bytes)
+
+
+class HostStore:
+    """One host tensor of every slot (huge pages where Linux offers them)."""
+
+    name = "cpu"
+
+    def __init__(self, num_slots: int, block_bytes: int) -> None:
+        self.slots = zeros_on_huge_pages((num_slots, block_bytes), torch.uint8)
+        self._array = self.slots.numpy()
+
+    # Host to host through numpy: one thread's memcpy, where torch's copy would start
+    # OpenMP workers beside the ones computing the step.
+    def write(self, slot: int, block: torch.Tensor) -> None:
+        if block.device.type == "cpu":
+            np.copyto(self._array[slot], block.numpy())
+        else:
+            self.slots[slot].copy_(block)
+
+    def read(self, slot: int, block: torch.Tensor) -> None:
+        if block.device.type == "cpu":
+            np.copyto(block.numpy(), self._array[slot])
+        else:
+            block.copy_(self.slots[slot])
+
+    def close(self) -> None:
+        return None
+
+
+class DiskStore:
+    """One file of every slot, its space reserved up front (a full disk fails at start-up,
+    not mid-copy) and unlinked at once: nothing is left behind by a process that dies."""
+
+    name = "disk"
+
+    def __init__(self, num_slots: int, block_bytes: int, directory: str | None) -> None:
+        self.block_bytes = block_bytes
+        fd, path = tempfile.mkstemp(prefix="pdserve-kv-tier-", dir=directory)
+        try:
+            os.unlink(path)
+            os.posix_fallocate(fd, 0, num_slots * block_bytes)
+        except OSError as exc:
+            os.close(fd)
+            raise ValueError(
+                f"no room for a {num_slots * block_bytes} byte KV tier in "
+                f"{directory or 'the temporary directory'}: {exc.strerror}"
+            ) from exc
+        self._fd = fd
+        self._staging = torch.empty(block_bytes, dtype=torch.uint8)  # for blocks on a GPU
+
+    def write(self, slot: int, block: torch.Tensor) -> None:
+        host = block if block.device.type == "cpu" else self._staging.copy_(block)
+        written = os.pwrite(self._fd, host.numpy().data, slot * self.block_bytes)
+        if written != self.block_bytes:
+            raise OSError(f"short write to the KV tier ({written} of {self.block_bytes} bytes)")
+
+    def read(self, slot: int, block: torch.Tensor) -> None:
+        host = block if block.device.type == "cpu" else self._staging
+        got = os.preadv(self._fd, [host.numpy().data], slot * self.block_bytes)
+        if got != self.block_bytes:
+            raise OSError(f"short read from the KV tier ({got} of {self.block_bytes} bytes)")
+        if host is not block:
+            block.copy_(host)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

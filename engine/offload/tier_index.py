@@ -1,0 +1,194 @@
+"""The scheduler's side of a KV tier: which block hashes the tier holds, in which slots, in LRU
+order, and the copies its worker is to make.
+
+Stores are write-through at free: when a request lets go of its blocks (it finished, or was
+preempted), each cached block the tier lacks is copied down, off the step's critical path (the
+worker's thread copies while the next steps compute). The block is held (one more user) until
+its copy is done, so it is neither reallocated nor rewritten meanwhile. A prompt whose prefix
+runs on past the primary pool's hits into the tier loads those blocks back asynchronously,
+waiting as a remote load waits (WAITING_FOR_REMOTE_KVS); a load that does not verify is
+recomputed from the first bad block, never used.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_utils import BlockHash, KVCacheBlock
+from engine.core.sched_output import KVConnectorOutput
+from engine.offload.copies import TierCopy, TierReport
+
+
+@dataclass
+class TierStats:
+    """Counters since the engine began (blocks, unless named otherwise)."""
+
+    stored: int = 0  # copied down
+    loaded: int = 0  # copied back and verified
+    swapped_in: int = 0  # of those, a preempted request's own (swap instead of recompute)
+    hit_tokens: int = 0  # prompt tokens found in the tier (past the primary pool's hits)
+    evicted: int = 0  # dropped from the tier for room
+    failed: int = 0  # loads that did not verify (recomputed)
+    copy_us: int = 0  # the worker's time copying and summing
+    bytes_copied: int = 0
+
+
+class TierIndex:
+    def __init__(self, name: str, num_slots: int, block_size: int, pool: BlockPool) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a KV tier needs at least one slot, got {num_slots}")
+        self.name = name
+        self.num_slots = num_slots
+        self.block_size = block_size
+        self._pool = pool
+        self._lru: OrderedDict[BlockHash, int] = OrderedDict()  # oldest first
+        self._free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end
+        self._slot_hash: list[BlockHash | None] = [None] * num_slots
+        self._versions = [0] * num_slots
+        self._copies: list[TierCopy] = []  # decided, not yet sent to the worker
+        self._pending = 0  # sent, not yet reported done
+        self._storing: deque[int] = deque()  # blocks held for their stores, in copy order
+        self._loading: set[str] = set()
+        self._urgent = False  # copies taken next must be made before the step runs
+        self.stats = TierStats()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def offer(self, blocks: Sequence[KVCacheBlock], hold: bool = True) -> None:
+        """A request is about to let go of `blocks`: copy down each cached one the tier lacks,
+        and refresh the others' place in the LRU. `hold`: keep each block (one more user)
+        until its copy is done, while the steps go on; else (a preemption, which frees blocks
+        because they are needed now) the copies are made before the next step runs."""
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is None or block.is_null:
+                continue
+            if block_hash in self._lru:
+                self._lru.move_to_end(block_hash)
+                continue
+            slot = self._take_slot(block_hash)
+            if hold:
+                self._pool.touch((block,))
+                self._storing.append(block.block_id)
+            else:
+                self._urgent = True
+                self.stats.stored += 1  # counted now: it is reported with no block to free
+            self._copies.append(TierCopy(block.block_id, slot, self._versions[slot], held=hold))
+
+    def match(self, block_hashes: Sequence[BlockHash], first: int, max_blocks: int) -> list[int]:
+        """The slots of the run of `block_hashes[first:]` the tier holds (at most
+        `max_blocks`), each refreshed in the LRU."""
+        slots: list[int] = []
+        lru = self._lru
+        for block_hash in block_hashes[first : first + max(0, max_blocks)]:
+            slot = lru.get(block_hash)
+            if slot is None:
+                break
+            lru.move_to_end(block_hash)
+            slots.append(slot)
+        return slots
+
+    def load(
+        self,
+        request_id: str,
+        slots: Sequence[int],
+        block_ids: Sequence[int],
+        resumed: bool = False,
+    ) -> None:
+        """Copy `slots` into the request's `block_ids` (as many), asynchronously; `resumed`:
+        the request was preempted, and this is its own KV coming back."""
+        last = len(slots) - 1
+        for index, (slot, block_id) in enumerate(zip(slots, block_ids, strict=True)):
+            self._copies.append(
+                TierCopy(block_id, slot, self._versions[slot], request_id, index == last)
+            )
+        self._loading.add(request_id)
+        self.stats.hit_tokens += len(slots) * self.block_size
+        if resumed:
+            self.stats.swapped_in += len(slots)
+
+    def is_loading(self, request_id: str) -> bool:
+        return request_id in self._loading
+
+    def take_copies(self) -> tuple[list[TierCopy], bool]:
+        """This step's copies, for the worker, in the order they were decided, and whether
+        they must be done before the step runs (unheld stores among them)."""
+        copies, self._copies = self._copies, []
+        urgent, self._urgent = self._urgent, False
+        self._pending += len(copies)
+        return copies, urgent
+
+    @property
+    def busy(self) -> bool:
+        """Copies not yet done: the engine keeps stepping to hear of them (held blocks)."""
+        return bool(self._copies) or self._pending > 0
+
+    def clear(self) -> None:
+        """Forget every entry (the prefix cache was reset); copies in flight still end."""
+        self._lru.clear()
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self._slot_hash = [None] * self.num_slots
+        self._versions = [version + 1 for version in self._versions]
+
+    # ------------------------------------------------------------------ the worker's report
+
+    def settle(self, report: TierReport) -> KVConnectorOutput:
+        """Let go of the blocks whose stores are done; drop entries that read bad. Returns
+        the loads' outcome in the shape a remote load reports it (KVTransferState)."""
+        self._pending -= report.num_done
+        stats = self.stats
+        stats.stored += len(report.stored)
+        stats.loaded += report.num_loaded
+        stats.copy_us += report.copy_us
+        stats.bytes_copied += report.bytes_copied
+        if report.stored:
+            for block_id in report.stored:  # they end in the order they were offered
+                if self._storing.popleft() != block_id:
+                    raise AssertionError("the KV tier's stores ended out of order")
+            blocks = self._pool.blocks
+            self._pool.free_blocks(blocks[block_id] for block_id in report.stored)
+        for slot, version in report.bad_slots:
+            self._drop(slot, version)
+        stats.failed += len(report.invalid_block_ids)
+        self._loading -= report.loaded
+        problems = dict.fromkeys(report.loaded, "checksum") if report.invalid_block_ids else {}
+        return KVConnectorOutput(
+            finished_recving=report.loaded,
+            invalid_block_ids=report.invalid_block_ids,
+            load_problems=problems,
+        )
+
+    def storing_block_ids(self) -> list[int]:
+        """Blocks held until their stores are done (one entry per hold)."""
+        return list(self._storing)
+
+    @property
+    def num_used_slots(self) -> int:
+        return len(self._lru)
+
+    def holds(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._lru
+
+    def _take_slot(self, block_hash: BlockHash) -> int:
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:  # the least recently used entry goes (a copy still reading it runs first)
+            _, slot = self._lru.popitem(last=False)
+            self._slot_hash[slot] = None
+            self.stats.evicted += 1
+        self._versions[slot] += 1
+        self._slot_hash[slot] = block_hash
+        self._lru[block_hash] = slot
+        return slot
+
+    def _drop(self, slot: int, version: int) -> None:
+        block_hash = self._slot_hash[slot]
+        if block_hash is None or self._versions[slot] != version:
+            return  # reused since: what it holds now was written after the bad read
+        del self._lru[block_hash]
+        self._slot_hash[slot] = None
+        self._versions[slot] += 1
+        self._free_slots.append(slot)

@@ -1,0 +1,129 @@
+"""The worker's side of a KV tier: a thread that makes the scheduler's copies in order.
+
+Each store sums the block as it leaves the primary pool (engine/block_checksums.py);
+each load sums it again once it is back in the pool, and a block whose sum differs is
+reported invalid (the scheduler recomputes from it on). So bytes that went wrong anywhere on
+the way — in the tier's memory, on disk, in a copy — are caught before a token is computed
+from them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.block_checksums import block_sums
+from engine.offload.copies import TierCopy, TierReport
+from engine.offload.stores import TierStore
+
+logger = logging.getLogger(__name__)
+
+
+class TierWorker:
+    def __init__(self, store: TierStore, kv_cache: torch.Tensor, num_slots: int) -> None:
+        self.store = store
+        self._kv_cache = kv_cache
+        self._blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+        self._sums: list[int | None] = [None] * num_slots  # as each slot's block left the pool
+        self._queue: queue.SimpleQueue[tuple[list[TierCopy], threading.Event | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._report = TierReport()
+        self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
+        self._thread = threading.Thread(target=self._run, name="pdserve-kv-tier", daemon=True)
+        self._thread.start()
+
+    def submit(self, copies: Sequence[TierCopy], wait: bool = False) -> None:
+        """Queue `copies` after those before; `wait`: return once they are made."""
+        if not copies:
+            return
+        done = threading.Event() if wait else None
+        self._queue.put((list(copies), done))
+        if done is not None:
+            done.wait()
+
+    def report(self) -> TierReport:
+        """What ended since the last report."""
+        with self._lock:
+            report, self._report = self._report, TierReport()
+        return report
+
+    def corrupt_slot(self, slot: int) -> None:
+        """Tests: flip a bit of what slot `slot` holds (its recorded sum stays)."""
+        block = self._blocks[0].clone()
+        self.store.read(slot, block)
+        block[0] ^= 1
+        self.store.write(slot, block)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+        self.store.close()
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        if self._stream is not None:
+            torch.cuda.set_stream(self._stream)  # beside the steps' kernels, not behind them
+        while (batch := self._queue.get()) is not None:
+            copies, finished = batch
+            started = time.perf_counter()
+            done = TierReport(num_done=len(copies))
+            for copy in copies:
+                if copy.load_of:
+                    self._load(copy, done)
+                else:
+                    self._store(copy, done)
+            if self._stream is not None:
+                self._stream.synchronize()
+            done.copy_us = round((time.perf_counter() - started) * 1e6)
+            done.bytes_copied = len(copies) * self._blocks.shape[1]
+            self._add(done)
+            if finished is not None:
+                finished.set()
+
+    def _store(self, copy: TierCopy, done: TierReport) -> None:
+        try:
+            self.store.write(copy.slot, self._blocks[copy.block_id])
+            self._sums[copy.slot] = block_sums(self._kv_cache, [copy.block_id])[0]
+        except Exception:  # an I/O error: the slot reads as bad, the engine goes on
+            logger.exception("storing a KV block in the %s tier failed", self.store.name)
+            self._sums[copy.slot] = None
+        if copy.held:
+            done.stored.append(copy.block_id)
+
+    def _load(self, copy: TierCopy, done: TierReport) -> None:
+        expected = self._sums[copy.slot]
+        try:
+            self.store.read(copy.slot, self._blocks[copy.block_id])
+            good = (
+                expected is not None and block_sums(self._kv_cache, [copy.block_id])[0] == expected
+            )
+        except Exception:
+            logger.exception("loading a KV block from the %s tier failed", self.store.name)
+            good = False
+        if good:
+            done.num_loaded += 1
+        else:
+            done.invalid_block_ids.add(copy.block_id)
+            done.bad_slots.append((copy.slot, copy.version))
+        if copy.last:
+            done.loaded.add(copy.load_of)
+
+    def _add(self, done: TierReport) -> None:
+        with self._lock:
+            report = self._report
+            report.num_done += done.num_done
+            report.stored.extend(done.stored)
+            report.loaded |= done.loaded
+            report.num_loaded += done.num_loaded
+            report.invalid_block_ids |= done.invalid_block_ids
+            report.bad_slots.extend(done.bad_slots)
+            report.copy_us += done.copy_us
+            report.bytes_copied += done.bytes_copied

@@ -1,0 +1,147 @@
+"""The KV tier through the whole engine: prefixes evicted from the primary pool come back from
+host memory or a file, token-exact with transformers; a corrupted tier read is caught and
+recomputed; a preempted request swaps its KV out and back; no block is held afterwards."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.llm import LLM
+from engine.request import SamplingParams
+from tests.model.conftest import HFReference
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def engine(ref: HFReference, blocks: int, **args) -> LLM:
+    return LLM(
+        ref.path,
+        max_model_len=96,
+        block_size=4,
+        num_gpu_blocks_override=blocks,
+        **{**ref.engine_args, **args},
+    )
+
+
+def conversations(seed: int, count: int = 4) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 300) for _ in range(24)] for _ in range(count)]
+
+
+def converse(llm: LLM, first: list[list[int]], turns: int, seed: int) -> list[list[list[int]]]:
+    """Turns round robin, one conversation at a time: the pool (30 blocks) holds about one,
+    so each conversation's prefix is evicted before its next turn."""
+    rng = random.Random(seed)
+    contexts = [list(c) for c in first]
+    answers: list[list[list[int]]] = [[] for _ in first]
+    for _ in range(turns):
+        for i, context in enumerate(contexts):
+            [out] = llm.generate([{"prompt_token_ids": context}], GREEDY)
+            tokens = list(out.outputs[0].token_ids)
+            answers[i].append(tokens)
+            context += tokens + [rng.randrange(1, 300) for _ in range(8)]
+    assert llm.drain()
+    return answers
+
+
+def expected_answers(ref: HFReference, first, turns: int, seed: int) -> list[list[list[int]]]:
+    rng = random.Random(seed)
+    contexts = [list(c) for c in first]
+    answers: list[list[list[int]]] = [[] for _ in first]
+    for _ in range(turns):
+        for i, context in enumerate(contexts):
+            tokens = ref.greedy(context, GREEDY.max_tokens)
+            answers[i].append(tokens)
+            context += tokens + [rng.randrange(1, 300) for _ in range(8)]
+    return answers
+
+
+def assert_nothing_held(llm: LLM) -> None:
+    manager = llm.engine.scheduler.kv_cache_manager
+    manager.check_integrity()
+    assert manager.block_pool.get_num_free_blocks() == manager.block_pool.num_blocks - 1
+    assert not llm.engine.has_requests()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "disk"])
+def test_evicted_prefixes_come_back_from_the_tier_token_exact(hf_refs, backend, tmp_path):
+    ref = hf_refs["llama_gqa"]
+    path = {"kv_offloading_path": str(tmp_path)} if backend == "disk" else {}
+    llm = engine(
+        ref,
+        31,
+        kv_offloading_size=0.002,
+        kv_offloading_backend=backend,
+        step_trace_size=4096,
+        **path,
+    )
+    first = conversations(1)
+    answers = converse(llm, first, turns=3, seed=2)
+    assert answers == expected_answers(ref, first, 3, 2)
+    stats = llm.engine.stats
+    tier = stats.kv_tier
+    # Every later turn found its conversation's earlier turns in the tier, not the pool.
+    assert tier["loaded"] > 0 and tier["hit_tokens"] >= 8 * 24 and tier["failed"] == 0
+    assert tier["loaded"] * 4 == tier["hit_tokens"]
+    records = llm.engine.scheduler.step_trace.records()
+    assert any(r["tiers"][backend]["cached"] > 0 for r in records)
+    assert any(r["loaded"] for r in records)  # requests admitted once their tier load ended
+    assert_nothing_held(llm)
+    llm.close()
+
+
+def test_a_corrupted_tier_read_is_caught_and_recomputed(hf_refs):
+    ref = hf_refs["llama_gqa"]
+    llm = engine(ref, 31, kv_offloading_size=0.002)
+    first = conversations(3, count=2)
+    rng = random.Random(4)
+    contexts = [c + [rng.randrange(1, 300) for _ in range(8)] for c in first]
+    llm.generate([{"prompt_token_ids": c} for c in first], GREEDY)
+    evict_pool(llm)  # the first turns' blocks are in the tier only
+    worker, tier = llm.engine.runner.tier, llm.engine.scheduler.tier
+    for slot in range(tier.num_used_slots):  # one flipped bit in every block it holds
+        worker.corrupt_slot(slot)
+    outs = llm.generate([{"prompt_token_ids": c} for c in contexts], GREEDY)
+    assert llm.drain()
+    assert [list(o.outputs[0].token_ids) for o in outs] == [ref.greedy(c, 6) for c in contexts]
+    stats = llm.engine.stats.kv_tier
+    assert stats["hit_tokens"] > 0 and stats["failed"] > 0  # found, caught, never used
+    assert stats["loaded"] == 0
+    assert_nothing_held(llm)
+    llm.close()
+
+
+def evict_pool(llm: LLM) -> None:
+    """Fill the pool with unrelated prompts, so the next turns find nothing there."""
+    rng = random.Random(99)
+    for _ in range(2):  # one after the other: each takes the pool's least recent blocks
+        llm.generate([{"prompt_token_ids": [rng.randrange(1, 300) for _ in range(80)]}], GREEDY)
+    assert llm.drain()
+
+
+def test_preempted_requests_swap_their_kv_to_the_tier_and_back_with_the_same_tokens(hf_refs):
+    ref = hf_refs["llama_gqa"]
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randrange(20, 40))] for _ in range(6)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True),
+    ] * 3
+    results = {}
+    for name, args in (("recompute", {}), ("swap", {"kv_offloading_size": 0.002})):
+        llm = engine(ref, 40, **args)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert llm.drain()
+        results[name] = [list(o.outputs[0].token_ids) for o in outs]
+        stats = llm.engine.stats
+        assert stats.num_preemptions > 0, name  # the pool fits about two of them at once
+        if name == "swap":
+            assert stats.kv_tier["swapped_in"] > 0  # their own KV came back, not recomputed
+        assert_nothing_held(llm)
+        llm.close()
+    assert results["swap"] == results["recompute"]
+    for prompt, param, tokens in zip(prompts, params, results["swap"], strict=True):
+        if param.temperature == 0.0:
+            assert tokens == ref.greedy(prompt, 40)

@@ -1,0 +1,176 @@
+"""The KV tier below the primary pool (engine/offload/): the scheduler's index (slots, LRU,
+held blocks) and the worker's copies (host memory and a file), verified on the way back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.core.block_pool import BlockPool
+from engine.offload.copies import TierCopy, TierReport
+from engine.offload.stores import DiskStore, HostStore
+from engine.offload.tier_index import TierIndex
+from engine.offload.tier_worker import TierWorker
+from tests.waiting import wait_until
+
+
+def cached_blocks(pool: BlockPool, hashes: list[bytes]):
+    """Blocks of the pool held by one user, each cached under its hash."""
+    blocks = pool.get_new_blocks(len(hashes))
+    for block, block_hash in zip(blocks, hashes, strict=True):
+        block.block_hash = block_hash
+        pool.cached_block_hash_to_block.insert(block_hash, block)
+    return blocks
+
+
+def report_of(copies: list[TierCopy]) -> TierReport:
+    """What a worker reports for `copies` when every one succeeds."""
+    report = TierReport(num_done=len(copies))
+    for copy in copies:
+        if copy.load_of:
+            report.num_loaded += 1
+            if copy.last:
+                report.loaded.add(copy.load_of)
+        else:
+            report.stored.append(copy.block_id)
+    return report
+
+
+def test_offered_blocks_are_stored_once_and_held_until_their_copy_is_done():
+    pool = BlockPool(8, enable_caching=True)
+    tier = TierIndex("cpu", 4, 16, pool)
+    blocks = cached_blocks(pool, [b"a", b"b"])
+    tier.offer(blocks)
+    assert [b.ref_cnt for b in blocks] == [2, 2]  # the request's, and the store's
+    copies = tier.take_copies()[0]
+    assert [(c.block_id, c.load_of) for c in copies] == [(b.block_id, "") for b in blocks]
+    assert tier.busy
+    tier.offer(blocks)  # already in the tier: nothing copied twice
+    assert tier.take_copies()[0] == []
+    pool.free_blocks(blocks)  # the request lets go; the stores still hold them
+    assert pool.get_num_free_blocks() == 5
+    tier.settle(report_of(copies))
+    assert pool.get_num_free_blocks() == 7 and not tier.busy
+    assert tier.stats.stored == 2 and tier.storing_block_ids() == []
+    pool.check_integrity()
+
+
+def test_a_preempted_requests_blocks_are_not_held_but_copied_before_the_next_step():
+    pool = BlockPool(8, enable_caching=True)
+    tier = TierIndex("cpu", 4, 16, pool)
+    blocks = cached_blocks(pool, [b"a", b"b"])
+    tier.offer(blocks, hold=False)
+    assert [b.ref_cnt for b in blocks] == [1, 1]  # free for the preemption's needs at once
+    copies, first = tier.take_copies()
+    assert first and not any(copy.held for copy in copies)
+    assert tier.take_copies() == ([], False)
+    tier.offer(cached_blocks(pool, [b"c"]))
+    assert tier.take_copies()[1] is False  # held stores need not hold the step back
+
+
+def test_the_least_recently_used_entry_makes_room_and_matches_stop_at_a_gap():
+    pool = BlockPool(8, enable_caching=True)
+    tier = TierIndex("cpu", 2, 16, pool)
+    tier.offer(cached_blocks(pool, [b"a", b"b"]))
+    assert tier.match([b"a"], 0, 1) == [0]  # "a" is now the most recent
+    tier.offer(cached_blocks(pool, [b"c"]))
+    assert tier.stats.evicted == 1
+    assert not tier.holds(b"b") and tier.holds(b"a") and tier.holds(b"c")
+    assert len(tier.match([b"a", b"c"], 0, 5)) == 2
+    assert tier.match([b"a", b"b", b"c"], 0, 5) == tier.match([b"a"], 0, 5)
+    assert tier.match([b"x", b"a"], 1, 1) == tier.match([b"a"], 0, 1)
+    assert tier.match([b"a", b"c"], 0, 1) == tier.match([b"a"], 0, 1)  # at most max_blocks
+
+
+def test_a_bad_read_drops_the_entry_it_read_but_not_a_newer_one_in_its_slot():
+    pool = BlockPool(8, enable_caching=True)
+    tier = TierIndex("cpu", 1, 16, pool)
+    tier.offer(cached_blocks(pool, [b"a"]))
+    stored = tier.take_copies()[0]
+    [slot] = tier.match([b"a"], 0, 1)
+    tier.load("r1", [slot], [5])
+    read = tier.take_copies()[0][0]
+    tier.offer(cached_blocks(pool, [b"b"]))  # evicts "a": the slot now holds "b"
+    tier.take_copies()[0]
+    outcome = tier.settle(
+        TierReport(
+            num_done=2,
+            stored=[stored[0].block_id],
+            loaded={"r1"},
+            invalid_block_ids={5},
+            bad_slots=[(read.slot, read.version)],
+        )
+    )
+    assert outcome.finished_recving == {"r1"} and outcome.invalid_block_ids == {5}
+    assert outcome.load_problems == {"r1": "checksum"}
+    assert tier.holds(b"b")  # written after the bad read: kept
+    [slot] = tier.match([b"b"], 0, 1)
+    tier.load("r2", [slot], [6])
+    read = tier.take_copies()[0][0]
+    tier.settle(TierReport(num_done=1, loaded={"r2"}, bad_slots=[(read.slot, read.version)]))
+    assert not tier.holds(b"b") and tier.num_used_slots == 0
+
+
+@pytest.mark.parametrize("medium", ["cpu", "disk"])
+def test_the_worker_brings_blocks_back_bit_for_bit_and_catches_corrupted_ones(medium, tmp_path):
+    cache = torch.randn(6, 2, 2, 4, 2, 8)  # [blocks, layers, K/V, tokens, heads, dim]
+    block_bytes = cache[0].nbytes
+    store = HostStore(3, block_bytes) if medium == "cpu" else DiskStore(3, block_bytes, tmp_path)
+    worker = TierWorker(store, cache, 3)
+    try:
+        original = cache[1].clone(), cache[2].clone()
+        worker.submit([TierCopy(1, 0, 1), TierCopy(2, 2, 1, held=False)], wait=True)
+        report = worker.report()  # made before submit returned
+        assert report.num_done == 2 and report.stored == [1]  # an unheld block: none to free
+        cache[1:3] = 0.0  # their blocks reused in the pool
+        worker.submit([TierCopy(4, 0, 1, "r", False), TierCopy(5, 2, 1, "r", True)])
+        report = collect(worker, 2)
+        assert report.loaded == {"r"} and report.num_loaded == 2
+        assert report.invalid_block_ids == set()
+        assert torch.equal(cache[4], original[0]) and torch.equal(cache[5], original[1])
+        assert report.bytes_copied == 2 * block_bytes
+        worker.corrupt_slot(2)  # one bit, at rest in the tier
+        worker.submit([TierCopy(3, 0, 1, "s", False), TierCopy(4, 2, 1, "s", True)])
+        report = collect(worker, 2)
+        assert report.loaded == {"s"} and report.num_loaded == 1
+        assert report.invalid_block_ids == {4} and report.bad_slots == [(2, 1)]
+        worker.submit([TierCopy(0, 1, 1, "t", True)])  # a slot never stored: never trusted
+        assert collect(worker, 1).invalid_block_ids == {0}
+    finally:
+        worker.close()
+
+
+def collect(worker: TierWorker, num_copies: int) -> TierReport:
+    """The worker's reports until `num_copies` copies are done, merged."""
+    merged = TierReport()
+
+    def done() -> bool:
+        report = worker.report()
+        merged.num_done += report.num_done
+        merged.stored += report.stored
+        merged.loaded |= report.loaded
+        merged.num_loaded += report.num_loaded
+        merged.invalid_block_ids |= report.invalid_block_ids
+        merged.bad_slots += report.bad_slots
+        merged.bytes_copied += report.bytes_copied
+        return merged.num_done >= num_copies
+
+    assert wait_until(done, timeout_s=30)
+    return merged
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"kv_offloading_size": -1}, "kv_offloading_size must be"),
+        ({"kv_offloading_size": 1, "kv_offloading_backend": "ssd"}, "kv_offloading_backend"),
+        ({"kv_offloading_size": 1, "kv_offloading_path": "/tmp"}, "kv_offloading_path is for"),
+        ({"kv_offloading_size": 1, "enable_prefix_caching": False}, "enable_prefix_caching"),
+        ({"kv_offloading_size": 1e-9}, "holds no KV block"),
+    ],
+)
+def test_tier_settings_the_engine_cannot_use_are_refused(args, message):
+    from engine.llm import LLM
+
+    with pytest.raises(ValueError, match=message):
+        LLM("tiny", max_model_len=64, num_gpu_blocks_override=32, **args)
