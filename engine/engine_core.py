@@ -176,7 +176,9 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if timer is not None:
             timer.mark("schedule")
+        started = time.perf_counter()
         runner_output = self.runner.execute_model(scheduler_output)
+        self._note_step_time(scheduler_output, time.perf_counter() - started)
         self._idle_wait(scheduler_output)
         if timer is not None:
             timer.mark("kv_connector")
@@ -184,6 +186,13 @@ class EngineCore:
         if timer is not None:
             timer.end_step()
         return outputs
+
+    def _note_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """The tier's swap-or-recompute choice weighs a step's time per token (synchronous
+        steps only: with async scheduling a step's time overlaps the next one's schedule)."""
+        tier = self.scheduler.tier
+        if tier is not None:
+            tier.costs.note_step(scheduler_output.total_num_scheduled_tokens, seconds)
 
     def _idle_wait(self, scheduler_output: SchedulerOutput) -> None:
         if scheduler_output.total_num_scheduled_tokens == 0 and self._waiting_on_transfers():

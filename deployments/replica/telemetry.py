@@ -103,7 +103,7 @@ def _checksum_seconds(make: ReplicaMetrics) -> Any:
     )
 
 
-def _tier_counters(make: ReplicaMetrics, tier: str) -> tuple[Any, Any]:
+def _tier_counters(make: ReplicaMetrics, tier: str) -> tuple[Any, Any, Any]:
     """The KV tier's counters (engine/offload/), their series at 0 from start-up where the
     engine has a tier."""
     blocks = make.counter(
@@ -120,7 +120,14 @@ def _tier_counters(make: ReplicaMetrics, tier: str) -> tuple[Any, Any]:
         ("tier",),
         each("tier", [tier] if tier else []),
     )
-    return blocks, hit_tokens
+    preemptions = make.counter(
+        "pdserve_kv_tier_preemptions",
+        "Preempted requests whose KV went down to the tier to come back (choice=swap) or was "
+        "dropped to be computed again (recompute), as measured costs decided",
+        ("tier", "choice"),
+        [{"tier": tier, "choice": c} for c in PREEMPTION_CHOICES] if tier else [],
+    )
+    return blocks, hit_tokens, preemptions
 
 
 def _spec_decode_counters(make: ReplicaMetrics) -> dict[str, Any]:
@@ -171,6 +178,7 @@ def _kv_check_counters(make: ReplicaMetrics) -> dict[str, Any]:
 KV_LOAD_FAILURES = ("recovered", "failed")
 # The KV tier's block counters (engine/offload/tier_index.py TierStats), by op.
 TIER_OPS = ("stored", "loaded", "swapped_in", "failed", "evicted")
+PREEMPTION_CHOICES = ("swap", "recompute")
 
 
 class EngineMetrics:
@@ -184,7 +192,7 @@ class EngineMetrics:
         make = make or ReplicaMetrics()
         transports = each("transport", [transport] if transport else [])
         self.tier = tier
-        self.tier_blocks, self.tier_hit_tokens = _tier_counters(make, tier)
+        self.tier_blocks, self.tier_hit_tokens, self.tier_preemptions = _tier_counters(make, tier)
         self.running = make.gauge("pdserve_running_requests", "Requests running")
         self.waiting = make.gauge("pdserve_waiting_requests", "Requests waiting")
         self.kv_usage = make.gauge("pdserve_kv_cache_usage", "Fraction of KV blocks in use")
@@ -284,6 +292,10 @@ class EngineMetrics:
                 self.tier_blocks.inc(delta, {"tier": self.tier, "op": op})
         if (delta := now.get("hit_tokens", 0) - seen.get("hit_tokens", 0)) > 0:
             self.tier_hit_tokens.inc(delta, {"tier": self.tier})
+        for choice in PREEMPTION_CHOICES:
+            field = f"{choice}_preemptions"
+            if (delta := now.get(field, 0) - seen.get(field, 0)) > 0:
+                self.tier_preemptions.inc(delta, {"tier": self.tier, "choice": choice})
 
     def observe_transfer(self, timing: RequestTiming, transport: str, block_bytes: int) -> None:
         if timing.kv_load_start is None or timing.kv_load_end is None:

@@ -215,10 +215,13 @@ class KVCacheManager:
     def free(self, request: Request, preempted: bool = False) -> None:
         """Let go of the request's blocks. With a tier, its cached ones go down, tail first:
         held until copied while steps go on, or, for a preempted request (its blocks are
-        needed now), copied before the next step runs."""
+        needed now), copied before the next step runs where swapping pays."""
         if self.tier is not None:
-            blocks = self.manager.req_to_blocks.get(request.request_id, [])
-            self.tier.offer(blocks[::-1], hold=not preempted)
+            tail_first = self.manager.req_to_blocks.get(request.request_id, [])[::-1]
+            if preempted:
+                self.tier.preempt(tail_first, request.num_computed_tokens)
+            else:
+                self.tier.offer(tail_first)
         self.manager.free(request.request_id)
         self.running_room.pop(request.request_id, None)
 

@@ -20,6 +20,7 @@ from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_utils import BlockHash, KVCacheBlock
 from engine.core.sched_output import KVConnectorOutput
 from engine.offload.copies import TierCopy, TierReport
+from engine.offload.swap_costs import SwapCosts
 
 
 @dataclass
@@ -29,6 +30,10 @@ class TierStats:
     stored: int = 0  # copied down
     loaded: int = 0  # copied back and verified
     swapped_in: int = 0  # of those, a preempted request's own (swap instead of recompute)
+    # Preemptions (requests, not blocks) by what their KV did: went down to the tier to come
+    # back, or was dropped to be computed again (SwapCosts decides).
+    swap_preemptions: int = 0
+    recompute_preemptions: int = 0
     hit_tokens: int = 0  # prompt tokens found in the tier (past the primary pool's hits)
     evicted: int = 0  # dropped from the tier for room
     failed: int = 0  # loads that did not verify (recomputed)
@@ -54,6 +59,7 @@ class TierIndex:
         self._loading: set[str] = set()
         self._urgent = False  # copies taken next must be made before the step runs
         self.stats = TierStats()
+        self.costs = SwapCosts()
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -77,6 +83,17 @@ class TierIndex:
                 self._urgent = True
                 self.stats.stored += 1  # counted now: it is reported with no block to free
             self._copies.append(TierCopy(block.block_id, slot, self._versions[slot], held=hold))
+
+    def preempt(self, blocks: Sequence[KVCacheBlock], num_computed_tokens: int) -> None:
+        """A preempted request lets go of `blocks`: down to the tier (copied before the next
+        step runs) where that costs less than computing its tokens again, else dropped."""
+        cached = [b for b in blocks if b.block_hash is not None and not b.is_null]
+        missing = sum(1 for b in cached if b.block_hash not in self._lru)
+        if cached and self.costs.swap_pays(missing, len(cached), num_computed_tokens):
+            self.stats.swap_preemptions += 1
+            self.offer(blocks, hold=False)
+        else:
+            self.stats.recompute_preemptions += 1
 
     def match(self, block_hashes: Sequence[BlockHash], first: int, max_blocks: int) -> list[int]:
         """The slots of the run of `block_hashes[first:]` the tier holds (at most
@@ -139,6 +156,7 @@ class TierIndex:
         """Let go of the blocks whose stores are done; drop entries that read bad. Returns
         the loads' outcome in the shape a remote load reports it (KVTransferState)."""
         self._pending -= report.num_done
+        self.costs.note_copies(report.num_done, report.copy_us / 1e6)
         stats = self.stats
         stats.stored += len(report.stored)
         stats.loaded += report.num_loaded

@@ -9,6 +9,7 @@ import torch
 from engine.core.block_pool import BlockPool
 from engine.offload.copies import TierCopy, TierReport
 from engine.offload.stores import DiskStore, HostStore
+from engine.offload.swap_costs import SwapCosts
 from engine.offload.tier_index import TierIndex
 from engine.offload.tier_worker import TierWorker
 from tests.waiting import wait_until
@@ -174,3 +175,26 @@ def test_tier_settings_the_engine_cannot_use_are_refused(args, message):
 
     with pytest.raises(ValueError, match=message):
         LLM("tiny", max_model_len=64, num_gpu_blocks_override=32, **args)
+
+
+def test_swap_or_recompute_follows_the_measured_costs():
+    costs = SwapCosts()
+    assert costs.swap_pays(100, 100, 1)  # nothing measured yet: a copy is memory speed
+    costs.note_copies(10, 0.010)  # 1 ms a block
+    costs.note_step(4, 1.0)  # a decode step: says nothing of prefill speed
+    assert costs.token_s is None
+    costs.note_step(1000, 0.1)  # 0.1 ms a token
+    assert not costs.swap_pays(10, 10, 100)  # 20 ms of copies against 10 ms of compute
+    assert costs.swap_pays(10, 10, 1000)
+
+
+def test_a_preemption_swaps_only_where_the_costs_say_so():
+    pool = BlockPool(8, enable_caching=True)
+    tier = TierIndex("cpu", 4, 16, pool)
+    tier.costs.note_copies(1, 0.001)
+    tier.costs.note_step(1000, 0.1)
+    tier.preempt(cached_blocks(pool, [b"a", b"b"]), num_computed_tokens=32)  # 4 ms vs 3.2 ms
+    assert tier.take_copies() == ([], False) and tier.stats.recompute_preemptions == 1
+    tier.preempt(cached_blocks(pool, [b"c", b"d"]), num_computed_tokens=64)
+    copies, first = tier.take_copies()
+    assert len(copies) == 2 and first and tier.stats.swap_preemptions == 1
