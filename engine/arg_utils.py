@@ -60,7 +60,12 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     """the fraction of GPU memory the engine may use, KV cache included"""
     scheduling_policy: str = "fcfs"
-    """fcfs, or priority (a smaller `priority` first)"""
+    """fcfs, priority (a smaller `priority` first), or continuum (fcfs, and an agent session's
+    finished turn keeps its KV pinned for a TTL predicted from its tool calls' gaps; its next
+    turn goes first while the pin holds)"""
+    kv_pin_budget: float = 0.25
+    """the share of the KV pool finished turns may keep pinned for their sessions' next turns
+    (a pin over it is refused; the request is served)"""
     async_scheduling: bool = False
     """schedule step N+1 while step N computes. Off by default: on a CPU whose cores all run
     the forward pass it costs more than it hides (docs/ARCHITECTURE.md §12)"""
@@ -195,6 +200,7 @@ class EngineArgs:
             async_scheduling=self.async_scheduling,
             max_queued_prompt_tokens=self.max_queued_prompt_tokens,
             step_trace_size=self.step_trace_size,
+            kv_pin_budget=self.kv_pin_budget,
         )
 
     def _speculative_config(self, arch: ModelArchConfig) -> SpeculativeConfig | None:

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeVar
 
-SchedulingPolicy = Literal["fcfs", "priority"]
-_POLICIES = ("fcfs", "priority")
+SchedulingPolicy = Literal["fcfs", "priority", "continuum"]
+_POLICIES = ("fcfs", "priority", "continuum")
 _HASH_ALGOS = ("sha256",)
 # The KV transports (connector/): the one list every edge (CLI, app, bench) checks against.
 TransportName = Literal["nixl", "grpc"]
@@ -65,6 +65,8 @@ class SchedulerConfig:
     max_queued_prompt_tokens: int = 0
     # Steps the per-step scheduler trace keeps (engine/core/step_trace.py); 0: off.
     step_trace_size: int = 0
+    # The share of the KV pool finished turns may keep pinned (engine/core/pins.py).
+    kv_pin_budget: float = 0.25
 
     def __post_init__(self) -> None:
         _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -73,6 +75,9 @@ class SchedulerConfig:
         _require_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _require_int("max_queued_prompt_tokens", self.max_queued_prompt_tokens, 0)
         _require_int("step_trace_size", self.step_trace_size, 0)
+        budget = self.kv_pin_budget
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget <= 1:
+            raise ValueError(f"kv_pin_budget must be a fraction in [0, 1], got {budget!r}")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if self.policy not in _POLICIES:

@@ -12,7 +12,7 @@ from engine.inputs import ChatMessages, InputProcessor, PromptInput
 from engine.models.catalog import TINY_MODEL
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.request import RequestStatus, SamplingParams
+from engine.request import PinRequest, RequestStatus, SamplingParams
 from engine.tokenizer import Tokenizer
 
 KVParams = dict[str, Any]
@@ -33,13 +33,15 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         kv_transfer_params: KVParams | Sequence[KVParams] | None = None,
+        pins: Sequence[PinRequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         `kv_transfer_params` (one dict for all prompts, or one per prompt):
         {"do_remote_decode": True} makes this engine the prefill side (the output's
         kv_transfer_params say where the KV waits); a prefill output's kv_transfer_params
-        make it the decode side. Needs `kv_transfer_config`.
+        make it the decode side. Needs `kv_transfer_config`. `pins` (one per prompt): keep a
+        finished prompt's KV for its session's next turn (engine/core/pins.py).
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
@@ -47,9 +49,14 @@ class LLM:
         if any(kv_list) and not self.engine.supports_kv_transfer:
             raise ValueError("kv_transfer_params need LLM(..., kv_transfer_config={...})")
         processor = OutputProcessor(self.tokenizer, final_only=True)
+        pin_list = list(pins) if pins is not None else [None] * len(prompt_list)
+        if len(pin_list) != len(prompt_list):
+            raise ValueError(f"pins must have one entry per prompt ({len(prompt_list)})")
         order = [
-            self._add(processor, prompt, params, kv)
-            for prompt, params, kv in zip(prompt_list, params_list, kv_list, strict=True)
+            self._add(processor, prompt, params, kv, pin)
+            for prompt, params, kv, pin in zip(
+                prompt_list, params_list, kv_list, pin_list, strict=True
+            )
         ]
         finals: dict[str, RequestOutput] = {}
         # Until our requests end; blocks held for remote readers are released by later steps.
@@ -96,6 +103,7 @@ class LLM:
         prompt: PromptInput,
         params: SamplingParams,
         kv_transfer_params: KVParams | None,
+        pin: PinRequest | None = None,
     ) -> str:
         text, token_ids = self.inputs.encode(prompt)
         request_id = str(next(self._counter))
@@ -104,6 +112,7 @@ class LLM:
             token_ids,
             params,
             kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
+            pin=pin,
         )
         processor.add_request(request_id, text, request.prompt_token_ids, params)
         self.engine.add_request(request)

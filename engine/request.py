@@ -242,6 +242,25 @@ class RequestTiming:
     kv_load_outcome: str | None = None  # "ok", "recovered" (recomputed) or "failed"
     kv_load_problem: str | None = None  # why not "ok" (KVConnectorBase.take_load_problems)
     kv_load_tier: str | None = None  # loaded from this engine's own KV tier ("cpu", "disk")
+    pin_ttl_s: float | None = None  # its KV was pinned this long for its session's next turn
+    pin_refused: bool = False  # a pin was asked or predicted, and over the engine's budget
+
+
+@dataclass(frozen=True)
+class PinRequest:
+    """`key`: the agent's session (a turn replaces its session's pin); `ttl_s`: how long to
+    keep the KV (None: predicted, under the continuum policy); `after_tool`: the tool whose
+    result this turn carries (its gap since the previous turn is that tool's time)."""
+
+    key: str
+    ttl_s: float | None = None
+    after_tool: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            raise ValueError("a pin needs a session key")
+        if self.ttl_s is not None and not self.ttl_s > 0:
+            raise ValueError(f"pin ttl must be > 0 seconds, got {self.ttl_s}")
 
 
 class Request:
@@ -272,6 +291,7 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "output_token_ids",
+        "pin",
         "priority",
         "prompt_token_ids",
         "request_id",
@@ -294,11 +314,13 @@ class Request:
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         output_token_ids: Sequence[int] = (),
+        pin: PinRequest | None = None,
     ) -> None:
         """`output_token_ids`: tokens this request already produced on another engine (one
         that failed mid-request): computed here with the prompt, never sent again, and the
         request goes on after them exactly as it would have there (sampling positions,
-        penalties, min/max tokens count them)."""
+        penalties, min/max tokens count them). `pin`: keep its KV after it finishes, for its
+        session's next turn (engine/core/pins.py)."""
         _check_request_inputs(request_id, prompt_token_ids, sampling_params, priority, cache_salt)
         _check_resumed_outputs(request_id, output_token_ids, sampling_params)
         self.request_id = request_id
@@ -317,6 +339,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
+        self.pin = pin
         # Plain attributes, not properties: the scheduler reads them on every step of every
         # request. Only append_output_token_ids changes them.
         self.all_token_ids: list[int] = [*self.prompt_token_ids, *output_token_ids]

@@ -49,6 +49,8 @@ class EngineStats:
     kv_transfer: dict[str, int] = field(default_factory=dict)
     # The KV tier's counters (engine/offload/tier_index.py TierStats); empty without a tier.
     kv_tier: dict[str, int] = field(default_factory=dict)
+    # Finished turns' pins (engine/core/pins.py PinStats: counters), and those held now.
+    kv_pins: dict[str, int] = field(default_factory=dict)
     tensor_parallel_size: int = 1
     # Counter: rank 0's time in all-reduce and all-gather (exchanging, and waiting for the
     # slower ranks), microseconds; 0 at one rank.
@@ -106,4 +108,9 @@ def scheduler_stats(scheduler: Scheduler) -> EngineStats:
         spec_decode=replace(speculator.stats) if speculator else SpecDecodeStats(),
         kv_transfer=dict(connector.stats) if connector is not None else {},
         kv_tier=asdict(scheduler.tier.stats) if scheduler.tier is not None else {},
+        kv_pins={
+            **asdict(scheduler.pins.stats),
+            "held": scheduler.pins.num_pins,
+            "held_blocks": scheduler.pins.num_blocks,
+        },
     )

@@ -93,6 +93,16 @@ def _record_kv_transfer(
     span.end(end_time=_ns(timing.kv_load_end))
 
 
+def _pin_counter(make: ReplicaMetrics) -> Any:
+    return make.counter(
+        "pdserve_kv_pins",
+        "Finished turns' KV pins: made, refused over the budget, reused by the session's "
+        "next turn, expired, or moved down to the tier under pressure",
+        ("outcome",),
+        each("outcome", PIN_OUTCOMES),
+    )
+
+
 def _checksum_seconds(make: ReplicaMetrics) -> Any:
     return make.counter(
         "pdserve_kv_checksum_seconds",
@@ -179,6 +189,8 @@ KV_LOAD_FAILURES = ("recovered", "failed")
 # The KV tier's block counters (engine/offload/tier_index.py TierStats), by op.
 TIER_OPS = ("stored", "loaded", "swapped_in", "failed", "evicted")
 PREEMPTION_CHOICES = ("swap", "recompute")
+# What became of finished turns' pins (engine/core/pins.py PinStats).
+PIN_OUTCOMES = ("pinned", "refused", "reused", "expired", "moved_down")
 
 
 class EngineMetrics:
@@ -193,6 +205,7 @@ class EngineMetrics:
         transports = each("transport", [transport] if transport else [])
         self.tier = tier
         self.tier_blocks, self.tier_hit_tokens, self.tier_preemptions = _tier_counters(make, tier)
+        self.pins = _pin_counter(make)
         self.running = make.gauge("pdserve_running_requests", "Requests running")
         self.waiting = make.gauge("pdserve_waiting_requests", "Requests waiting")
         self.kv_usage = make.gauge("pdserve_kv_cache_usage", "Fraction of KV blocks in use")
@@ -284,6 +297,10 @@ class EngineMetrics:
             self.tp_collective_seconds.inc(micros / 1e6)
         if self.tier:
             self._sample_tier(stats.kv_tier, seen.kv_tier if seen else {})
+        pins_seen = seen.kv_pins if seen else {}
+        for outcome in PIN_OUTCOMES:
+            if (delta := stats.kv_pins.get(outcome, 0) - pins_seen.get(outcome, 0)) > 0:
+                self.pins.inc(delta, {"outcome": outcome})
         self._seen = stats
 
     def _sample_tier(self, now: dict[str, int], seen: dict[str, int]) -> None:

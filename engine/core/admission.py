@@ -11,6 +11,24 @@ from collections.abc import Iterable
 from engine.request import Request, RequestStatus
 
 
+def check_new_request(request: Request, max_model_len: int) -> str | None:
+    """ValueError for a request the scheduler must not take; the error to end it with where
+    its prompt is longer than `max_model_len` (it ends at once, FINISHED_IGNORED); else None."""
+    if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+        raise ValueError(f"request {request.request_id!r} was already scheduled once")
+    if request.output_token_ids and request.num_tokens >= max_model_len:
+        raise ValueError(
+            f"request {request.request_id!r}: its prompt and {request.num_output_tokens} "
+            f"output tokens fill max_model_len={max_model_len}; nothing is left to generate"
+        )
+    if request.num_prompt_tokens > max_model_len:
+        return (
+            f"prompt has {request.num_prompt_tokens} tokens, more than "
+            f"max_model_len={max_model_len}"
+        )
+    return None
+
+
 class QueueFull(RuntimeError):
     """The engine holds as many prompt tokens waiting to be computed as it may: try later."""
 

@@ -14,6 +14,7 @@ from engine.core.kv_cache_utils import (
     make_block_hasher,
 )
 from engine.core.kv_events import KVCacheEvent
+from engine.core.pins import KVPins
 from engine.core.single_type_kv_cache_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
@@ -61,6 +62,8 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         # Prefix blocks lent to other engines, by loan (lease) id.
         self._loans: dict[str, list[KVCacheBlock]] = {}
+        # Finished turns' pins (engine/core/pins.py; the scheduler's), counted as users.
+        self.pins: KVPins | None = None
         # The tier below this pool (engine/offload/), where one is configured.
         self.tier: TierIndex | None = None
         if cache_config.num_tier_blocks:
@@ -257,11 +260,13 @@ class KVCacheManager:
                     users[block.block_id] = users.get(block.block_id, 0) + 1
         for block_id in self.tier.storing_block_ids() if self.tier is not None else ():
             users[block_id] = users.get(block_id, 0) + 1
+        for block_id in self.pins.pinned_block_ids() if self.pins is not None else ():
+            users[block_id] = users.get(block_id, 0) + 1
         for block in self.block_pool.blocks[1:]:
             if block.ref_cnt != users.get(block.block_id, 0):
                 raise AssertionError(
                     f"{block}: ref_cnt {block.ref_cnt} but held by "
-                    f"{users.get(block.block_id, 0)} requests, loans and tier stores"
+                    f"{users.get(block.block_id, 0)} requests, loans, tier stores and pins"
                 )
 
 

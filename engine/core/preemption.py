@@ -41,7 +41,12 @@ class Preemption:
     ) -> tuple[list[KVCacheBlock] | None, int]:
         """Preempt victims until `request` (running[index]) fits. Returns its new blocks (None
         if the victim was `request` itself) and its index in `running`, which shifts left
-        when a victim before it is removed."""
+        when a victim before it is removed. Pinned turns move down to the tier first, where
+        there is one (pins hold no running request's tokens)."""
+        while self._move_a_pin_down():
+            new_blocks = self._allocate(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks, index
         while True:
             victim = self.choose_victim(running, request)
             victim_index = running.index(victim)
@@ -55,13 +60,28 @@ class Preemption:
             step.preempted.append(victim)
             if victim is request:
                 return None, index
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request,
-                num_new_tokens,
-                num_lookahead_tokens=lookahead_tokens(self.speculator, request),
-            )
+            new_blocks = self._allocate(request, num_new_tokens)
             if new_blocks is not None:
                 return new_blocks, index
+
+    def _allocate(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
+        return self.kv_cache_manager.allocate_slots(
+            request, num_new_tokens, num_lookahead_tokens=lookahead_tokens(self.speculator, request)
+        )
+
+    def _move_a_pin_down(self) -> bool:
+        """Release the oldest pin into the tier below (its blocks copied before the next step
+        runs: they are freed for a request that needs them now). False: no tier, or no pin."""
+        kv = self.kv_cache_manager
+        oldest = kv.pins.oldest_blocks() if kv.pins is not None else None
+        if kv.tier is None or oldest is None:
+            return False
+        key, blocks = oldest
+        kv.tier.offer(blocks[::-1], hold=False)
+        assert kv.pins is not None
+        kv.pins.release(key)
+        kv.pins.stats.moved_down += 1
+        return True
 
     def choose_victim(self, running: list[Request], request: Request) -> Request:
         """FCFS: the most recently admitted; priority: the lowest priority. Never a request

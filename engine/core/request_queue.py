@@ -118,6 +118,6 @@ class PriorityRequestQueue(RequestQueue):
 def create_request_queue(policy: str) -> RequestQueue:
     if policy == "priority":
         return PriorityRequestQueue()
-    if policy == "fcfs":
+    if policy in ("fcfs", "continuum"):  # continuum: fcfs, pinned sessions' turns first
         return FCFSRequestQueue()
     raise ValueError(f"unknown scheduling policy {policy!r}")

@@ -66,7 +66,7 @@ class Admitter:
 
     def _select_queue(self) -> RequestQueue:
         waiting, skipped = self.waiting, self.skipped_waiting
-        if self.config.policy == "fcfs":
+        if self.config.policy != "priority":
             return skipped or waiting
         if waiting and skipped:
             head, skipped_head = waiting.peek_request(), skipped.peek_request()
@@ -154,6 +154,9 @@ class Admitter:
             self.connector.update_state_after_alloc(
                 request, blocks, 0 if from_tier else num_external
             )
+        pins = self.kv_cache_manager.pins
+        if request.pin is not None and pins is not None:
+            pins.reuse(request.pin.key)  # it holds its prefix now: the pin's job is done
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_local + num_external
         request.num_external_computed_tokens = num_external

@@ -17,9 +17,11 @@ import time
 from collections.abc import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from engine.core.admission import check_new_request
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_cache_utils import KVCacheBlock, check_capacity
 from engine.core.kv_transfer_state import KVTransferState
+from engine.core.pins import KVPins
 from engine.core.preemption import Preemption
 from engine.core.queued_prompts import QueuedPromptTokens
 from engine.core.request_queue import RequestQueue, create_request_queue
@@ -33,7 +35,6 @@ from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason, Request, RequestStatus, finish_reason_of
 from engine.spec_decode.scheduling import Speculator
 
-_WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 
@@ -64,6 +65,11 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.kv_transfers = KVTransferState(self.kv_cache_manager, self.requests, connector)
         self.tier = self.kv_cache_manager.tier  # the KV tier below the pool, if any
+        self.pins = self.kv_cache_manager.pins = KVPins(
+            self.kv_cache_manager.block_pool,
+            scheduler_config.kv_pin_budget,
+            predict=scheduler_config.policy == "continuum",
+        )
         self.queued_prompts = QueuedPromptTokens()
         self.admitter = Admitter(
             scheduler_config,
@@ -94,19 +100,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if request.status != _WAITING or request.num_computed_tokens:
-            raise ValueError(f"request {request.request_id!r} was already scheduled once")
-        if request.output_token_ids and request.num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: its prompt and {request.num_output_tokens} "
-                f"output tokens fill max_model_len={self.max_model_len}; nothing is left to "
-                "generate"
-            )
-        if request.num_prompt_tokens > self.max_model_len:
-            error = (
-                f"prompt has {request.num_prompt_tokens} tokens, more than "
-                f"max_model_len={self.max_model_len}"
-            )
+        error = check_new_request(request, self.max_model_len)  # ValueError, or too long
+        if error is not None:
             request.status = RequestStatus.FINISHED_IGNORED
             request.error = error
             self._pending_outputs.append(
@@ -115,7 +110,10 @@ class Scheduler:
             return
         request.set_block_hasher(self.kv_cache_manager.block_hasher, self.block_size)
         self.requests[request.request_id] = request
-        self.waiting.add_request(request)
+        if self.pins.goes_first(request):
+            self.waiting.prepend_request(request)  # its prefix is held for it
+        else:
+            self.waiting.add_request(request)
         self.queued_prompts.add(request)
         self.kv_transfers.note_handoff(request)
 
@@ -152,6 +150,7 @@ class Scheduler:
     # ---------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
+        self.pins.expire()  # before any allocation: an expired pin's blocks are free
         step = self._decide()
         finished, self.finished_req_ids = self.finished_req_ids, set()
         output = build_scheduler_output(step, self.kv_cache_manager, finished)
@@ -427,6 +426,9 @@ class Scheduler:
             delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
         if self.tier is not None and self.tier.is_loading(request.request_id):
             delay_free = True  # the tier's copy into its blocks ends first (finished_recving)
+        if request.pin is not None and not delay_free:
+            blocks = self.kv_cache_manager.get_blocks(request.request_id)
+            self.pins.turn_finished(request, status, blocks)
         if not delay_free:
             self.free_request_blocks(request)
         return kv_transfer_params

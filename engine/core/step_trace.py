@@ -80,6 +80,7 @@ class StepTrace:
             "skipped_waiting": len(scheduler.skipped_waiting),
             "running": len(scheduler.running),
             "tiers": tiers,
+            "pins": {"held": scheduler.pins.num_pins, "blocks": scheduler.pins.num_blocks},
         }
         self._next_step += 1
         return record
