@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import TokenLogprobs
+from engine.pin_request import PinRequest
 from engine.request import SamplingParams, StructuredOutputsParams
 from protos.pdserve.v1 import generate_pb2 as pb
 
@@ -98,6 +99,7 @@ class GenerateInput:
     priority: int = 0
     cache_salt: str | None = None
     timeout_s: float | None = None  # None: the router's default deadline
+    pin: PinRequest | None = None  # keep the turn's KV for its session's next turn
     # A chat that set no max_tokens may answer with as many tokens as the context leaves after
     # the prompt (OpenAI's chat completions); the router sets them once it has tokenized.
     fill_context: bool = False
@@ -120,6 +122,7 @@ class EngineRequest:
     # Tokens the request already generated on an engine that failed (request migration):
     # the engine computes them with the prompt and goes on after them.
     output_token_ids: list[int] = field(default_factory=list)
+    pin: PinRequest | None = None  # the decode (or colocated) leg's: keep its KV after it
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    pinned_ttl_s: float = 0.0  # the engine pinned the KV this long for the session's next turn
+    pin_refused: bool = False  # a pin was asked or predicted, over the engine's budget
 
 
 @dataclass
@@ -214,6 +219,10 @@ def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
         prompt = list(request.token_ids.ids)
     if request.timeout_s < 0 or not math.isfinite(request.timeout_s):
         raise ValueError(f"timeout_s must be >= 0, got {request.timeout_s}")
+    pin = None
+    if request.HasField("pin"):
+        ttl = request.pin.ttl_s
+        pin = PinRequest(request.pin.session, ttl or None, request.pin.after_tool)
     return GenerateInput(
         prompt=prompt,
         params=sampling_params_from_proto(request.sampling_params),
@@ -221,6 +230,7 @@ def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
         priority=request.priority,
         cache_salt=request.cache_salt or None,
         timeout_s=request.timeout_s or None,
+        pin=pin,
         fill_context=which == "chat" and not request.sampling_params.HasField("max_tokens"),
     )
 
@@ -242,6 +252,8 @@ def chunk_to_proto(chunk: ResponseChunk) -> pb.GenerateResponse:
                 prompt_tokens=chunk.usage.prompt_tokens,
                 completion_tokens=chunk.usage.completion_tokens,
                 cached_tokens=chunk.usage.cached_tokens,
+                pinned_ttl_s=chunk.usage.pinned_ttl_s,
+                pin_refused=chunk.usage.pin_refused,
             )
         )
     response.timing.CopyFrom(pb.Timing(ttft_s=chunk.ttft_s, e2e_s=chunk.e2e_s))

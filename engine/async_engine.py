@@ -308,12 +308,17 @@ class AsyncEngine:
         try:
             while True:
                 block = not self.core.has_requests()
-                if not self._drain_commands(block):
+                # Idle with pins held: wake when the next one expires, to release it.
+                wake = self.core.seconds_to_pin_expiry() if block else None
+                if not self._drain_commands(block, wake):
                     self._dead = EngineDeadError("the engine was shut down")
                     self._fail_everyone(self._dead)
                     return
                 if self.core.has_requests():
                     self._step()
+                elif wake is not None:
+                    self.core.expire_pins()
+                    self._refresh_stats()  # what Health and the metrics read
         except BaseException as exc:
             logger.exception("engine loop failed")
             self._dead = exc
@@ -340,10 +345,11 @@ class AsyncEngine:
             elif isinstance(command, _OnLoop):
                 _fail(command, error)
 
-    def _drain_commands(self, block: bool) -> bool:
-        """Apply queued commands; with `block`, wait for the first. False means shut down."""
+    def _drain_commands(self, block: bool, timeout: float | None = None) -> bool:
+        """Apply queued commands; with `block`, wait for the first (at most `timeout`
+        seconds, if given). False means shut down."""
         try:
-            command = self._commands.get(block=block)
+            command = self._commands.get(block=block, timeout=timeout if block else None)
         except queue.Empty:
             return True
         while True:

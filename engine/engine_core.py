@@ -223,6 +223,14 @@ class EngineCore:
         step in flight."""
         return self.scheduler.has_requests() or self._waiting_on_transfers() or self.step_in_flight
 
+    def seconds_to_pin_expiry(self) -> float | None:
+        """When an idle engine must step again to release an expired pin (None: no pin)."""
+        return self.scheduler.pins.seconds_to_expiry()
+
+    def expire_pins(self) -> None:
+        """Release pins past their TTL now (an idle engine's; a step does it too)."""
+        self.scheduler.pins.expire()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

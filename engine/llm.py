@@ -12,7 +12,8 @@ from engine.inputs import ChatMessages, InputProcessor, PromptInput
 from engine.models.catalog import TINY_MODEL
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.request import PinRequest, RequestStatus, SamplingParams
+from engine.pin_request import PinRequest
+from engine.request import RequestStatus, SamplingParams
 from engine.tokenizer import Tokenizer
 
 KVParams = dict[str, Any]

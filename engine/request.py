@@ -7,9 +7,12 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.stop_strings import check_stop_strings
+
+if TYPE_CHECKING:
+    from engine.pin_request import PinRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -244,23 +247,6 @@ class RequestTiming:
     kv_load_tier: str | None = None  # loaded from this engine's own KV tier ("cpu", "disk")
     pin_ttl_s: float | None = None  # its KV was pinned this long for its session's next turn
     pin_refused: bool = False  # a pin was asked or predicted, and over the engine's budget
-
-
-@dataclass(frozen=True)
-class PinRequest:
-    """`key`: the agent's session (a turn replaces its session's pin); `ttl_s`: how long to
-    keep the KV (None: predicted, under the continuum policy); `after_tool`: the tool whose
-    result this turn carries (its gap since the previous turn is that tool's time)."""
-
-    key: str
-    ttl_s: float | None = None
-    after_tool: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.key:
-            raise ValueError("a pin needs a session key")
-        if self.ttl_s is not None and not self.ttl_s > 0:
-            raise ValueError(f"pin ttl must be > 0 seconds, got {self.ttl_s}")
 
 
 class Request:

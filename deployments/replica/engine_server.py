@@ -119,6 +119,7 @@ class EngineServer:
             cache_salt=request.cache_salt,
             kv_transfer_params=request.kv_transfer_params,
             output_token_ids=request.output_token_ids,
+            pin=request.pin,
             coalesce=True,  # a router that falls behind gets tokens in batches, not one by one
         )
 

@@ -11,9 +11,11 @@ supported by this model's chat template"), `n`/`best_of` other than 1, `echo`, `
 `modalities` other than text, `audio`, `prediction`, `reasoning_effort`, `web_search_options`, a
 `service_tier` other than auto/default. Accepted as the metadata they are, with no effect on the
 output: `user` and `safety_identifier` (end-user ids for the caller's own monitoring),
-`metadata`, `store: false` (nothing is stored), `prompt_cache_key` (a cache-routing hint; the
-prefix cache here needs none), and `response_format.json_schema`'s `name`, `description` and
-`strict` (the schema is always enforced). A message's `name` goes to the chat template.
+`metadata`, `store: false` (nothing is stored), and `response_format.json_schema`'s `name`,
+`description` and `strict` (the schema is always enforced). A message's `name` goes to the chat
+template. `prompt_cache_key` names an agent's session and `cache_control` (on a message or a
+content part) asks for the turn's KV to be kept for its next turn (openai_pins.py); the usage
+says what came of it (`kv_pin`).
 Structured outputs: `response_format` (`text`, `json_object`, `json_schema`) and vLLM's
 `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (xgrammar EBNF).
 """
@@ -41,6 +43,7 @@ from deployments.router.openai_format import (
     ResponseFormat,
     sse_events,
 )
+from deployments.router.openai_pins import kv_pin
 from deployments.router.openai_requests import ChatCompletionRequest, CompletionRequest
 from deployments.router.openai_tools import template_kwargs
 from deployments.router.orchestrator import Orchestrator
@@ -239,7 +242,8 @@ def _completion_input(body: CompletionRequest, flow: Orchestrator) -> GenerateIn
             raise ValueError(f"one prompt per request, got {len(prompt)}")
         prompt = prompt[0]
     params = body.sampling_params(body.max_tokens, body.logprobs)
-    return GenerateInput(prompt, params, "", body.priority, body.cache_salt, body.timeout_s)
+    pin = kv_pin(body.prompt_cache_key, ())
+    return GenerateInput(prompt, params, "", body.priority, body.cache_salt, body.timeout_s, pin)
 
 
 def _chat_input(body: ChatCompletionRequest, flow: Orchestrator) -> GenerateInput:
@@ -263,7 +267,8 @@ def _chat_input(body: ChatCompletionRequest, flow: Orchestrator) -> GenerateInpu
     if max_tokens is None:  # as OpenAI: up to the context length (16 is the completions default)
         max_tokens = context_max_tokens(flow.model.max_model_len, len(token_ids))
     params = body.sampling_params(max_tokens, logprobs)
-    return GenerateInput(token_ids, params, "", body.priority, body.cache_salt, body.timeout_s)
+    pin = body.kv_pin(messages)
+    return GenerateInput(token_ids, params, "", body.priority, body.cache_salt, body.timeout_s, pin)
 
 
 def error_response(exc: BaseException, code: str | None = None) -> JSONResponse:

@@ -174,9 +174,12 @@ def usage(chunk: ResponseChunk) -> dict[str, Any]:
     counts = chunk.usage
     if counts is None:
         return {}
-    return {
+    shown: dict[str, Any] = {
         "prompt_tokens": counts.prompt_tokens,
         "completion_tokens": counts.completion_tokens,
         "total_tokens": counts.prompt_tokens + counts.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": counts.cached_tokens},
     }
+    if counts.pinned_ttl_s or counts.pin_refused:  # what came of the turn's KV pin
+        shown["kv_pin"] = {"ttl_s": counts.pinned_ttl_s, "refused": counts.pin_refused}
+    return shown

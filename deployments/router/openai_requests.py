@@ -9,6 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.router.openai_pins import kv_pin, ttl_seconds
+from engine.pin_request import PinRequest
 from engine.request import SamplingParams, StructuredOutputsParams
 
 
@@ -159,6 +161,7 @@ class CompletionRequest(_SamplingFields):
 class _ContentPart(BaseModel):
     type: str
     text: str = ""
+    cache_control: dict[str, Any] | None = None  # keep the turn's KV (openai_pins.py)
 
 
 class ChatMessage(BaseModel):
@@ -170,6 +173,19 @@ class ChatMessage(BaseModel):
     # Function calling (openai_tools.py decides whether the template can take them).
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    cache_control: dict[str, Any] | None = None  # keep the turn's KV (openai_pins.py)
+
+    def pin_ttls(self, index: int) -> list[float]:
+        """The TTLs its cache_control fields ask for (the message's and its parts')."""
+        where = f"messages[{index}]"
+        ttls = [ttl_seconds(self.cache_control, where)] if self.cache_control else []
+        if isinstance(self.content, list):
+            ttls += [
+                ttl_seconds(part.cache_control, f"{where}.content[{j}]")
+                for j, part in enumerate(self.content)
+                if part.cache_control
+            ]
+        return ttls
 
     def as_template_message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self._text()}
@@ -213,6 +229,10 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     web_search_options: dict[str, Any] | None = None
+
+    def kv_pin(self, messages: list[dict[str, Any]]) -> PinRequest | None:
+        ttls = [ttl for i, m in enumerate(self.messages) for ttl in m.pin_ttls(i)]
+        return kv_pin(self.prompt_cache_key, ttls, messages)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()

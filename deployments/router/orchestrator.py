@@ -146,6 +146,7 @@ class Orchestrator:
             cache_salt=request.cache_salt,
             started=now,
             deadline=now + timeout,
+            pin=request.pin,
         )
 
     # ------------------------------------------------------------------ the flow
@@ -407,6 +408,8 @@ class Orchestrator:
             cache_salt=prepared.cache_salt,
             kv_transfer_params=kv,
             trace_context=prepared.trace_context,
+            # The engine that ends the turn holding all of it keeps it: not one handing off.
+            pin=None if kv and kv.get("do_remote_decode") else prepared.pin,
         )
 
     async def wait_background(self) -> None:

@@ -15,6 +15,7 @@ from deployments.protocol import ResponseChunk, Usage
 from deployments.router.text_work import TextWork
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, RequestOutput, TokenLogprobs
+from engine.pin_request import PinRequest
 from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -33,6 +34,7 @@ class PreparedRequest:
     started: float
     deadline: float
     trace_context: dict[str, str] | None = None
+    pin: PinRequest | None = None
 
 
 # Stop strings longer than this together make each chunk's text work (searching the new text for
@@ -60,6 +62,9 @@ class ResponseStream:
         )
         self.route = ""
         self.num_cached_tokens = 0
+        # What the generating engine did with the turn's KV pin (its last output's timing).
+        self.pinned_ttl_s = 0.0
+        self.pin_refused = False
         self.finished = False
         self._ttft_s = 0.0
         self._sent_first = False
@@ -88,6 +93,9 @@ class ResponseStream:
             raise EngineFailure(f"the {leg} engine failed: {output.error}")
         if not final and output.finish_reason is not None:
             output = dataclasses.replace(output, finish_reason=None, stop_reason=None)
+        if output.timing is not None:  # an engine's last output: what came of its pin
+            self.pinned_ttl_s = output.timing.pin_ttl_s or 0.0
+            self.pin_refused = output.timing.pin_refused
         if not output.new_token_ids and output.finish_reason is None:
             return []  # nothing new (the decode leg's repeat of the first token, dropped)
         # The processor ends a request at the token that completed a stop string, even when
@@ -135,5 +143,7 @@ class ResponseStream:
                 prompt_tokens=len(self.prepared.prompt_token_ids),
                 completion_tokens=len(completion.token_ids),
                 cached_tokens=self.num_cached_tokens,
+                pinned_ttl_s=self.pinned_ttl_s,
+                pin_refused=self.pin_refused,
             )
         return chunk

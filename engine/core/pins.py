@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_utils import KVCacheBlock
-from engine.request import PinRequest, Request, RequestStatus
+from engine.pin_request import PinRequest
+from engine.request import Request, RequestStatus
 
 # Predicted TTLs stay within these bounds (seconds); an observed gap is stretched by the
 # margin, so a turn a little later than the ones before still finds its prefix.
@@ -131,6 +132,8 @@ class KVPins:
         pin = request.pin
         if pin is None or status not in _FINISHED_WELL:
             return
+        if not any(b.block_hash is not None and not b.is_null for b in blocks):
+            return  # no whole block of it is cached: nothing to keep
         ttl = self.ttl_for(pin)
         if ttl is None:
             return
@@ -186,6 +189,12 @@ class KVPins:
         for key in [k for k, p in self._pins.items() if p.expires <= now]:
             self.release(key)
             self.stats.expired += 1
+
+    def seconds_to_expiry(self) -> float | None:
+        """Until the next pin's TTL ends (an idle engine wakes then to release it)."""
+        if not self._pins:
+            return None
+        return max(0.0, min(p.expires for p in self._pins.values()) - self.clock())
 
     def oldest_blocks(self) -> tuple[str, list[KVCacheBlock]] | None:
         """The oldest pin's session and blocks (to move down a tier), or None."""

@@ -82,6 +82,14 @@ class ServeBenchConfig:
     """multiturn: new user tokens per later turn"""
     think_time_s: float = 1.0
     """multiturn: mean pause between turns (exponential)"""
+    tool_gap_s: float = 2.0
+    """agentic: a tool call's mean time (each tool's is a share of it)"""
+    background_prompts: int = 16
+    """agentic: one-shot prompts sent beside the sessions"""
+    background_rate: float = 1.0
+    """agentic: one-shot prompts a second (Poisson)"""
+    background_output_len: int = 8
+    """agentic: the one-shot prompts' output tokens"""
     long_input_len: int = 1024
     """mixed: the bursts' prompt tokens"""
     burst_output_len: int = 16
@@ -133,8 +141,10 @@ class ServeBenchConfig:
         for name in ("long_input_len", "burst_output_len", "burst_size", "burst_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.think_time_s < 0:
-            raise ValueError("think_time_s must be >= 0")
+        if self.think_time_s < 0 or self.tool_gap_s < 0:
+            raise ValueError("think_time_s and tool_gap_s must be >= 0")
+        if self.background_prompts < 0 or self.background_rate <= 0:
+            raise ValueError("background_prompts must be >= 0 and background_rate > 0")
         if self.trace is not None and self.workload != "replay":
             raise ValueError("--trace is for the replay workload only")
         if self.trace_token_scale <= 0 or self.trace_time_scale <= 0:
@@ -157,8 +167,11 @@ async def _one(
     output_len: int,
     config: ServeBenchConfig,
     metadata: Any,
+    pin: pb.KVPin | None = None,
 ) -> RequestResult:
     request = generate_request(prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    if pin is not None:  # an agent's session (and the tool it follows): the engine may pin
+        request.pin.CopyFrom(pin)
     result = RequestResult(ok=False, num_prompt_tokens=len(prompt))
     start = last = time.perf_counter()
     try:
@@ -166,6 +179,7 @@ async def _one(
             result.route = response.route or result.route
             if response.finish_reason:
                 result.num_cached_tokens = response.usage.cached_tokens
+                result.pinned = response.usage.pinned_ttl_s > 0
             if not response.token_ids:
                 continue
             now = time.perf_counter()
@@ -201,9 +215,12 @@ async def _run_app(app: str, vocab_size: int, config: ServeBenchConfig, progress
         before = await _engines(stub, metadata)
         start = time.perf_counter()
 
-        async def send(prompt: list[int], output_len: int, kind: str) -> RequestResult:
+        async def send(
+            prompt: list[int], output_len: int, kind: str, session: str = "", after_tool: str = ""
+        ) -> RequestResult:
             sent = time.perf_counter() - start
-            result = await _one(stub, prompt, output_len, config, metadata)
+            pin = pb.KVPin(session=session, after_tool=after_tool) if session else None
+            result = await _one(stub, prompt, output_len, config, metadata, pin)
             result.kind, result.start_s = kind, sent
             results.append(result)
             progress.update(1)
@@ -281,6 +298,7 @@ def _summary(
         # Prompt tokens some engine computed (the rest came from a prefix cache).
         "prefill_tokens_computed": prompt_tokens - cached_tokens,
         "prefix_hit_rate": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
+        "pinned": sum(r.pinned for r in ok),  # turns whose KV an engine kept for the next
         "routes": dict(sorted(Counter(r.route or "none" for r in ok).items())),
         "ttft_ms": _ms([r.ttft_s for r in ok]),
         "tpot_ms": _ms([r.tpot_s for r in ok if r.num_output_tokens > 1]),

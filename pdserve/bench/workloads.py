@@ -10,6 +10,10 @@
   of long prompts, one as every `burst_every` steady requests start. What disaggregation is
   for: with one engine doing both, a burst's prefills stall every running stream's next token.
 - `replay`: a recorded trace's requests at its timestamps (pdserve/bench/replay.py).
+- `agentic`: agent sessions whose turns end in tool calls: each turn comes back after its
+  tool's time with the tool's result, naming its session and the tool (what the engines'
+  `continuum` policy pins KV on), while one-shot prompts arrive beside them (eviction
+  pressure on the KV pool).
 
 Every workload sends the same requests to every configuration it compares: drawn from seeded
 generators, bursts counted in requests, never in elapsed time (a slower app would otherwise
@@ -31,7 +35,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pdserve.bench.serve import ServeBenchConfig
 
-WORKLOADS = ("random", "multiturn", "mixed", "replay")
+WORKLOADS = ("random", "multiturn", "mixed", "replay", "agentic")
+# agentic: the tools the agents call, by their mean time as a share of `tool_gap_s`.
+TOOLS = {"search": 0.5, "python": 1.0, "browse": 1.5}
 # Low ids hold the special tokens of small vocabularies: random prompts avoid them.
 _FIRST_PLAIN_TOKEN = 16
 
@@ -50,6 +56,7 @@ class RequestResult:
     num_cached_tokens: int = 0  # prompt tokens the serving engine found in its prefix cache
     route: str = ""
     token_ids: list[int] = field(default_factory=list)
+    pinned: bool = False  # the engine kept its KV for its session's next turn
 
     @property
     def tpot_s(self) -> float:
@@ -67,7 +74,9 @@ class RequestResult:
         return times
 
 
-Send = Callable[[list[int], int, str], Coroutine[Any, Any, RequestResult]]
+# send(prompt, output_len, kind, session="", after_tool=""): `session` names an agent's
+# session (its pin), `after_tool` the tool whose result the turn carries.
+Send = Callable[..., Coroutine[Any, Any, RequestResult]]
 
 
 class TokenDraw:
@@ -98,7 +107,7 @@ def warmup_prompts(config: ServeBenchConfig, vocab_size: int) -> list[list[int]]
 
 def max_tokens_needed(config: ServeBenchConfig) -> int:
     """The longest sequence the workload produces (checked against max_model_len)."""
-    if config.workload == "multiturn":
+    if config.workload in ("multiturn", "agentic"):
         return config.input_len + config.turns * (config.output_len + config.turn_len)
     if config.workload == "mixed":
         burst = config.long_input_len + config.burst_output_len
@@ -120,6 +129,8 @@ async def drive(config: ServeBenchConfig, vocab_size: int, send: Send) -> None:
         from pdserve.bench.replay import replay
 
         await replay(config, vocab_size, send)
+    elif config.workload == "agentic":
+        await _agentic(config, vocab_size, send)
     else:
         await _random(config, make_prompts(config, vocab_size), send)
 
@@ -206,3 +217,48 @@ async def _mixed(config: ServeBenchConfig, vocab_size: int, send: Send) -> None:
 
     await _arrivals(config, [start(i) for i in range(len(steady))])
     await asyncio.gather(*sent)
+
+
+async def _agentic(config: ServeBenchConfig, vocab_size: int, send: Send) -> None:
+    """`num_prompts` agent sessions of `turns` turns, `concurrency` (or all) at once: a first
+    message of `input_len` tokens; each answer is followed by a tool call — its tool drawn from
+    TOOLS, its time within 30% of the tool's mean (`tool_gap_s` scaled) — and the next turn
+    adds the tool's result (`turn_len` tokens). Beside them, `background_prompts` one-shot
+    prompts (`input_len` in, `background_output_len` out) at `background_rate` a second."""
+    draw = TokenDraw(vocab_size, config.seed)
+    firsts = [draw(config.input_len) for _ in range(config.num_prompts)]
+    results = [[draw(config.turn_len) for _ in range(config.turns - 1)] for _ in firsts]
+    rng = random.Random(config.seed + 2)
+    names = sorted(TOOLS)
+    tools = [[names[rng.randrange(len(names))] for _ in r] for r in results]
+    gaps = [
+        [config.tool_gap_s * TOOLS[tool] * rng.uniform(0.7, 1.3) for tool in session]
+        for session in tools
+    ]
+    background = [draw(config.input_len) for _ in range(config.background_prompts)]
+    pauses = [rng.expovariate(config.background_rate) for _ in background]
+
+    def session(i: int) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
+            history, tool = firsts[i], ""
+            for turn in range(config.turns):
+                kind = "first_turn" if turn == 0 else "follow_up"
+                result = await send(history, config.output_len, kind, f"agent-{i}", tool)
+                if not result.ok or turn == config.turns - 1:
+                    return
+                tool = tools[i][turn]
+                await asyncio.sleep(gaps[i][turn])  # the tool runs
+                history = [*history, *result.token_ids, *results[i][turn]]
+
+        return run
+
+    async def one_shots() -> None:
+        sent = []
+        for prompt, pause in zip(background, pauses, strict=True):
+            await asyncio.sleep(pause)
+            sent.append(
+                asyncio.create_task(send(prompt, config.background_output_len, "background"))
+            )
+        await asyncio.gather(*sent)
+
+    await asyncio.gather(one_shots(), _arrivals(config, [session(i) for i in range(len(firsts))]))

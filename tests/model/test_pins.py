@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 
 from engine.llm import LLM
-from engine.request import PinRequest, SamplingParams
+from engine.pin_request import PinRequest
+from engine.request import SamplingParams
 from tests.model.conftest import HFReference
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -7,7 +7,8 @@ import pytest
 
 from engine.core.block_pool import BlockPool
 from engine.core.pins import MAX_PREDICTED_TTL_S, MIN_PREDICTED_TTL_S, KVPins, ToolGapEstimator
-from engine.request import PinRequest, Request, RequestStatus, SamplingParams
+from engine.pin_request import PinRequest
+from engine.request import Request, RequestStatus, SamplingParams
 
 
 class Clock:

@@ -94,7 +94,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling_params", "priority", "cache_salt", "timeout_s")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling_params", "priority", "cache_salt", "timeout_s", "pin")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -111,17 +112,32 @@ class GenerateRequest(_message.Message):
     priority: int
     cache_salt: str
     timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    pin: KVPin
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., timeout_s: _Optional[float] = ..., pin: _Optional[_Union[KVPin, _Mapping]] = ...) -> None: ...
+
+class KVPin(_message.Message):
+    __slots__ = ("session", "ttl_s", "after_tool")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    AFTER_TOOL_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    ttl_s: float
+    after_tool: str
+    def __init__(self, session: _Optional[str] = ..., ttl_s: _Optional[float] = ..., after_tool: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "pinned_ttl_s", "pin_refused")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PIN_REFUSED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    pinned_ttl_s: float
+    pin_refused: bool
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., pinned_ttl_s: _Optional[float] = ..., pin_refused: _Optional[bool] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("ttft_s", "e2e_s")
