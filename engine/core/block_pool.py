@@ -189,6 +189,11 @@ class BlockPool:
         """The hash of every cached block (one entry per block)."""
         return [b.block_hash for b in self.blocks if b.block_hash is not None]
 
+    def record_event(self, event: KVCacheEvent) -> None:
+        """An event of a tier below this pool, in order with the pool's own."""
+        if self.enable_kv_cache_events:
+            self._events.append(event)
+
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
         return events

@@ -1,6 +1,9 @@
 """KV cache events: what entered and left the prefix cache, for external indexers/routers.
 
-Events are per block: a hash that two blocks hold is stored twice and removed twice."""
+Events are per block: a hash that two blocks hold is stored twice and removed twice. `medium`
+says where: "primary" (the engine's pool) or a KV tier below it ("cpu", "disk":
+engine/offload/), whose blocks the engine can also serve (loaded back before use), so a
+router counts a hash held while any medium holds it."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ class BlockStored:
     parent_block_hash: bytes | None
     token_ids: list[int]
     block_size: int
+    medium: str = "primary"
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,7 @@ class BlockRemoved:
     """Cache entries that are gone (evicted for reuse or dropped as invalid)."""
 
     block_hashes: list[bytes]
+    medium: str = "primary"
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_utils import BlockHash, KVCacheBlock
+from engine.core.kv_events import BlockRemoved, BlockStored
 from engine.core.sched_output import KVConnectorOutput
 from engine.offload.copies import TierCopy, TierReport
 from engine.offload.swap_costs import SwapCosts
@@ -68,6 +69,7 @@ class TierIndex:
         and refresh the others' place in the LRU. `hold`: keep each block (one more user)
         until its copy is done, while the steps go on; else (a preemption, which frees blocks
         because they are needed now) the copies are made before the next step runs."""
+        stored: list[BlockHash] = []
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is None or block.is_null:
@@ -76,6 +78,7 @@ class TierIndex:
                 self._lru.move_to_end(block_hash)
                 continue
             slot = self._take_slot(block_hash)
+            stored.append(block_hash)
             if hold:
                 self._pool.touch((block,))
                 self._storing.append(block.block_id)
@@ -83,6 +86,8 @@ class TierIndex:
                 self._urgent = True
                 self.stats.stored += 1  # counted now: it is reported with no block to free
             self._copies.append(TierCopy(block.block_id, slot, self._versions[slot], held=hold))
+        if stored:  # routers count them held here while the pool or the tier holds them
+            self._pool.record_event(BlockStored(stored, None, [], self.block_size, self.name))
 
     def preempt(self, blocks: Sequence[KVCacheBlock], num_computed_tokens: int) -> None:
         """A preempted request lets go of `blocks`: down to the tier (copied before the next
@@ -179,6 +184,10 @@ class TierIndex:
             load_problems=problems,
         )
 
+    def block_hashes(self) -> list[BlockHash]:
+        """Every hash the tier holds (an engine's snapshot for the cluster's index)."""
+        return list(self._lru)
+
     def storing_block_ids(self) -> list[int]:
         """Blocks held until their stores are done (one entry per hold)."""
         return list(self._storing)
@@ -194,9 +203,10 @@ class TierIndex:
         if self._free_slots:
             slot = self._free_slots.pop()
         else:  # the least recently used entry goes (a copy still reading it runs first)
-            _, slot = self._lru.popitem(last=False)
+            old_hash, slot = self._lru.popitem(last=False)
             self._slot_hash[slot] = None
             self.stats.evicted += 1
+            self._pool.record_event(BlockRemoved([old_hash], self.name))
         self._versions[slot] += 1
         self._slot_hash[slot] = block_hash
         self._lru[block_hash] = slot
@@ -210,3 +220,4 @@ class TierIndex:
         self._slot_hash[slot] = None
         self._versions[slot] += 1
         self._free_slots.append(slot)
+        self._pool.record_event(BlockRemoved([block_hash], self.name))

@@ -86,6 +86,8 @@ class ServeBenchConfig:
     """agentic: a tool call's mean time (each tool's is a share of it)"""
     background_prompts: int = 16
     """agentic: one-shot prompts sent beside the sessions"""
+    background_input_len: int = 0
+    """agentic: the one-shot prompts' tokens (0: input_len)"""
     background_rate: float = 1.0
     """agentic: one-shot prompts a second (Poisson)"""
     background_output_len: int = 8
@@ -143,7 +145,11 @@ class ServeBenchConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.think_time_s < 0 or self.tool_gap_s < 0:
             raise ValueError("think_time_s and tool_gap_s must be >= 0")
-        if self.background_prompts < 0 or self.background_rate <= 0:
+        if (
+            self.background_prompts < 0
+            or self.background_rate <= 0
+            or self.background_input_len < 0
+        ):
             raise ValueError("background_prompts must be >= 0 and background_rate > 0")
         if self.trace is not None and self.workload != "replay":
             raise ValueError("--trace is for the replay workload only")

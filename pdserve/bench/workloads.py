@@ -224,7 +224,8 @@ async def _agentic(config: ServeBenchConfig, vocab_size: int, send: Send) -> Non
     message of `input_len` tokens; each answer is followed by a tool call — its tool drawn from
     TOOLS, its time within 30% of the tool's mean (`tool_gap_s` scaled) — and the next turn
     adds the tool's result (`turn_len` tokens). Beside them, `background_prompts` one-shot
-    prompts (`input_len` in, `background_output_len` out) at `background_rate` a second."""
+    prompts (`background_input_len` in, `background_output_len` out) at `background_rate` a
+    second."""
     draw = TokenDraw(vocab_size, config.seed)
     firsts = [draw(config.input_len) for _ in range(config.num_prompts)]
     results = [[draw(config.turn_len) for _ in range(config.turns - 1)] for _ in firsts]
@@ -235,7 +236,8 @@ async def _agentic(config: ServeBenchConfig, vocab_size: int, send: Send) -> Non
         [config.tool_gap_s * TOOLS[tool] * rng.uniform(0.7, 1.3) for tool in session]
         for session in tools
     ]
-    background = [draw(config.input_len) for _ in range(config.background_prompts)]
+    one_shot_len = config.background_input_len or config.input_len
+    background = [draw(one_shot_len) for _ in range(config.background_prompts)]
     pauses = [rng.expovariate(config.background_rate) for _ in background]
 
     def session(i: int) -> Callable[[], Awaitable[None]]:

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from deployments.cluster.kv_index import PrefixIndex
 from engine.llm import LLM
 from engine.request import SamplingParams
 from tests.model.conftest import HFReference
@@ -146,3 +147,25 @@ def test_preempted_requests_swap_their_kv_to_the_tier_and_back_with_the_same_tok
     for prompt, param, tokens in zip(prompts, params, results["swap"], strict=True):
         if param.temperature == 0.0:
             assert tokens == ref.greedy(prompt, 40)
+
+
+def test_an_index_fed_the_engines_events_finds_what_only_the_tier_holds(hf_refs):
+    ref = hf_refs["llama_gqa"]
+    events = {"enable_kv_cache_events": True}
+    llm = engine(ref, 31, kv_offloading_size=0.002, kv_events_config=events)
+    [prompt] = conversations(8, count=1)
+    llm.generate([{"prompt_token_ids": prompt}], GREEDY)
+    evict_pool(llm)
+    manager = llm.engine.scheduler.kv_cache_manager
+    request = llm.inputs.make_request("probe", prompt, GREEDY)
+    request.set_block_hasher(manager.block_hasher, manager.block_size)
+    hashes = request.block_hashes
+    assert all(manager.block_pool.get_cached_block(h) is None for h in hashes)  # pool: gone
+    index, stream = PrefixIndex(), llm.engine.kv_events
+    while (batch := stream.take_batch()) is not None:
+        assert index.apply("engine", batch)
+    assert index.match(hashes) == {"engine": len(hashes)}  # the tier holds every block
+    recovered = PrefixIndex()  # an index that restarted: the snapshot says as much
+    recovered.load_snapshot("engine", stream.snapshot())
+    assert recovered.match(hashes) == {"engine": len(hashes)}
+    llm.close()

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deployments.cluster.kv_index import PrefixIndex
 from engine.core.block_pool import BlockPool
+from engine.core.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from engine.offload.copies import TierCopy, TierReport
 from engine.offload.stores import DiskStore, HostStore
 from engine.offload.swap_costs import SwapCosts
@@ -198,3 +200,23 @@ def test_a_preemption_swaps_only_where_the_costs_say_so():
     tier.preempt(cached_blocks(pool, [b"c", b"d"]), num_computed_tokens=64)
     copies, first = tier.take_copies()
     assert len(copies) == 2 and first and tier.stats.swap_preemptions == 1
+
+
+def test_the_tier_reports_what_it_holds_so_an_index_counts_it_held():
+    pool = BlockPool(8, enable_caching=True, enable_kv_cache_events=True)
+    tier = TierIndex("cpu", 1, 16, pool)
+    tier.offer(cached_blocks(pool, [b"a"]))
+    tier.offer(cached_blocks(pool, [b"b"]))  # one slot: "a" goes
+    events = pool.take_events()
+    assert events == [
+        BlockStored([b"a"], None, [], 16, "cpu"),
+        BlockRemoved([b"a"], "cpu"),
+        BlockStored([b"b"], None, [], 16, "cpu"),
+    ]
+    index = PrefixIndex()
+    index.apply("engine", KVEventBatch("epoch", 0, (BlockStored([b"b"], None, [], 16),)))
+    index.apply("engine", KVEventBatch("epoch", 1, tuple(events)))
+    index.apply("engine", KVEventBatch("epoch", 2, (BlockRemoved([b"b"]),)))  # the pool's
+    assert index.match([b"b"]) == {"engine": 1}  # the tier still holds it
+    assert index.match([b"a"]) == {"engine": 0}
+    assert tier.block_hashes() == [b"b"]
