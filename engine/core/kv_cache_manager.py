@@ -228,6 +228,21 @@ class KVCacheManager:
         self.manager.free(request.request_id)
         self.running_room.pop(request.request_id, None)
 
+    def release_oldest_pin(self) -> bool:
+        """Let go of the oldest pin early, for a request that needs its blocks now: into the
+        tier below where there is one (copied before the next step runs). False: no pin."""
+        oldest = self.pins.oldest_blocks() if self.pins is not None else None
+        if oldest is None or self.pins is None:
+            return False
+        key, blocks = oldest
+        if self.tier is not None:
+            self.tier.offer(blocks[::-1], hold=False)
+            self.pins.stats.moved_down += 1
+        else:
+            self.pins.stats.gave_way += 1
+        self.pins.release(key)
+        return True
+
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """Remove blocks from the prefix cache (their KV is not to be trusted)."""
         blocks = self.block_pool.blocks

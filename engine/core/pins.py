@@ -76,6 +76,7 @@ class PinStats:
     reused: int = 0  # released as their session's next turn was admitted
     expired: int = 0  # released at their TTL
     moved_down: int = 0  # released early into the tier below, under pressure
+    gave_way: int = 0  # released early, no tier: a waiting request could not start otherwise
 
 
 class KVPins:

@@ -70,18 +70,10 @@ class Preemption:
         )
 
     def _move_a_pin_down(self) -> bool:
-        """Release the oldest pin into the tier below (its blocks copied before the next step
-        runs: they are freed for a request that needs them now). False: no tier, or no pin."""
+        """Release the oldest pin into the tier below. False: no tier (pins then hold until
+        their TTL), or no pin."""
         kv = self.kv_cache_manager
-        oldest = kv.pins.oldest_blocks() if kv.pins is not None else None
-        if kv.tier is None or oldest is None:
-            return False
-        key, blocks = oldest
-        kv.tier.offer(blocks[::-1], hold=False)
-        assert kv.pins is not None
-        kv.pins.release(key)
-        kv.pins.stats.moved_down += 1
-        return True
+        return kv.tier is not None and kv.release_oldest_pin()
 
     def choose_victim(self, running: list[Request], request: Request) -> Request:
         """FCFS: the most recently admitted; priority: the lowest priority. Never a request

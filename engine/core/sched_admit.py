@@ -101,16 +101,21 @@ class Admitter:
         num_new_tokens = 0 if load_async else self._num_new_tokens(request, num_computed, step)
         if num_new_tokens is None:
             return None
-        new_blocks = kv.allocate_slots(
-            request,
-            num_new_tokens,
-            num_local,
-            new_computed_blocks,
-            num_lookahead_tokens=lookahead_tokens(self.speculator, request),
-            num_external_computed_tokens=num_external,
-            # KV that arrives from elsewhere is not cached until it has arrived intact.
-            delay_cache_blocks=num_external > 0,
-        )
+        while True:
+            new_blocks = kv.allocate_slots(
+                request,
+                num_new_tokens,
+                num_local,
+                new_computed_blocks,
+                num_lookahead_tokens=lookahead_tokens(self.speculator, request),
+                num_external_computed_tokens=num_external,
+                # KV that arrives from elsewhere is not cached until it has arrived intact.
+                delay_cache_blocks=num_external > 0,
+            )
+            # With nothing running, no block would come free but a pin's: pins give way
+            # (oldest first) rather than hold the queue until their TTL.
+            if new_blocks is not None or running or not kv.release_oldest_pin():
+                break
         if new_blocks is None:
             return None
         queue.pop_request()

@@ -98,3 +98,17 @@ def test_under_pressure_a_pin_moves_down_to_the_tier_and_its_turn_loads_it_back(
     assert llm.engine.stats.kv_tier["hit_tokens"] > 0  # the pinned turn, from the tier
     assert_nothing_held(llm)
     llm.close()
+
+
+def test_with_nothing_running_pins_give_way_to_a_prompt_that_needs_their_blocks(hf_refs):
+    ref = hf_refs["llama_gqa"]
+    llm = engine(ref)  # no tier: pins hold until their TTL, unless nothing else could run
+    first = tokens(7, 24)
+    llm.generate([{"prompt_token_ids": first}], GREEDY, pins=[PinRequest("s", ttl_s=3000.0)])
+    long_prompt = tokens(8, 100)  # 27 blocks of 30; the pin holds 7
+    [out] = llm.generate([{"prompt_token_ids": long_prompt}], GREEDY)
+    assert list(out.outputs[0].token_ids) == ref.greedy(long_prompt, GREEDY.max_tokens)
+    pins = llm.engine.stats.kv_pins
+    assert pins["gave_way"] == 1 and pins["held"] == 0
+    assert_nothing_held(llm)
+    llm.close()
