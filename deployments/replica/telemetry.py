@@ -97,8 +97,8 @@ def _pin_counter(make: ReplicaMetrics) -> Any:
     return make.counter(
         "pdserve_kv_pins",
         "Finished turns' KV pins: made, refused over the budget, reused by the session's "
-        "next turn, expired, moved down to the tier under pressure, or (no tier) given way "
-        "to a waiting request with nothing running",
+        "next turn, replaced by its next pin, expired, moved down to the tier under "
+        "pressure, or (no tier) given way to a waiting request with nothing running",
         ("outcome",),
         each("outcome", PIN_OUTCOMES),
     )
@@ -191,7 +191,7 @@ KV_LOAD_FAILURES = ("recovered", "failed")
 TIER_OPS = ("stored", "loaded", "swapped_in", "failed", "evicted")
 PREEMPTION_CHOICES = ("swap", "recompute")
 # What became of finished turns' pins (engine/core/pins.py PinStats).
-PIN_OUTCOMES = ("pinned", "refused", "reused", "expired", "moved_down", "gave_way")
+PIN_OUTCOMES = ("pinned", "refused", "reused", "replaced", "expired", "moved_down", "gave_way")
 
 
 class EngineMetrics:

@@ -8,7 +8,8 @@
   "5m" when no ttl is given; up to "1h"). Without a `prompt_cache_key` the turn is a session
   of its own: its pin lasts until the TTL.
 - The tool whose result the turn carries (the last assistant message's tool call, where
-  tool results follow it) is what the gap before this turn measured.
+  tool results follow it; the first one, where it made several) is what the gap before this
+  turn measured.
 """
 
 from __future__ import annotations

@@ -178,12 +178,12 @@ class ChatMessage(BaseModel):
     def pin_ttls(self, index: int) -> list[float]:
         """The TTLs its cache_control fields ask for (the message's and its parts')."""
         where = f"messages[{index}]"
-        ttls = [ttl_seconds(self.cache_control, where)] if self.cache_control else []
+        ttls = [] if self.cache_control is None else [ttl_seconds(self.cache_control, where)]
         if isinstance(self.content, list):
             ttls += [
                 ttl_seconds(part.cache_control, f"{where}.content[{j}]")
                 for j, part in enumerate(self.content)
-                if part.cache_control
+                if part.cache_control is not None
             ]
         return ttls
 

@@ -231,7 +231,7 @@ class KVCacheManager:
     def release_oldest_pin(self) -> bool:
         """Let go of the oldest pin early, for a request that needs its blocks now: into the
         tier below where there is one (copied before the next step runs). False: no pin."""
-        oldest = self.pins.oldest_blocks() if self.pins is not None else None
+        oldest = self.pins.oldest_freeing() if self.pins is not None else None
         if oldest is None or self.pins is None:
             return False
         key, blocks = oldest
@@ -255,6 +255,8 @@ class KVCacheManager:
         return [b.block_id for b in self.manager.req_to_blocks.get(request_id, ())]
 
     def reset_prefix_cache(self) -> bool:
+        if self.pins is not None:  # the KV they keep is no longer to be reused
+            self.pins.release_all()
         if not self.block_pool.reset_prefix_cache():
             return False
         if self.tier is not None:

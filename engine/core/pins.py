@@ -77,6 +77,7 @@ class PinStats:
     expired: int = 0  # released at their TTL
     moved_down: int = 0  # released early into the tier below, under pressure
     gave_way: int = 0  # released early, no tier: a waiting request could not start otherwise
+    replaced: int = 0  # released as their session's next turn was pinned in their place
 
 
 class KVPins:
@@ -157,7 +158,8 @@ class KVPins:
         self._turn_ends.move_to_end(pin.key)
         while len(self._turn_ends) > _SESSIONS_KEPT:
             self._turn_ends.popitem(last=False)
-        self.release(pin.key)
+        if self.release(pin.key) is not None:
+            self.stats.replaced += 1  # a session keeps one pin: its newest turn's
         cached = [b for b in blocks if b.block_hash is not None and not b.is_null]
         if self._num_blocks + len(cached) > self.budget_blocks:
             self.stats.refused += 1
@@ -197,12 +199,17 @@ class KVPins:
             return None
         return max(0.0, min(p.expires for p in self._pins.values()) - self.clock())
 
-    def oldest_blocks(self) -> tuple[str, list[KVCacheBlock]] | None:
-        """The oldest pin's session and blocks (to move down a tier), or None."""
-        if not self._pins:
-            return None
-        key, pinned = next(iter(self._pins.items()))
-        return key, pinned.blocks
+    def oldest_freeing(self) -> tuple[str, list[KVCacheBlock]] | None:
+        """The oldest pin whose release would free a block (none of its blocks used by
+        anything else: releasing it would free nothing now), with its blocks; or None."""
+        for key, pinned in self._pins.items():
+            if any(block.ref_cnt == 1 for block in pinned.blocks):
+                return key, pinned.blocks
+        return None
+
+    def release_all(self) -> None:
+        for key in list(self._pins):
+            self.release(key)
 
     def pinned_block_ids(self) -> list[int]:
         """One entry per pin holding a block (the manager's integrity check counts users)."""

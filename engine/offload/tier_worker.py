@@ -29,27 +29,34 @@ class TierWorker:
         self.store = store
         self._kv_cache = kv_cache
         self._blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
-        self._sums: list[int | None] = [None] * num_slots  # as each slot's block left the pool
+        # Per slot: the version it was written at and its block's sum as it left the pool. A
+        # load checks both: a slot read after its reuse fails, whatever the copies' order.
+        self._sums: list[tuple[int, int] | None] = [None] * num_slots
         self._queue: queue.SimpleQueue[tuple[list[TierCopy], threading.Event | None] | None] = (
             queue.SimpleQueue()
         )
         self._lock = threading.Lock()
         self._report = TierReport()
         self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
+        self._failure: str | None = None  # why the thread stopped, if it failed
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-tier", daemon=True)
         self._thread.start()
 
     def submit(self, copies: Sequence[TierCopy], wait: bool = False) -> None:
-        """Queue `copies` after those before; `wait`: return once they are made."""
+        """Queue `copies` after those before; `wait`: return once they are made. Raises
+        RuntimeError once the worker's thread has failed (the engine stops, clearly)."""
+        self._check_alive()
         if not copies:
             return
         done = threading.Event() if wait else None
         self._queue.put((list(copies), done))
-        if done is not None:
-            done.wait()
+        while done is not None and not done.wait(1.0):
+            self._check_alive()  # a thread that failed meanwhile sets no event
+        self._check_alive()
 
     def report(self) -> TierReport:
         """What ended since the last report."""
+        self._check_alive()
         with self._lock:
             report, self._report = self._report, TierReport()
         return report
@@ -64,34 +71,57 @@ class TierWorker:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=10)
-        self.store.close()
+        if not self._thread.is_alive():  # else it may still write: the store stays open
+            self.store.close()
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"the KV tier's worker failed: {self._failure}")
 
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
-        if self._stream is not None:
-            torch.cuda.set_stream(self._stream)  # beside the steps' kernels, not behind them
-        while (batch := self._queue.get()) is not None:
-            copies, finished = batch
-            started = time.perf_counter()
-            done = TierReport(num_done=len(copies))
-            for copy in copies:
-                if copy.load_of:
-                    self._load(copy, done)
-                else:
-                    self._store(copy, done)
+        try:
             if self._stream is not None:
-                self._stream.synchronize()
-            done.copy_us = round((time.perf_counter() - started) * 1e6)
-            done.bytes_copied = len(copies) * self._blocks.shape[1]
-            self._add(done)
-            if finished is not None:
-                finished.set()
+                torch.cuda.set_stream(self._stream)  # beside the steps' kernels
+            while (batch := self._queue.get()) is not None:
+                copies, finished = batch
+                try:
+                    self._make(copies)
+                finally:  # a waiting step goes on, and hears of a failure (set first)
+                    if finished is not None:
+                        finished.set()
+        except BaseException as exc:  # submit() and report() say why from now on
+            if self._failure is None:  # the set-up's (a batch's is recorded by _make)
+                logger.exception("the KV tier's worker failed")
+                self._failure = str(exc) or type(exc).__name__
+
+    def _make(self, copies: list[TierCopy]) -> None:
+        try:
+            self._copy(copies)
+        except BaseException as exc:  # not a copy's error (those are per block): the device's
+            logger.exception("the KV tier's worker failed")
+            self._failure = str(exc) or type(exc).__name__
+            raise
+
+    def _copy(self, copies: list[TierCopy]) -> None:
+        started = time.perf_counter()
+        done = TierReport(num_done=len(copies))
+        for copy in copies:
+            if copy.load_of:
+                self._load(copy, done)
+            else:
+                self._store(copy, done)
+        if self._stream is not None:
+            self._stream.synchronize()
+        done.copy_us = round((time.perf_counter() - started) * 1e6)
+        done.bytes_copied = len(copies) * self._blocks.shape[1]
+        self._add(done)
 
     def _store(self, copy: TierCopy, done: TierReport) -> None:
         try:
             self.store.write(copy.slot, self._blocks[copy.block_id])
-            self._sums[copy.slot] = block_sums(self._kv_cache, [copy.block_id])[0]
+            self._sums[copy.slot] = (copy.version, block_sums(self._kv_cache, [copy.block_id])[0])
         except Exception:  # an I/O error: the slot reads as bad, the engine goes on
             logger.exception("storing a KV block in the %s tier failed", self.store.name)
             self._sums[copy.slot] = None
@@ -102,9 +132,8 @@ class TierWorker:
         expected = self._sums[copy.slot]
         try:
             self.store.read(copy.slot, self._blocks[copy.block_id])
-            good = (
-                expected is not None and block_sums(self._kv_cache, [copy.block_id])[0] == expected
-            )
+            found = block_sums(self._kv_cache, [copy.block_id])[0]
+            good = expected == (copy.version, found)
         except Exception:
             logger.exception("loading a KV block from the %s tier failed", self.store.name)
             good = False

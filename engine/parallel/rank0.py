@@ -55,6 +55,9 @@ class Rank0Runner(ModelRunner):
         super().initialize_kv_cache(num_blocks, shared)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        # The other ranks write into the cache they share as soon as they get the step: a
+        # preemption's blocks must be in the tier before then.
+        self.submit_tier_copies(so)
         self.followers.send_step(so, self._last_sampled)
         try:
             output = super().execute_model(so)

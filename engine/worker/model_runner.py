@@ -228,10 +228,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
-        if self.tier is not None:
-            # Held blocks are never written by the step; a preemption's stores (unheld: their
-            # blocks may be reallocated by this very step) are made before it runs.
-            self.tier.submit(so.tier_copies, wait=so.tier_copies_first)
+        self.submit_tier_copies(so)
         if self.connector is not None:
             self.connector.start_load_kv(so.kv_connector_metadata)
         output = self._run(so) if so.total_num_scheduled_tokens else EMPTY_MODEL_RUNNER_OUTPUT
@@ -247,6 +244,15 @@ class ModelRunner:
             load_problems=self.connector.take_load_problems(),
         )
         return replace(output, kv_connector_output=kv_output)
+
+    def submit_tier_copies(self, so: SchedulerOutput) -> None:
+        """Hand the step's tier copies to the tier's worker (once: they are taken off `so`).
+        Held blocks are never written by the step; a preemption's stores (unheld: their
+        blocks may be reallocated by this very step) are made before any rank starts it."""
+        if self.tier is None or not so.tier_copies:
+            return
+        copies, so.tier_copies = so.tier_copies, []
+        self.tier.submit(copies, wait=so.tier_copies_first)
 
     def _run(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model is not None, "load_model() first"

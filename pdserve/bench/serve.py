@@ -145,12 +145,10 @@ class ServeBenchConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.think_time_s < 0 or self.tool_gap_s < 0:
             raise ValueError("think_time_s and tool_gap_s must be >= 0")
-        if (
-            self.background_prompts < 0
-            or self.background_rate <= 0
-            or self.background_input_len < 0
-        ):
-            raise ValueError("background_prompts must be >= 0 and background_rate > 0")
+        if self.background_prompts < 0 or self.background_input_len < 0:
+            raise ValueError("background_prompts and background_input_len must be >= 0")
+        if self.background_rate <= 0 or self.background_output_len < 1:
+            raise ValueError("background_rate must be > 0 and background_output_len >= 1")
         if self.trace is not None and self.workload != "replay":
             raise ValueError("--trace is for the replay workload only")
         if self.trace_token_scale <= 0 or self.trace_time_scale <= 0:

@@ -169,3 +169,25 @@ def test_an_index_fed_the_engines_events_finds_what_only_the_tier_holds(hf_refs)
     recovered.load_snapshot("engine", stream.snapshot())
     assert recovered.match(hashes) == {"engine": len(hashes)}
     llm.close()
+
+
+def test_swap_under_tensor_parallelism_is_made_before_any_rank_writes(hf_refs):
+    # The ranks share one cache of every head: a preempted request's blocks must be in the
+    # tier before the step goes to the other ranks, which may reuse them at once.
+    ref = hf_refs["llama_gqa"]
+    if ref.engine_args.get("device", "cpu") != "cpu":  # GPU ranks do not share a cache
+        with pytest.raises(ValueError, match="needs device cpu"):
+            engine(ref, 40, kv_offloading_size=0.002, tensor_parallel_size=2)
+        return
+    rng = random.Random(11)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randrange(20, 40))] for _ in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    llm = engine(ref, 40, kv_offloading_size=0.002, tensor_parallel_size=2)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [ref.greedy(p, 40) for p in prompts]
+        tier = llm.engine.stats.kv_tier
+        assert tier["swap_preemptions"] > 0 and tier["swapped_in"] > 0 and tier["failed"] == 0
+        assert_nothing_held(llm)
+    finally:
+        llm.close()

@@ -139,6 +139,10 @@ def test_the_worker_brings_blocks_back_bit_for_bit_and_catches_corrupted_ones(me
         assert report.invalid_block_ids == {4} and report.bad_slots == [(2, 1)]
         worker.submit([TierCopy(0, 1, 1, "t", True)])  # a slot never stored: never trusted
         assert collect(worker, 1).invalid_block_ids == {0}
+        # A load of the slot's earlier occupant (version 0) after it was rewritten (version 1):
+        # bytes that are sound, but not the ones asked for.
+        worker.submit([TierCopy(3, 0, 0, "u", True)])
+        assert collect(worker, 1).invalid_block_ids == {3}
     finally:
         worker.close()
 
@@ -220,3 +224,18 @@ def test_the_tier_reports_what_it_holds_so_an_index_counts_it_held():
     assert index.match([b"b"]) == {"engine": 1}  # the tier still holds it
     assert index.match([b"a"]) == {"engine": 0}
     assert tier.block_hashes() == [b"b"]
+
+
+def test_a_worker_whose_thread_failed_says_so_instead_of_hanging():
+    cache = torch.zeros(2, 1, 2, 4, 1, 8)
+    worker = TierWorker(HostStore(1, cache[0].nbytes), cache, 1)
+
+    def lost(copies: list[TierCopy]) -> None:
+        raise RuntimeError("device lost")
+
+    worker._copy = lost  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="device lost"):
+        worker.submit([TierCopy(1, 0, 1, held=False)], wait=True)
+    with pytest.raises(RuntimeError, match="KV tier's worker failed"):
+        worker.report()
+    worker.close()
