@@ -49,6 +49,7 @@ def test_a_turn_asks_its_kv_kept_and_an_idle_engine_lets_go_at_its_ttl(app: Serv
     [
         ({"type": "ephemeral", "ttl": "2h"}, "messages[0].cache_control.ttl"),
         ({"type": "persistent"}, "messages[0].cache_control.type"),
+        ({}, "messages[0].cache_control.type"),
         ({"type": "ephemeral", "scope": "global"}, "messages[0].cache_control has unknown"),
     ],
 )
