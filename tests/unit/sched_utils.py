@@ -5,6 +5,8 @@ from __future__ import annotations
 import zlib
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_utils import KVCacheBlock
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.outputs import EngineCoreOutput
@@ -105,3 +107,12 @@ def run_to_completion(
         _, outputs = step(scheduler, runner)
         finals.update({o.request_id: o for o in outputs if o.finished})
     raise AssertionError(f"not finished after {max_steps} steps")
+
+
+def cached_blocks(pool: BlockPool, hashes: list[bytes]) -> list[KVCacheBlock]:
+    """Blocks of the pool held by one user, each cached under its hash."""
+    blocks = pool.get_new_blocks(len(hashes))
+    for block, block_hash in zip(blocks, hashes, strict=True):
+        block.block_hash = block_hash
+        pool.cached_block_hash_to_block.insert(block_hash, block)
+    return blocks

@@ -14,16 +14,8 @@ from engine.offload.stores import DiskStore, HostStore
 from engine.offload.swap_costs import SwapCosts
 from engine.offload.tier_index import TierIndex
 from engine.offload.tier_worker import TierWorker
+from tests.unit.sched_utils import cached_blocks
 from tests.waiting import wait_until
-
-
-def cached_blocks(pool: BlockPool, hashes: list[bytes]):
-    """Blocks of the pool held by one user, each cached under its hash."""
-    blocks = pool.get_new_blocks(len(hashes))
-    for block, block_hash in zip(blocks, hashes, strict=True):
-        block.block_hash = block_hash
-        pool.cached_block_hash_to_block.insert(block_hash, block)
-    return blocks
 
 
 def report_of(copies: list[TierCopy]) -> TierReport:

@@ -9,6 +9,7 @@ from engine.core.block_pool import BlockPool
 from engine.core.pins import MAX_PREDICTED_TTL_S, MIN_PREDICTED_TTL_S, KVPins, ToolGapEstimator
 from engine.pin_request import PinRequest
 from engine.request import Request, RequestStatus, SamplingParams
+from tests.unit.sched_utils import cached_blocks
 
 
 class Clock:
@@ -19,18 +20,10 @@ class Clock:
         return self.now
 
 
-def cached(pool: BlockPool, names: list[bytes]):
-    blocks = pool.get_new_blocks(len(names))
-    for block, name in zip(blocks, names, strict=True):
-        block.block_hash = name
-        pool.cached_block_hash_to_block.insert(name, block)
-    return blocks
-
-
 def test_a_pin_holds_its_blocks_until_its_ttl_and_frees_them_after():
     pool, clock = BlockPool(11, enable_caching=True), Clock()
     pins = KVPins(pool, 0.5, predict=False, clock=clock)
-    blocks = cached(pool, [b"a", b"b", b"c"])
+    blocks = cached_blocks(pool, [b"a", b"b", b"c"])
     assert pins.pin(PinRequest("s", ttl_s=5.0), blocks, 5.0)
     pool.free_blocks(blocks)  # the turn ends; the pin keeps them
     assert pool.get_num_free_blocks() == 7 and pins.num_blocks == 3
@@ -47,12 +40,12 @@ def test_a_pin_holds_its_blocks_until_its_ttl_and_frees_them_after():
 def test_pins_over_the_budget_are_refused_and_a_session_holds_one():
     pool = BlockPool(11, enable_caching=True)  # 10 usable: a budget of 0.5 is 5 blocks
     pins = KVPins(pool, 0.5, predict=False, clock=Clock())
-    first = cached(pool, [b"a", b"b", b"c"])
+    first = cached_blocks(pool, [b"a", b"b", b"c"])
     assert pins.pin(PinRequest("s"), first, 1.0)
-    assert not pins.pin(PinRequest("t"), cached(pool, [b"d", b"e", b"f"]), 1.0)
+    assert not pins.pin(PinRequest("t"), cached_blocks(pool, [b"d", b"e", b"f"]), 1.0)
     assert pins.stats.refused == 1 and not pins.holds("t")
     # The session's next turn replaces its pin: the first one's blocks are let go.
-    assert pins.pin(PinRequest("s"), first + cached(pool, [b"g"]), 1.0)
+    assert pins.pin(PinRequest("s"), first + cached_blocks(pool, [b"g"]), 1.0)
     assert pins.num_pins == 1 and pins.num_blocks == 4
     assert [b.ref_cnt for b in first] == [2, 2, 2]  # the turn's, and one pin's
     pins.reuse("s")
@@ -63,7 +56,7 @@ def test_pins_over_the_budget_are_refused_and_a_session_holds_one():
 def test_only_blocks_holding_a_cached_prefix_are_pinned():
     pool = BlockPool(11, enable_caching=True)
     pins = KVPins(pool, 1.0, predict=False, clock=Clock())
-    blocks = cached(pool, [b"a"]) + pool.get_new_blocks(1)  # a partial tail: no hash
+    blocks = cached_blocks(pool, [b"a"]) + pool.get_new_blocks(1)  # a partial tail: no hash
     assert pins.pin(PinRequest("s"), blocks, 1.0)
     assert pins.pinned_block_ids() == [blocks[0].block_id]
 
@@ -90,7 +83,7 @@ def test_continuum_predicts_from_observed_gaps_and_puts_a_pinned_sessions_turn_f
     pool = BlockPool(11, enable_caching=True)
     pins = KVPins(pool, 1.0, predict=True, clock=Clock())
     first = turn("s")
-    pins.turn_finished(first, RequestStatus.FINISHED_STOPPED, cached(pool, [b"a"]))
+    pins.turn_finished(first, RequestStatus.FINISHED_STOPPED, cached_blocks(pool, [b"a"]))
     assert first.timing.pin_ttl_s is not None  # predicted: no TTL was asked
     ended = pins._turn_ends["s"][0]
     second = turn("s", tool="search", arrival=ended + 3.0)
@@ -99,10 +92,10 @@ def test_continuum_predicts_from_observed_gaps_and_puts_a_pinned_sessions_turn_f
     assert not pins.goes_first(turn("other"))
     fcfs = KVPins(pool, 1.0, predict=False, clock=Clock())
     plain = turn("s")
-    fcfs.turn_finished(plain, RequestStatus.FINISHED_STOPPED, cached(pool, [b"b"]))
+    fcfs.turn_finished(plain, RequestStatus.FINISHED_STOPPED, cached_blocks(pool, [b"b"]))
     assert plain.timing.pin_ttl_s is None and fcfs.num_pins == 0  # fcfs: asked TTLs only
     aborted = turn("t", ttl=5.0)
-    pins.turn_finished(aborted, RequestStatus.FINISHED_ABORTED, cached(pool, [b"c"]))
+    pins.turn_finished(aborted, RequestStatus.FINISHED_ABORTED, cached_blocks(pool, [b"c"]))
     assert not pins.holds("t")
 
 
