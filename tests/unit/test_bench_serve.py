@@ -13,7 +13,7 @@ from pdserve.bench.serve import (
     ratios,
     summarize_results,
 )
-from pdserve.bench.workloads import drive, max_tokens_needed, warmup_prompts
+from pdserve.bench.workloads import TOOLS, drive, max_tokens_needed, warmup_prompts
 
 
 def test_prompts_share_the_prefix_and_have_the_asked_length() -> None:
@@ -224,3 +224,43 @@ def test_summary_counts_cache_hits_routes_and_each_stream() -> None:
     assert summary["routes"] == {"decode_cached": 1, "disaggregated": 1}
     assert summary["by_kind"]["follow_up"]["prefix_hit_rate"] == 0.64
     assert summary["by_kind"]["first_turn"]["prefill_tokens_computed"] == 100
+
+
+def test_agentic_sessions_name_themselves_and_the_tool_each_turn_follows() -> None:
+    config = ServeBenchConfig(
+        workload="agentic",
+        num_prompts=3,
+        input_len=12,
+        output_len=4,
+        turns=3,
+        turn_len=5,
+        tool_gap_s=0,  # tools answer at once: no clock in the test
+        background_prompts=4,
+        background_input_len=7,
+        background_rate=1e6,
+        background_output_len=2,
+    )
+    sessions: list[tuple[list[int], str, str, str]] = []
+
+    class Agents(Recorder):
+        async def __call__(self, prompt, output_len, kind, session="", after_tool=""):
+            sessions.append((prompt, kind, session, after_tool))
+            return await super().__call__(prompt, output_len, kind)
+
+    send = Agents()
+    asyncio.run(drive(config, 500, send))
+    one_shots = [(p, n) for p, n, k in send.sent if k == "background"]
+    assert len(one_shots) == 4 and all(len(p) == 7 and n == 2 for p, n in one_shots)
+    turns = [s for s in sessions if s[1] != "background"]
+    assert len(turns) == 9 and {s[2] for s in turns} == {"agent-0", "agent-1", "agent-2"}
+    assert all(s[3] == "" for s in turns if s[1] == "first_turn")  # no tool before a first turn
+    assert all(s[3] in TOOLS for s in turns if s[1] == "follow_up")
+    for prompt, kind, session, _ in turns:
+        if kind == "follow_up":  # the session's earlier turn, its answer, the tool's result
+            earlier = prompt[: len(prompt) - 4 - 5]
+            assert (tuple(earlier), session) in {(tuple(p), s) for p, _, s, _ in turns}
+    again: list[tuple[list[int], str, str, str]] = []
+    sessions, first = again, sessions
+    asyncio.run(drive(config, 500, Agents()))
+    assert sorted(map(str, first)) == sorted(map(str, again))  # the same requests every run
+    assert max_tokens_needed(config) == 12 + 3 * (4 + 5)
