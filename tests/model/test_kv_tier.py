@@ -60,6 +60,9 @@ def expected_answers(ref: HFReference, first, turns: int, seed: int) -> list[lis
 
 
 def assert_nothing_held(llm: LLM) -> None:
+    """Once the engine has stepped until nothing is pending (the tier's stores hold their
+    blocks until a step hears they are done), every block is free."""
+    assert llm.drain()
     manager = llm.engine.scheduler.kv_cache_manager
     manager.check_integrity()
     assert manager.block_pool.get_num_free_blocks() == manager.block_pool.num_blocks - 1
