@@ -91,14 +91,10 @@ class EngineCore:
         # The prefix cache's events, numbered for a cluster index (kv_events_config).
         self.kv_events: KVEventStream | None = None
         if config.cache.enable_kv_cache_events:
-            pool, tier = self.scheduler.kv_cache_manager.block_pool, self.scheduler.tier
-            held = pool.cached_block_hashes
-            if tier is not None:  # the tier's blocks are served too (loaded back first)
-
-                def held() -> list[bytes]:
-                    return [*pool.cached_block_hashes(), *tier.block_hashes()]
-
-            self.kv_events = KVEventStream(pool.take_events, held)
+            manager = self.scheduler.kv_cache_manager
+            self.kv_events = KVEventStream(
+                manager.block_pool.take_events, manager.cached_block_hashes
+            )
 
     @classmethod
     def from_inputs(

@@ -263,6 +263,12 @@ class KVCacheManager:
             self.tier.clear()
         return True
 
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every hash this engine can serve a prefix from: the pool's (one per block) and its
+        tier's (loaded back before use)."""
+        hashes = self.block_pool.cached_block_hashes()
+        return hashes if self.tier is None else [*hashes, *self.tier.block_hashes()]
+
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
 

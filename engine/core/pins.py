@@ -64,7 +64,6 @@ class ToolGapEstimator:
 
 @dataclass
 class _Pin:
-    key: str
     blocks: list[KVCacheBlock]
     expires: float  # time.monotonic()
 
@@ -134,7 +133,7 @@ class KVPins:
         pin = request.pin
         if pin is None or status not in _FINISHED_WELL:
             return
-        if not any(b.block_hash is not None and not b.is_null for b in blocks):
+        if not _cached(blocks):
             return  # no whole block of it is cached: nothing to keep
         ttl = self.ttl_for(pin)
         if ttl is None:
@@ -160,12 +159,12 @@ class KVPins:
             self._turn_ends.popitem(last=False)
         if self.release(pin.key) is not None:
             self.stats.replaced += 1  # a session keeps one pin: its newest turn's
-        cached = [b for b in blocks if b.block_hash is not None and not b.is_null]
+        cached = _cached(blocks)
         if self._num_blocks + len(cached) > self.budget_blocks:
             self.stats.refused += 1
             return False
         self._pool.touch(cached)
-        self._pins[pin.key] = _Pin(pin.key, cached, self.clock() + ttl_s)
+        self._pins[pin.key] = _Pin(cached, self.clock() + ttl_s)
         self._num_blocks += len(cached)
         self.stats.pinned += 1
         return True
@@ -214,3 +213,8 @@ class KVPins:
     def pinned_block_ids(self) -> list[int]:
         """One entry per pin holding a block (the manager's integrity check counts users)."""
         return [b.block_id for p in self._pins.values() for b in p.blocks]
+
+
+def _cached(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+    """The blocks holding a cached prefix (what a pin keeps)."""
+    return [b for b in blocks if b.block_hash is not None and not b.is_null]

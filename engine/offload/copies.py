@@ -39,3 +39,14 @@ class TierReport:
     bad_slots: list[tuple[int, int]] = field(default_factory=list)  # (slot, version) read bad
     copy_us: int = 0  # spent copying and summing
     bytes_copied: int = 0
+
+    def add(self, later: TierReport) -> None:
+        """Take in a later report (the worker's batches, before the scheduler asks)."""
+        self.num_done += later.num_done
+        self.stored.extend(later.stored)
+        self.loaded |= later.loaded
+        self.num_loaded += later.num_loaded
+        self.invalid_block_ids |= later.invalid_block_ids
+        self.bad_slots.extend(later.bad_slots)
+        self.copy_us += later.copy_us
+        self.bytes_copied += later.bytes_copied

@@ -28,7 +28,7 @@ from engine.offload.swap_costs import SwapCosts
 class TierStats:
     """Counters since the engine began (blocks, unless named otherwise)."""
 
-    stored: int = 0  # copied down
+    stored: int = 0  # copied down (counted as decided)
     loaded: int = 0  # copied back and verified
     swapped_in: int = 0  # of those, a preempted request's own (swap instead of recompute)
     # Preemptions (requests, not blocks) by what their KV did: went down to the tier to come
@@ -58,7 +58,6 @@ class TierIndex:
         self._pending = 0  # sent, not yet reported done
         self._storing: deque[int] = deque()  # blocks held for their stores, in copy order
         self._loading: set[str] = set()
-        self._urgent = False  # copies taken next must be made before the step runs
         self.stats = TierStats()
         self.costs = SwapCosts()
 
@@ -82,10 +81,8 @@ class TierIndex:
             if hold:
                 self._pool.touch((block,))
                 self._storing.append(block.block_id)
-            else:
-                self._urgent = True
-                self.stats.stored += 1  # counted now: it is reported with no block to free
             self._copies.append(TierCopy(block.block_id, slot, self._versions[slot], held=hold))
+        self.stats.stored += len(stored)
         if stored:  # routers count them held here while the pool or the tier holds them
             self._pool.record_event(BlockStored(stored, None, [], self.block_size, self.name))
 
@@ -139,9 +136,8 @@ class TierIndex:
         """This step's copies, for the worker, in the order they were decided, and whether
         they must be done before the step runs (unheld stores among them)."""
         copies, self._copies = self._copies, []
-        urgent, self._urgent = self._urgent, False
         self._pending += len(copies)
-        return copies, urgent
+        return copies, not all(copy.held for copy in copies)
 
     @property
     def busy(self) -> bool:
@@ -163,7 +159,6 @@ class TierIndex:
         self._pending -= report.num_done
         self.costs.note_copies(report.num_done, report.copy_us / 1e6)
         stats = self.stats
-        stats.stored += len(report.stored)
         stats.loaded += report.num_loaded
         stats.copy_us += report.copy_us
         stats.bytes_copied += report.bytes_copied

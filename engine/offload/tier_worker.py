@@ -147,12 +147,4 @@ class TierWorker:
 
     def _add(self, done: TierReport) -> None:
         with self._lock:
-            report = self._report
-            report.num_done += done.num_done
-            report.stored.extend(done.stored)
-            report.loaded |= done.loaded
-            report.num_loaded += done.num_loaded
-            report.invalid_block_ids |= done.invalid_block_ids
-            report.bad_slots.extend(done.bad_slots)
-            report.copy_us += done.copy_us
-            report.bytes_copied += done.bytes_copied
+            self._report.add(done)

@@ -86,16 +86,19 @@ def run(config: OffloadBenchConfig) -> dict[str, Any]:
         "num_gpu_blocks_override": pool_blocks + 1,
         "max_model_len": config.context_len + config.block_size,
     }
-    engines = {
-        name: LLM(config.model, **common, **_tier_args(config, name, working_set))
-        for name in config.backend_names
-    }
     # The oracle: a pool that holds the whole working set finds every prefix in place. A
     # tier's blocks come back bit for bit, so its engine must answer exactly as this one does
     # (not as "none", which computes each whole prompt anew: other sums, other last bits).
     big_pool = -(-working_set // config.block_size) + config.conversations + 1
-    engines["oracle"] = LLM(config.model, **{**common, "num_gpu_blocks_override": big_pool + 1})
-    messages = _messages(config, engines["oracle"].engine.arch.vocab_size)
+    oracle = LLM(config.model, **{**common, "num_gpu_blocks_override": big_pool + 1})
+    # A tier of the whole working set, a quarter over (the blocks of answers' partial tails).
+    tier_gib = working_set * 1.25 * oracle.engine.kv_block_bytes / config.block_size / (1 << 30)
+    engines = {
+        name: LLM(config.model, **common, **_tier_args(config, name, tier_gib))
+        for name in config.backend_names
+    }
+    engines["oracle"] = oracle
+    messages = _messages(config, oracle.engine.arch.vocab_size)
     results = {name: _converse(llm, messages, config) for name, llm in engines.items()}
     baseline = results["oracle"]
     report: dict[str, Any] = {
@@ -128,26 +131,13 @@ def _pool_blocks(config: OffloadBenchConfig, working_set: int) -> int:
     return max(blocks, config.concurrency * per_turn)
 
 
-def _tier_args(config: OffloadBenchConfig, name: str, working_set: int) -> dict[str, Any]:
+def _tier_args(config: OffloadBenchConfig, name: str, tier_gib: float) -> dict[str, Any]:
     if name == "none":
         return {}
-    # The whole working set, a quarter over (the blocks of answers' partial tails).
-    args: dict[str, Any] = {
-        "kv_offloading_backend": name,
-        "kv_offloading_size": _tier_gib(config, working_set),
-    }
+    args: dict[str, Any] = {"kv_offloading_backend": name, "kv_offloading_size": tier_gib}
     if name == "disk" and config.disk_path:
         args["kv_offloading_path"] = config.disk_path
     return args
-
-
-def _tier_gib(config: OffloadBenchConfig, working_set: int) -> float:
-    from engine.models import ModelArchConfig
-    from engine.models.catalog import resolve_model
-
-    arch = ModelArchConfig.from_pretrained(resolve_model(config.model))
-    per_token = arch.num_hidden_layers * 2 * arch.num_key_value_heads * arch.head_dim * 4
-    return working_set * 1.25 * per_token / (1 << 30)
 
 
 def _messages(config: OffloadBenchConfig, vocab_size: int) -> list[list[list[int]]]:

@@ -144,14 +144,7 @@ def collect(worker: TierWorker, num_copies: int) -> TierReport:
     merged = TierReport()
 
     def done() -> bool:
-        report = worker.report()
-        merged.num_done += report.num_done
-        merged.stored += report.stored
-        merged.loaded |= report.loaded
-        merged.num_loaded += report.num_loaded
-        merged.invalid_block_ids |= report.invalid_block_ids
-        merged.bad_slots += report.bad_slots
-        merged.bytes_copied += report.bytes_copied
+        merged.add(worker.report())
         return merged.num_done >= num_copies
 
     assert wait_until(done, timeout_s=30)
