@@ -389,12 +389,13 @@ _FAIL = {"kv_load_failure_policy": "fail"}
 
 
 def _generate_freezing(reader, frozen, prompts, params, kv) -> list[dict]:
-    """reader.generate; with `frozen`, that engine is stopped once a read from it is held."""
+    """reader.generate; with `frozen`, that engine is stopped once every prompt's read from it
+    is held (freezing after the first would fail the second at its start, not mid-read)."""
     if frozen is None:
         return reader.generate(prompts, params, kv)
     with ThreadPoolExecutor(1) as pool:
         outs = pool.submit(reader.generate, prompts, params, kv)
-        assert wait_until(lambda: frozen.call("held_reads") > 0, 60)
+        assert wait_until(lambda: frozen.call("held_reads") >= len(prompts), 60)
         os.kill(frozen.process.pid, signal.SIGSTOP)
         return outs.result(timeout=120)
 
