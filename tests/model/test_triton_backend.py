@@ -37,6 +37,8 @@ def launches(monkeypatch) -> Counter:
 
         def counted(*args, _original=original, _name=name, **kwargs):
             counts[_name] += 1
+            if kwargs.get("new_kv") is not None:  # a decode-only step: K/V written in it
+                counts["decode_attention writing its K/V"] += 1
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counted)
@@ -62,3 +64,4 @@ def test_triton_backend_matches_default_and_hf(hf_refs, arch, launches):
     check_against_hf(ref, llm, batch)  # the second round hits the cached prefixes
     assert llm.engine.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
     assert all(launches[name] > 0 for _, name in _KERNELS), launches
+    assert launches["decode_attention writing its K/V"] > 0, launches

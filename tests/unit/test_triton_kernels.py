@@ -200,6 +200,53 @@ def test_rotary_kv_write_matches_rotation_then_write(device, dtype):
     assert torch.equal(triton_cache[untouched], layer[untouched])  # nothing else written
 
 
+FUSED_DECODES = [
+    ([1, 5, 17, 64, 33], (8, 4), 32, 16, 1, None),  # a 1-token context: only the new K/V
+    ([60, 3, 99], (9, 3), 64, 16, 1, None),  # SmolLM2's heads
+    ([500, 20, 260, 128], (8, 2), 32, 16, 3, None),  # the new position in the last split
+    ([37, 70, 5], (6, 3), 40, 5, 2, 7),  # head_dim not a power of two, a window
+]
+
+
+@pytest.mark.parametrize("rotate", [False, True], ids=["written", "rotated"])
+@pytest.mark.parametrize(("seq_lens", "heads", "head_dim", "block_size", "splits", "window"),
+                         FUSED_DECODES)  # fmt: skip
+def test_decode_only_step_writes_its_own_kv(
+    device, monkeypatch, rotate, seq_lens, heads, head_dim, block_size, splits, window
+):
+    """A decode-only step (every CUDA graph's) in one launch per layer: the decode kernel
+    rotates q and k and writes the step's K/V itself. Bit for bit what the separate write (and
+    rotation) and then the decode kernel give: the same cache and the same output."""
+    reqs = [Req(n - 1, 1, decode=True) for n in seq_lens]
+    q, k, v, layer, md = mixed_step(reqs, heads, head_dim, block_size, torch.float32, device)
+    md.sliding_window = window
+    rope = rope_tables(q.shape[0], head_dim, torch.float32, device)
+    separate_cache, fused_cache = layer.clone(), layer.clone()
+    if rotate:
+        rotated = fused_ops.rotary_kv_write(
+            q, k, v, rope.cos, rope.sin, separate_cache, md.slot_block, md.slot_offset
+        )
+    else:
+        fused_ops.kv_write(k, v, separate_cache, md.slot_block, md.slot_offset)
+        rotated = q
+    expected = torch.empty_like(rotated)
+    attention_kernels.decode_attention(
+        rotated, separate_cache, md.decode_block_table, md.decode_seq_lens,
+        md.decode_token_indices, expected, 0.3, window, max(seq_lens), splits,
+    )  # fmt: skip
+    separate_writes = []
+    for name in ("rotary_kv_write", "kv_write"):
+        monkeypatch.setattr(fused_ops, name, lambda *a, _n=name: separate_writes.append(_n))
+    backend = TritonBackend(device, decode_splits=splits)
+    if rotate:
+        got = backend.forward_rotary(q, k, v, rope, fused_cache, md, 0.3)
+    else:
+        got = backend.forward(q, k, v, fused_cache, md, 0.3)
+    assert separate_writes == []  # the path claimed: no write of its own
+    assert torch.equal(fused_cache, separate_cache)
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("hidden", [64, 576])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [False, True])

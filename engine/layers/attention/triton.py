@@ -2,10 +2,12 @@
 the cache write (engine/layers/gpu/). The default on CUDA; on a CPU it runs under Triton's
 interpreter (TRITON_INTERPRET=1), which is how the tests check it against the reference.
 
-A step costs three launches per layer here — the rotary + KV write, the decode kernel (plus a
-merge when a long context is split) and the prefill kernel (when the step has prefills) —
-where the reference gathers every sequence's blocks into a padded copy first. Nothing here
-reads a device value on the host, so decode steps capture into CUDA graphs as they are.
+A step with prefills costs three launches per layer here — the rotary + KV write, the decode
+kernel (plus a merge when a long context is split) and the prefill kernel — where the
+reference gathers every sequence's blocks into a padded copy first. A decode-only step (every
+CUDA graph's) costs one: the decode kernel rotates q and k and writes the step's K/V itself.
+Nothing here reads a device value on the host, so decode steps capture into CUDA graphs as
+they are.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class TritonBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         with on_device(self.device):
+            if _decode_only(metadata):
+                new_kv = attention_kernels.NewTokenKV(k, v, *_slots(metadata))
+                return self._attend(q, kv_cache, metadata, scale, new_kv)
             fused_ops.kv_write(k, v, kv_cache, *_slots(metadata))
             return self._attend(q, kv_cache, metadata, scale)
 
@@ -63,13 +68,22 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         slots = _slots(metadata)
         with on_device(self.device):
+            if _decode_only(metadata):
+                rows = fused_ops.rope_rows(rope.cos), fused_ops.rope_rows(rope.sin)
+                new_kv = attention_kernels.NewTokenKV(k, v, *slots, *rows)
+                return self._attend(q, kv_cache, metadata, scale, new_kv)
             rotated = fused_ops.rotary_kv_write(q, k, v, rope.cos, rope.sin, kv_cache, *slots)
             return self._attend(rotated, kv_cache, metadata, scale)
 
     def _attend(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        new_kv: attention_kernels.NewTokenKV | None = None,
     ) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # q may be a view
         if md.num_decodes:
             context = md.decode_context_len or md.decode_max_seq_len
             if not context:  # a caller that did not say: one read of the device
@@ -81,6 +95,7 @@ class TritonBackend(AttentionBackend):
             attention_kernels.decode_attention(
                 q, kv_cache, md.decode_block_table, md.decode_seq_lens,
                 md.decode_token_indices, out, scale, md.sliding_window, context, splits,
+                new_kv=new_kv,
             )  # fmt: skip
         if md.prefills:
             attention_kernels.prefill_attention(
@@ -88,6 +103,11 @@ class TritonBackend(AttentionBackend):
                 max(p.query_len for p in md.prefills), scale, md.sliding_window,
             )  # fmt: skip
         return out
+
+
+def _decode_only(md: AttentionMetadata) -> bool:
+    """Every token of the step is a decode's (a captured graph's step, for one)."""
+    return not md.prefills and md.num_decodes == md.num_tokens
 
 
 def _slots(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

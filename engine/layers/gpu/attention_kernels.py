@@ -9,7 +9,9 @@ looks up its own block in the table, so no context is ever gathered into a padde
   every query head of that KV head's group at once (GQA: K/V are read once per group), over
   its split of the context, with an online softmax. Long contexts are split along the
   sequence so that a small batch still fills the GPU; a second kernel merges the splits by
-  their log-sum-exp. One split writes the output directly.
+  their log-sum-exp. One split writes the output directly. In a decode-only step the kernel
+  also rotates q and k and writes the step's own K/V into the cache (NewTokenKV), using them
+  from registers: a CUDA graph's step needs no separate write launch per layer.
 - Prefill (several query tokens: prompts, chunks, requests with cached prefixes): a program
   per (request, tile of BLOCK_M queries, query head), causal aligned bottom-right, so a chunk
   sees its whole cached context; keys before a sliding window are skipped a tile at a time.
@@ -25,6 +27,8 @@ results there are close, not equal, to a GPU's.)
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -67,6 +71,8 @@ def _attend_tiles(  # type: ignore[no-untyped-def]  # Triton reads annotations i
     slot_stride,
     scale,
     window,
+    new_k,  # [DIM_PAD] with NEW_KV: the K and V of position seq_len - 1, used instead of
+    new_v,  # the cache's (which this very program may be writing them into)
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
@@ -74,6 +80,7 @@ def _attend_tiles(  # type: ignore[no-untyped-def]  # Triton reads annotations i
     WINDOWED: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    NEW_KV: tl.constexpr,
 ):
     """Online softmax of each row over the visible positions of tiles [lo, hi): (running max,
     sum of exponentials, unnormalised output) in float32. Visible: causal (position <= the
@@ -92,6 +99,10 @@ def _attend_tiles(  # type: ignore[no-untyped-def]  # Triton reads annotations i
         k = tl.load(kv_head_base + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v_ptrs = kv_head_base + kv_stride + slot[:, None] + d[None, :]
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        if NEW_KV:
+            is_new = (pos == seq_len - 1)[:, None]
+            k = tl.where(is_new, new_k[None, :], k)
+            v = tl.where(is_new, new_v[None, :], v)
         visible = (pos[None, :] <= query_pos[:, None]) & in_context[None, :]
         if WINDOWED:
             visible = visible & (query_pos[:, None] - pos[None, :] < window)
@@ -108,21 +119,43 @@ def _attend_tiles(  # type: ignore[no-untyped-def]  # Triton reads annotations i
     return m, l_sum, acc
 
 
+@triton.jit
+def _rotated(  # type: ignore[no-untyped-def]
+    rows, d, mask, cos, sin, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr
+):
+    """Rows at `rows` (a pointer, or a column of them) "rotated half" by cos/sin [DIM_PAD] in
+    float32, in the order of fused_ops.rotary_kv_write (bit for bit the same values); or, with
+    ROTATE off, as they are."""
+    half = HEAD_DIM // 2
+    x = tl.load(rows + d, mask=mask, other=0.0).to(tl.float32)
+    if not ROTATE:
+        return x
+    partner = tl.load(rows + tl.where(d < half, d + half, d - half), mask=mask, other=0.0)
+    partner = partner.to(tl.float32)
+    return tl.where(d < half, x * cos - partner * sin, x * cos + partner * sin)
+
+
 # fmt: off
 @triton.jit
 def _decode_kernel(  # type: ignore[no-untyped-def]
     q_ptr, cache_ptr, table_ptr, seq_lens_ptr, tokens_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,  # the splits' (max, sum, output): [B, Hq, SPLITS(, D)]
+    k_ptr, v_ptr, cos_ptr, sin_ptr, slot_block_ptr, slot_offset_ptr,  # NEW_KV: NewTokenKV's
     q_tok_stride, q_head_stride, out_tok_stride, out_head_stride, table_stride,
     block_stride, kv_stride, slot_stride, head_stride,
+    k_tok_stride, k_head_stride, v_tok_stride, v_head_stride, rope_stride,
     scale, window, block_size, tiles_per_split, num_heads,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     WINDOWED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    NEW_KV: tl.constexpr, ROTATE: tl.constexpr,
 ):
     # fmt: on
     """One (sequence, KV head, split): every query head of the group over the split's tiles
-    of the context (the sequence's query row tokens_ptr[b] of q; seq_lens_ptr[b] positions)."""
+    of the context (the sequence's query row tokens_ptr[b] of q; seq_lens_ptr[b] positions).
+    With NEW_KV, q and this token's K come unrotated (ROTATE) and its K/V are not in the
+    cache yet: the program whose split holds the token's position writes them there, and
+    every program attends with them from registers."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -134,17 +167,40 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     rows_ok = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     heads = kv_head * GROUP + g
     q_rows = q_ptr + token * q_tok_stride + heads[:, None] * q_head_stride
-    q = tl.load(q_rows + d[None, :], mask=rows_ok, other=0.0)
     first = 0
     if WINDOWED:  # positions seq_len - window .. seq_len - 1
         first = tl.maximum(seq_len - window, 0)
     lo = tl.maximum(split * tiles_per_split, first // BLOCK_N)
     hi = tl.minimum((split + 1) * tiles_per_split, tl.cdiv(seq_len, BLOCK_N))
+    new_k = 0.0
+    new_v = 0.0
+    if NEW_KV:
+        cos = tl.load(cos_ptr + token * rope_stride + d, mask=d < HEAD_DIM, other=0.0)
+        sin = tl.load(sin_ptr + token * rope_stride + d, mask=d < HEAD_DIM, other=0.0)
+        q = _rotated(q_rows, d, rows_ok, cos, sin, HEAD_DIM, ROTATE)
+        q = q.to(q_ptr.dtype.element_ty)
+        k_row = k_ptr + token * k_tok_stride + kv_head * k_head_stride
+        d_ok = d < HEAD_DIM
+        new_k = _rotated(k_row, d, d_ok, cos, sin, HEAD_DIM, ROTATE)
+        new_k = new_k.to(cache_ptr.dtype.element_ty)
+        v_row = v_ptr + token * v_tok_stride + kv_head * v_head_stride
+        new_v = tl.load(v_row + d, mask=d_ok, other=0.0).to(cache_ptr.dtype.element_ty)
+        # The tile of the token's position, as a vector: Triton's interpreter cannot combine
+        # a scalar condition with a vector mask.
+        last = tl.full([DIM_PAD], 0, tl.int32) + (seq_len - 1) // BLOCK_N
+        writes = d_ok & (lo <= last) & (last < hi)  # one program per (sequence, KV head)
+        slot = tl.load(slot_block_ptr + token) * block_stride
+        slot += tl.load(slot_offset_ptr + token) * slot_stride + kv_head * head_stride
+        tl.store(cache_ptr + slot + d, new_k, mask=writes)
+        tl.store(cache_ptr + slot + kv_stride + d, new_v, mask=writes)
+    else:
+        q = tl.load(q_rows + d[None, :], mask=rows_ok, other=0.0)
     query_pos = tl.full([GROUP_PAD], 0, tl.int32) + seq_len - 1
     m, l_sum, acc = _attend_tiles(
         q, query_pos, seq_len, lo, hi, cache_ptr + kv_head * head_stride,
         table_ptr + row * table_stride, block_size, block_stride, kv_stride, slot_stride,
-        scale, window, GROUP_PAD, HEAD_DIM, DIM_PAD, BLOCK_N, WINDOWED, IEEE, UPCAST,
+        scale, window, new_k, new_v, GROUP_PAD, HEAD_DIM, DIM_PAD, BLOCK_N, WINDOWED, IEEE,
+        UPCAST, NEW_KV,
     )  # fmt: skip
     if SPLITS == 1:
         out_rows = out_ptr + token * out_tok_stride + heads[:, None] * out_head_stride
@@ -224,8 +280,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     _max, l_sum, acc = _attend_tiles(
         q, query_pos, seq_len, lo, hi, cache_ptr + (head // GROUP) * head_stride,
         table_ptr + tl.load(rows_ptr + prefill) * table_stride, block_size, block_stride,
-        kv_stride, slot_stride, scale, window, BLOCK_M, HEAD_DIM, DIM_PAD, BLOCK_N, WINDOWED,
-        IEEE, UPCAST,
+        kv_stride, slot_stride, scale, window, 0.0, 0.0, BLOCK_M, HEAD_DIM, DIM_PAD, BLOCK_N,
+        WINDOWED, IEEE, UPCAST, False,
     )  # fmt: skip
     out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
     out_rows = out_ptr + (start + i)[:, None] * out_tok_stride + head * out_head_stride
@@ -267,6 +323,28 @@ def decode_splits(
     return max(1, min(wanted, tiles // _MIN_TILES_PER_SPLIT, MAX_DECODE_SPLITS))
 
 
+@dataclass(frozen=True)
+class NewTokenKV:
+    """A decode-only step's own K and V, for decode_attention to write into the cache and to
+    attend with: the step then needs no separate KV-write launch (one per layer). With cos
+    and sin (the step's RopeTables rows, [T, D]), q and k come before rotation."""
+
+    k: torch.Tensor  # [T, Hkv, D], dense heads
+    v: torch.Tensor
+    slot_block: torch.Tensor  # [T] int64
+    slot_offset: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    def launch_args(self) -> tuple[list[torch.Tensor], list[int]]:
+        """(pointers, strides) in the order _decode_kernel takes them."""
+        cos = self.cos if self.cos is not None else self.k
+        sin = self.sin if self.sin is not None else self.k
+        pointers = [self.k, self.v, cos, sin, self.slot_block, self.slot_offset]
+        strides = [*self.k.stride()[:2], *self.v.stride()[:2], cos.stride(0)]
+        return pointers, strides
+
+
 def decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -278,10 +356,13 @@ def decode_attention(
     window: int | None,
     context_len: int,
     splits: int,
+    new_kv: NewTokenKV | None = None,
 ) -> None:
     """out[token_indices[b]] = attention of q[token_indices[b]] over the first seq_lens[b]
     positions of row b of `block_table` (the last `window` of them with a sliding window).
-    `context_len` bounds every seq_len (it sizes the splits: fixed per captured graph)."""
+    `context_len` bounds every seq_len (it sizes the splits: fixed per captured graph).
+    With `new_kv`, each decode's own K/V (at token_indices[b]) are written here first, and q
+    and k rotated here where it brings cos and sin."""
     batch = token_indices.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = kv_cache.shape[3]
@@ -300,14 +381,22 @@ def decode_attention(
     else:  # unused: the kernel writes the output itself
         part_m = part_l = part_acc = out
     ieee, upcast = _dot_modes(kv_cache.dtype)
+    if new_kv is not None:
+        if head_dim % 2 or new_kv.k.stride(2) != 1 or new_kv.v.stride(2) != 1:
+            raise ValueError("decode_attention's new K/V need an even head_dim and dense heads")
+        new_pointers, new_strides = new_kv.launch_args()
+    else:
+        new_pointers, new_strides = [q] * 6, [0] * 5
     _decode_kernel[(batch, kv_heads, splits)](
         q, kv_cache, block_table, seq_lens, token_indices, out, part_m, part_l, part_acc,
+        *new_pointers,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        *_cache_strides(kv_cache), scale, window or 0, kv_cache.shape[2], tiles_per_split,
-        num_heads,
+        *_cache_strides(kv_cache), *new_strides, scale, window or 0, kv_cache.shape[2],
+        tiles_per_split, num_heads,
         GROUP=group, GROUP_PAD=_pow2(group, 16), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_N=block_n, SPLITS=splits, WINDOWED=window is not None,
-        IEEE=ieee, UPCAST=upcast,
+        IEEE=ieee, UPCAST=upcast, NEW_KV=new_kv is not None,
+        ROTATE=new_kv is not None and new_kv.cos is not None,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(batch, num_heads)](

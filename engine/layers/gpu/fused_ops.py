@@ -97,7 +97,7 @@ def _rotary_kv_write_kernel(  # type: ignore[no-untyped-def]
     )
 
 
-def _rope_rows(table: torch.Tensor) -> torch.Tensor:
+def rope_rows(table: torch.Tensor) -> torch.Tensor:
     """RopeTables' [T, 1, D] as [T, D] rows."""
     return table.reshape(table.shape[0], table.shape[-1])
 
@@ -116,7 +116,7 @@ def rotary_kv_write(
     `kv_cache` (one layer, [num_blocks, 2, block_size, Hkv, D]) at each token's slot.
     cos/sin: the step's RopeTables ([T, 1, D])."""
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    cos_rows, sin_rows = _rope_rows(cos), _rope_rows(sin)
+    cos_rows, sin_rows = rope_rows(cos), rope_rows(sin)
     _launch_kv_write(q, q_out, k, v, cos_rows, sin_rows, kv_cache, slot_block, slot_offset)
     return q_out
 
