@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.gpu import interpreted
+from engine.layers.gpu import fused_ops, interpreted
 
 # Context positions per decode tile: 128 for heads of up to 64 (SmolLM2's), 64 for 128. A
 # single stream's program walks its tiles one after the other, each a table lookup and then
@@ -124,15 +124,15 @@ def _rotated(  # type: ignore[no-untyped-def]
     rows, d, mask, cos, sin, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr
 ):
     """Rows at `rows` (a pointer, or a column of them) "rotated half" by cos/sin [DIM_PAD] in
-    float32, in the order of fused_ops.rotary_kv_write (bit for bit the same values); or, with
-    ROTATE off, as they are."""
+    float32 with fused_ops.rotate, as rotary_kv_write rotates them (bit for bit the same
+    values); or, with ROTATE off, as they are."""
     half = HEAD_DIM // 2
     x = tl.load(rows + d, mask=mask, other=0.0).to(tl.float32)
     if not ROTATE:
         return x
     partner = tl.load(rows + tl.where(d < half, d + half, d - half), mask=mask, other=0.0)
     partner = partner.to(tl.float32)
-    return tl.where(d < half, x * cos - partner * sin, x * cos + partner * sin)
+    return fused_ops.rotate(x, tl.where(d < half, -partner, partner), cos, sin)
 
 
 # fmt: off
@@ -175,8 +175,10 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     new_k = 0.0
     new_v = 0.0
     if NEW_KV:
-        cos = tl.load(cos_ptr + token * rope_stride + d, mask=d < HEAD_DIM, other=0.0)
-        sin = tl.load(sin_ptr + token * rope_stride + d, mask=d < HEAD_DIM, other=0.0)
+        # Each half's angles from the table's first half, as rotary_kv_write reads them.
+        rope = token * rope_stride + d % (HEAD_DIM // 2)
+        cos = tl.load(cos_ptr + rope, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + rope, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
         q = _rotated(q_rows, d, rows_ok, cos, sin, HEAD_DIM, ROTATE)
         q = q.to(q_ptr.dtype.element_ty)
         k_row = k_ptr + token * k_tok_stride + kv_head * k_head_stride

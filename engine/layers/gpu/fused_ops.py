@@ -20,6 +20,15 @@ import triton.language as tl
 
 
 @triton.jit
+def rotate(x, partner, cos, sin):  # type: ignore[no-untyped-def]
+    """x cos + partner sin (partner: -x2 for the first half, x1 for the second) as one
+    explicit FMA over the rounded partner * sin: every kernel that rotates gets the same bits,
+    whichever products the compiler would otherwise have contracted (on the GPU it did, two
+    kernels' a*b - c*d differently)."""
+    return tl.fma(x, cos, partner * sin)
+
+
+@triton.jit
 def _rotate_half_rows(  # type: ignore[no-untyped-def]
     x_ptr,
     tok_stride,
@@ -40,7 +49,7 @@ def _rotate_half_rows(  # type: ignore[no-untyped-def]
     row = x_ptr + token * tok_stride + h[:, None] * head_stride
     x1 = tl.load(row + j[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(row + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, mask
+    return rotate(x1, -x2, cos, sin), rotate(x2, x1, cos, sin), mask
 
 
 # fmt: off
