@@ -247,6 +247,26 @@ def test_decode_only_step_writes_its_own_kv(
     assert torch.equal(got, expected)
 
 
+def test_decodes_reading_each_others_kv_are_written_first(device, monkeypatch):
+    """A verification's tokens are batched as decodes, each attending over the ones before
+    it: their K/V are written before any of them attends (the separate write), never by the
+    decode kernel, whose programs run in no order."""
+    reqs = [Req(20, 3, decode=True), Req(7, 1, decode=True), Req(40, 2, decode=True)]
+    q, k, v, layer, md = mixed_step(reqs, (4, 2), 32, 4, torch.float32, device, seed=10)
+    rope = rope_tables(q.shape[0], 32, torch.float32, device)
+    separate = []
+    original = fused_ops.rotary_kv_write
+    monkeypatch.setattr(fused_ops, "rotary_kv_write", lambda *a: separate.append(1) or original(*a))
+    ref_cache, triton_cache = layer.clone(), layer.clone()
+    expected = TorchReferenceBackend().forward(rope.apply(q), rope.apply(k), v, ref_cache, md, 0.3)
+    got = TritonBackend(device, decode_splits=2).forward_rotary(
+        q, k, v, rope, triton_cache, md, 0.3
+    )
+    assert separate == [1]
+    assert_near(triton_cache, ref_cache)
+    assert_near(got, expected)
+
+
 @pytest.mark.parametrize("hidden", [64, 576])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [False, True])

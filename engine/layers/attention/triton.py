@@ -106,8 +106,11 @@ class TritonBackend(AttentionBackend):
 
 
 def _decode_only(md: AttentionMetadata) -> bool:
-    """Every token of the step is a decode's (a captured graph's step, for one)."""
-    return not md.prefills and md.num_decodes == md.num_tokens
+    """Every token of the step is a decode's, one per request (a captured graph's step, for
+    one). Not a verification's: its tokens, batched as decodes, read each other's K/V, which
+    must be in the cache before any of them attends (on the H200 the parity suite's
+    speculation tests failed when the decode kernel wrote them itself)."""
+    return not md.prefills and md.num_decodes == md.num_tokens == md.block_table.shape[0]
 
 
 def _slots(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
