@@ -93,7 +93,9 @@ class EngineCore:
         if config.cache.enable_kv_cache_events:
             manager = self.scheduler.kv_cache_manager
             self.kv_events = KVEventStream(
-                manager.block_pool.take_events, manager.cached_block_hashes
+                manager.block_pool.take_events,
+                manager.cached_block_hashes,
+                manager.tier_block_hashes,
             )
 
     @classmethod

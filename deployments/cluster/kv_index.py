@@ -47,7 +47,8 @@ class _Replica:
     epoch: str = ""
     next_seq: int = 0
     stale: bool = True  # nothing trusted until a snapshot, or batches from number 0
-    blocks: Counter[bytes] = field(default_factory=Counter)
+    blocks: Counter[bytes] = field(default_factory=Counter)  # every medium's
+    tier: Counter[bytes] = field(default_factory=Counter)  # those in a tier below the pool
 
 
 class PrefixIndex:
@@ -58,6 +59,9 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._replicas: dict[str, _Replica] = {}
         self._holders: dict[bytes, set[str]] = {}  # current replicas only
+        # Per hash the replicas that hold it in a tier only (not in their pool): a hit
+        # there is loaded back before use, and routing credits it less (kv_scoring).
+        self._tier_only: dict[bytes, set[str]] = {}
 
     @property
     def replicas(self) -> list[str]:
@@ -75,21 +79,24 @@ class PrefixIndex:
             return not state.stale  # already covered (by a snapshot, or seen before)
         if batch.epoch != state.epoch and batch.seq == 0:
             # A fresh start whose first batch arrived: nothing before it to miss.
-            self._clear(replica, state.blocks)
+            self._clear(replica, state)
             state.epoch, state.next_seq, state.stale = batch.epoch, 0, False
         if batch.epoch != state.epoch or batch.seq != state.next_seq or state.stale:
-            self._clear(replica, state.blocks)
+            self._clear(replica, state)
             state.epoch, state.stale = batch.epoch, True
             return False
-        self._apply_events(replica, state.blocks, batch)
+        self._apply_events(replica, state, batch)
         state.next_seq += 1
         return True
 
     def load_snapshot(self, replica: str, snapshot: KVSnapshot) -> None:
         state = self._replicas.setdefault(replica, _Replica())
-        self._clear(replica, state.blocks)
+        self._clear(replica, state)
         state.epoch, state.next_seq, state.stale = snapshot.epoch, snapshot.next_seq, False
-        self._store(replica, state.blocks, snapshot.block_hashes)
+        self._store(replica, state, snapshot.block_hashes)
+        for block_hash in snapshot.tier_block_hashes:
+            state.tier[block_hash] += 1
+            self._mark_tier_only(replica, state, block_hash)
 
     def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """Per replica: how many leading blocks of a prompt (its chained hashes) it holds;
@@ -118,36 +125,76 @@ class PrefixIndex:
             out[replica] = depth
         return out
 
+    def tier_only_blocks(self, replica: str, block_hashes: Sequence[bytes]) -> int:
+        """How many of `block_hashes` `replica` holds in a tier only (the leading run that
+        `match` counted for it: the blocks it would load back rather than find in its pool)."""
+        tier_only = self._tier_only
+        if not tier_only:  # no tier anywhere: nothing to look up
+            return 0
+        return sum(1 for h in block_hashes if replica in tier_only.get(h, ()))
+
     def forget(self, replica: str) -> None:
         state = self._replicas.pop(replica, None)
         if state is not None:
-            self._clear(replica, state.blocks)
+            self._clear(replica, state)
 
     def num_entries(self) -> int:
         """(hash, replica) pairs held: what the index's memory grows with."""
         return sum(len(holders) for holders in self._holders.values())
 
-    def _apply_events(self, replica: str, blocks: Counter[bytes], batch: KVEventBatch) -> None:
+    def _apply_events(self, replica: str, state: _Replica, batch: KVEventBatch) -> None:
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self._store(replica, blocks, event.block_hashes)
+                self._store(replica, state, event.block_hashes, event.medium != "primary")
             elif isinstance(event, BlockRemoved):
-                for block_hash in event.block_hashes:
-                    left = blocks[block_hash] - 1
-                    if left > 0:
-                        blocks[block_hash] = left
-                    elif blocks.pop(block_hash, None) is not None:
-                        self._unhold(replica, block_hash)
+                self._remove(replica, state, event.block_hashes, event.medium != "primary")
             elif isinstance(event, AllBlocksCleared):
-                self._clear(replica, blocks)
+                self._clear(replica, state)
 
-    def _store(self, replica: str, blocks: Counter[bytes], block_hashes: Iterable[bytes]) -> None:
-        holders = self._holders
+    def _store(
+        self, replica: str, state: _Replica, block_hashes: Iterable[bytes], in_tier: bool = False
+    ) -> None:
+        holders, blocks, tier = self._holders, state.blocks, state.tier
         for block_hash in block_hashes:
             count = blocks[block_hash]
             blocks[block_hash] = count + 1
             if not count:
                 holders.setdefault(block_hash, set()).add(replica)
+            if in_tier:
+                tier[block_hash] += 1
+            if tier:  # a pool without a tier skips this
+                self._mark_tier_only(replica, state, block_hash)
+
+    def _remove(
+        self, replica: str, state: _Replica, block_hashes: Iterable[bytes], in_tier: bool
+    ) -> None:
+        blocks, tier = state.blocks, state.tier
+        for block_hash in block_hashes:
+            left = blocks[block_hash] - 1
+            if left > 0:
+                blocks[block_hash] = left
+            elif blocks.pop(block_hash, None) is not None:
+                self._unhold(replica, block_hash)
+            if in_tier:
+                left = tier[block_hash] - 1
+                if left > 0:
+                    tier[block_hash] = left
+                else:
+                    tier.pop(block_hash, None)
+            if tier or in_tier:
+                self._mark_tier_only(replica, state, block_hash)
+
+    def _mark_tier_only(self, replica: str, state: _Replica, block_hash: bytes) -> None:
+        """Note whether `replica` now holds `block_hash` in a tier and not in its pool."""
+        held = state.blocks.get(block_hash, 0)
+        if held and state.tier.get(block_hash, 0) >= held:
+            self._tier_only.setdefault(block_hash, set()).add(replica)
+            return
+        replicas = self._tier_only.get(block_hash)
+        if replicas is not None:
+            replicas.discard(replica)
+            if not replicas:
+                del self._tier_only[block_hash]
 
     def _unhold(self, replica: str, block_hash: bytes) -> None:
         holders = self._holders.get(block_hash)
@@ -156,10 +203,14 @@ class PrefixIndex:
             if not holders:
                 del self._holders[block_hash]
 
-    def _clear(self, replica: str, blocks: Counter[bytes]) -> None:
-        for block_hash in blocks:
+    def _clear(self, replica: str, state: _Replica) -> None:
+        for block_hash in state.blocks:
             self._unhold(replica, block_hash)
-        blocks.clear()
+        tier = state.tier
+        state.blocks.clear()
+        for block_hash in list(tier):
+            tier.pop(block_hash)
+            self._mark_tier_only(replica, state, block_hash)
 
 
 @dataclass
@@ -228,8 +279,9 @@ class KVIndexServer:
         for replica, count in self.index.match_held(block_hashes).items():
             announced = self.replicas.get(replica, _UNANNOUNCED)
             if not role or announced.role == role:
+                in_tier = self.index.tier_only_blocks(replica, block_hashes[:count])
                 holdings[replica] = Holding(
-                    count, announced.load, announced.role, announced.side_channel
+                    count, announced.load, announced.role, announced.side_channel, in_tier
                 )
         return holdings
 

@@ -4,6 +4,8 @@ A replica's cost for a prompt is the work, in prompt tokens, that stands between
 and its first computed token there:
 
     cost = uncached prompt tokens  (what this replica would compute for it)
+         + tier_token_cost x prompt tokens held in a tier below its pool only
+                                   (copied back into the pool before the prefill)
          + queued prompt tokens    (prefill work already waiting on that replica)
          + request_tokens x ongoing requests   (each running stream slows every step)
          + the whole prompt again when the replica's KV pool is nearly full
@@ -32,16 +34,27 @@ class RoutingWeights:
     request_tokens: float = 32.0
     # KV usage (blocks held by running requests) from which a replica counts as a hot spot.
     hot_kv_usage: float = 0.9
+    # What a token held in a tier below the pool (engine/offload/) costs against computing it:
+    # its K/V are copied back first. A copy is far cheaper than the prefill it saves (on this
+    # project's 2-core CPU, ~13 us a token from host memory against ~1 ms a token computed;
+    # on GPUs a PCIe copy against a prefill, of the same order); a tenth keeps a replica that
+    # holds a prefix in its pool ahead of one that holds it in a tier, at equal load.
+    tier_token_cost: float = 0.1
 
 
 @dataclass(frozen=True)
 class Holding:
     """What the index knows of one replica for one prompt."""
 
-    cached_blocks: int
+    cached_blocks: int  # the prompt's leading blocks it holds, in its pool or a tier
     load: EngineLoad | None  # None until the replica has reported
     role: str = ""  # "prefill", "decode", "colocated"
     side_channel: str = ""  # "host:port" of its KV side channel ("" without KV transfer)
+    tier_blocks: int = 0  # of cached_blocks, those held in a tier only (loaded back first)
+
+    @property
+    def pool_blocks(self) -> int:
+        return self.cached_blocks - self.tier_blocks
 
 
 NOTHING_HELD = Holding(0, None)  # a replica the index does not know
@@ -56,10 +69,11 @@ def replica_cost(
 ) -> float:
     """The cost above; `ongoing` is the router's own count of requests in flight there."""
     uncached = max(0, prompt_tokens - holding.cached_blocks * block_size)
+    in_tier = min(prompt_tokens, holding.tier_blocks * block_size)
     load = holding.load
     queued = load.queued_prompt_tokens if load is not None else 0
     busy = max(ongoing, (load.num_running + load.num_waiting) if load is not None else 0)
-    cost = uncached + queued + weights.request_tokens * busy
+    cost = uncached + weights.tier_token_cost * in_tier + queued + weights.request_tokens * busy
     if load is not None and load.kv_cache_usage >= weights.hot_kv_usage:
         cost += prompt_tokens
     return cost
@@ -76,8 +90,9 @@ def rank_by_cost(
     """Candidates in ranks of equal cost, cheapest first (Serve takes the first rank with
     room); None when the cache does not tell them apart and load alone should decide."""
     chosen = [holdings.get(c, NOTHING_HELD) for c in candidates]
-    counts = {h.cached_blocks for h in chosen}
-    if not chosen or max(counts) == 0 or len(counts) == 1:
+    if not chosen or max(h.cached_blocks for h in chosen) == 0:
+        return None
+    if len({(h.cached_blocks, h.tier_blocks) for h in chosen}) == 1:
         return None
     costs: dict[float, list[str]] = {}
     for candidate, holding in zip(candidates, chosen, strict=True):
@@ -119,7 +134,8 @@ def survey(
 
     decode = {r: h for r, h in holdings.items() if h.role == "decode"}
     prefill = max((h.cached_blocks for h in holdings.values() if h.role == "prefill"), default=0)
-    lenders = [(h.cached_blocks, r) for r, h in holdings.items() if h.role != "prefill"]
+    # A loan lends from the lender's pool (its tier's blocks are not lent).
+    lenders = [(h.pool_blocks, r) for r, h in holdings.items() if h.role != "prefill"]
     lender = None
     if lenders:
         blocks, replica = max(lenders)

@@ -53,12 +53,14 @@ class KVEventBatch:
 @dataclass(frozen=True)
 class KVSnapshot:
     """The hash of every block in an engine's prefix cache now (a hash twice when two blocks
-    hold it: events are per block). It covers every event before the batch numbered
-    `next_seq`, and no later one."""
+    hold it: events are per block), a tier's below the pool included; those of a tier again
+    in `tier_block_hashes`. It covers every event before the batch numbered `next_seq`, and
+    no later one."""
 
     epoch: str
     next_seq: int
     block_hashes: tuple[bytes, ...]
+    tier_block_hashes: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,14 @@ class KVEventStream:
         self,
         take_events: Callable[[], list[KVCacheEvent]],
         cached: Callable[[], Iterable[bytes]],
+        cached_in_tiers: Callable[[], Iterable[bytes]] = tuple,
     ) -> None:
+        """`cached`: every hash held (per block, the tiers' too); `cached_in_tiers`: those of
+        the tiers below the pool."""
         self.epoch = uuid.uuid4().hex
         self._take_events = take_events
         self._cached = cached
+        self._cached_in_tiers = cached_in_tiers
         self._next_seq = 0
 
     def take_batch(self) -> KVEventBatch | None:
@@ -98,4 +104,6 @@ class KVEventStream:
         """The cache as it is; events not yet taken are in it, so they are dropped (a reader
         that applied them on top would count their blocks twice)."""
         self._take_events()
-        return KVSnapshot(self.epoch, self._next_seq, tuple(self._cached()))
+        return KVSnapshot(
+            self.epoch, self._next_seq, tuple(self._cached()), tuple(self._cached_in_tiers())
+        )

@@ -168,9 +168,12 @@ def test_an_index_fed_the_engines_events_finds_what_only_the_tier_holds(hf_refs)
     while (batch := stream.take_batch()) is not None:
         assert index.apply("engine", batch)
     assert index.match(hashes) == {"engine": len(hashes)}  # the tier holds every block
+    # ... and only the tier: routing credits those blocks below a pool's (kv_scoring).
+    assert index.tier_only_blocks("engine", hashes) == len(hashes)
     recovered = PrefixIndex()  # an index that restarted: the snapshot says as much
     recovered.load_snapshot("engine", stream.snapshot())
     assert recovered.match(hashes) == {"engine": len(hashes)}
+    assert recovered.tier_only_blocks("engine", hashes) == len(hashes)
     llm.close()
 
 

@@ -135,6 +135,42 @@ def test_cost_ranking_weighs_cached_blocks_against_queued_work():
     assert rank_by_cost(["a", "b"], hot, 100, 16, {})[0] == ["b"]
 
 
+def test_the_index_tells_blocks_held_in_a_tier_only_from_the_pool_s():
+    """A tier's blocks (medium "cpu") count in the match, and are counted apart where the
+    pool does not hold them too: through events, a snapshot and a restart alike."""
+    index = PrefixIndex()
+    tier_stored = BlockStored([b"1", b"2", b"3"], None, [], 4, "cpu")
+    index.apply("a", batch(0, stored(b"1", b"2", b"3"), tier_stored))
+    hashes = [b"1", b"2", b"3"]
+    assert index.match(hashes) == {"a": 3} and index.tier_only_blocks("a", hashes) == 0
+    index.apply("a", batch(1, BlockRemoved([b"2", b"3"])))  # evicted from the pool
+    assert index.match(hashes) == {"a": 3} and index.tier_only_blocks("a", hashes) == 2
+    index.apply("a", batch(2, stored(b"2")))  # loaded back
+    assert index.tier_only_blocks("a", hashes) == 1
+    index.apply("a", batch(3, BlockRemoved([b"3"], "cpu")))  # gone from the tier too
+    assert index.match(hashes) == {"a": 2} and index.tier_only_blocks("a", hashes) == 0
+    index.load_snapshot("b", KVSnapshot("e2", 0, (b"1", b"2", b"2"), tier_block_hashes=(b"2",)))
+    assert index.match(hashes) == {"a": 2, "b": 2}
+    assert index.tier_only_blocks("b", hashes) == 0  # the pool holds "2" as well
+    index.load_snapshot("b", KVSnapshot("e2", 1, (b"1", b"2"), tier_block_hashes=(b"2",)))
+    assert index.tier_only_blocks("b", hashes) == 1
+    index.forget("b")
+    assert index._tier_only == {}  # nothing left behind
+
+
+def test_cost_ranking_credits_a_tier_s_blocks_below_the_pool_s():
+    from deployments.cluster.kv_scoring import Holding, rank_by_cost
+
+    # 100-token prompt, 16-token blocks, 4 blocks held by each: a in its pool, b in a tier.
+    holdings = {"a": Holding(4, load()), "b": Holding(4, load(), tier_blocks=4)}
+    assert rank_by_cost(["a", "b", "c"], holdings, 100, 16, {}) == [["a"], ["b"], ["c"]]
+    # A tier's blocks still beat computing the prompt, until the holder's queue outweighs them.
+    tier_only = {"b": Holding(4, load(), tier_blocks=4), "c": Holding(0, load())}
+    assert rank_by_cost(["b", "c"], tier_only, 100, 16, {}) == [["b"], ["c"]]
+    tier_only["b"] = Holding(4, load(queued=60), tier_blocks=4)
+    assert rank_by_cost(["b", "c"], tier_only, 100, 16, {}) == [["c"], ["b"]]
+
+
 def test_cost_ranking_leaves_the_choice_to_load_where_the_cache_tells_nothing():
     from deployments.cluster.kv_scoring import Holding, rank_by_cost
 
@@ -177,6 +213,9 @@ def test_a_survey_names_the_decode_holder_and_a_lender_worth_borrowing_from():
     # which the prefill leg's own routing reaches.
     no_channel = {**holdings, "d1": Holding(6, load(), "decode", "")}
     assert survey(no_channel, [], 100, 16).lender is None
+    # A loan lends from the lender's pool: its tier's blocks do not count.
+    in_tier = {**holdings, "d1": Holding(6, load(), "decode", "h:2", tier_blocks=4)}
+    assert survey(in_tier, [], 100, 16).lender == Lender("d1", "h:2", 32)
     only_prefill = {"p1": Holding(4, load(), "prefill", "h:1")}
     nothing = survey(only_prefill, [], 100, 16)
     assert nothing.lender is None and nothing.decode_holder is None

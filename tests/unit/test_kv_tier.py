@@ -205,8 +205,10 @@ def test_the_tier_reports_what_it_holds_so_an_index_counts_it_held():
     index = PrefixIndex()
     index.apply("engine", KVEventBatch("epoch", 0, (BlockStored([b"b"], None, [], 16),)))
     index.apply("engine", KVEventBatch("epoch", 1, tuple(events)))
+    assert index.tier_only_blocks("engine", [b"b"]) == 0  # the pool has it too
     index.apply("engine", KVEventBatch("epoch", 2, (BlockRemoved([b"b"]),)))  # the pool's
     assert index.match([b"b"]) == {"engine": 1}  # the tier still holds it
+    assert index.tier_only_blocks("engine", [b"b"]) == 1  # routing credits it less
     assert index.match([b"a"]) == {"engine": 0}
     assert tier.block_hashes() == [b"b"]
 
