@@ -105,6 +105,9 @@ class EngineArgs:
     """the tier's medium: cpu (host memory) or disk (a file under kv_offloading_path)"""
     kv_offloading_path: str | None = None
     """disk: the directory of the tier's file (none: the system's temporary directory)"""
+    kv_offloading_disk_size: float = 0.0
+    """GiB of a disk tier below the host-memory tier (a third tier, in a file under
+    kv_offloading_path): what host memory evicts goes down to it (0: none)"""
     kv_events_config: dict[str, Any] | None = None
     """{"enable_kv_cache_events": true}: number the prefix cache's events for a cluster index
     (vLLM's name and key)"""
@@ -184,6 +187,7 @@ class EngineArgs:
             kv_offloading_size=self.kv_offloading_size,
             kv_offloading_backend=self.kv_offloading_backend,
             kv_offloading_path=self.kv_offloading_path,
+            kv_offloading_disk_size=self.kv_offloading_disk_size,
         )
 
     def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:

@@ -116,8 +116,12 @@ class CacheConfig:
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str = "cpu"  # cpu (host memory) or disk (a file)
     kv_offloading_path: str | None = None  # disk: the directory of its file (default: /tmp)
-    # The tier's blocks: filled in by the engine from kv_offloading_size and a block's bytes.
+    # GiB of a disk tier below the host-memory one (a third tier): blocks the host tier
+    # evicts go down to it instead of being dropped.
+    kv_offloading_disk_size: float = 0.0
+    # The tiers' blocks: filled in by the engine from the sizes above and a block's bytes.
     num_tier_blocks: int | None = None
+    num_disk_tier_blocks: int | None = None  # the third tier's (kv_offloading_disk_size)
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1)
@@ -139,15 +143,25 @@ _OFFLOADING_BACKENDS = ("cpu", "disk")
 
 def _check_offloading(config: CacheConfig) -> None:
     size = config.kv_offloading_size
-    if isinstance(size, bool) or not isinstance(size, int | float) or not size >= 0:
-        raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {size!r}")
+    for name in ("kv_offloading_size", "kv_offloading_disk_size"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ValueError(f"{name} must be a number of GiB >= 0, got {value!r}")
+    if config.kv_offloading_disk_size and not (size and config.kv_offloading_backend == "cpu"):
+        raise ValueError(
+            "kv_offloading_disk_size is a disk tier below the host-memory one: it needs "
+            "kv_offloading_size > 0 with kv_offloading_backend 'cpu'"
+        )
     if config.kv_offloading_backend not in _OFFLOADING_BACKENDS:
         raise ValueError(
             f"kv_offloading_backend must be one of {_OFFLOADING_BACKENDS}, "
             f"got {config.kv_offloading_backend!r}"
         )
-    if config.kv_offloading_path is not None and config.kv_offloading_backend != "disk":
-        raise ValueError("kv_offloading_path is for kv_offloading_backend 'disk'")
+    on_disk = config.kv_offloading_backend == "disk" or config.kv_offloading_disk_size
+    if config.kv_offloading_path is not None and not on_disk:
+        raise ValueError(
+            "kv_offloading_path is for kv_offloading_backend 'disk' or kv_offloading_disk_size"
+        )
     if size and not config.enable_prefix_caching:
         raise ValueError(
             "kv_offloading_size needs enable_prefix_caching (tiers keep cached blocks)"

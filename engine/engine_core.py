@@ -76,7 +76,11 @@ class EngineCore:
         cache = replace(config.cache, num_blocks=num_blocks)
         if cache.kv_offloading_size:
             block_bytes = self.runner.kv_cache_spec().bytes_per_block
-            cache = replace(cache, num_tier_blocks=num_tier_slots(cache, block_bytes))
+            slots = num_tier_slots(cache, block_bytes, "kv_offloading_size")
+            cache = replace(cache, num_tier_blocks=slots)
+        if cache.kv_offloading_disk_size:
+            slots = num_tier_slots(cache, block_bytes, "kv_offloading_disk_size")
+            cache = replace(cache, num_disk_tier_blocks=slots)
         if connector is None and config.kv_transfer is not None:
             connector = create_kv_connector(config, arch)
         self.connector = connector
@@ -85,7 +89,7 @@ class EngineCore:
         self.runner.connector = connector
         self.runner.initialize_kv_cache(num_blocks)
         if cache.num_tier_blocks:
-            self.runner.start_tier(cache.num_tier_blocks)
+            self.runner.start_tier(cache)
         self.num_blocks = num_blocks
         self._async = AsyncRunner(self) if config.scheduler.async_scheduling else None
         # The prefix cache's events, numbered for a cluster index (kv_events_config).

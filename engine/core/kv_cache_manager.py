@@ -67,11 +67,13 @@ class KVCacheManager:
         # The tier below this pool (engine/offload/), where one is configured.
         self.tier: TierIndex | None = None
         if cache_config.num_tier_blocks:
+            lower = cache_config.num_disk_tier_blocks
             self.tier = TierIndex(
                 cache_config.kv_offloading_backend,
                 cache_config.num_tier_blocks,
                 self.block_size,
                 self.block_pool,
+                lower=("disk", lower) if lower else None,
             )
 
     @property

@@ -66,13 +66,8 @@ class StepTrace:
             }
         }
         tier = scheduler.tier
-        if tier is not None:  # a tier's blocks all hold a cached prefix
-            used = tier.num_used_slots
-            tiers[tier.name] = {
-                "blocks": tier.num_slots,
-                "free": tier.num_slots - used,
-                "cached": used,
-            }
+        for name, slots, used in tier.usage() if tier is not None else ():
+            tiers[name] = {"blocks": slots, "free": slots - used, "cached": used}  # all cached
         record = {
             "step": self._next_step,
             "time": time.time(),

@@ -15,7 +15,10 @@ class TierCopy(NamedTuple):
     """One block between the primary pool and a tier slot. A store (`load_of` empty) copies
     block -> slot; a load copies slot -> block for request `load_of`, and `last` marks its
     request's last block. `version` is the slot's (TierIndex counts its reuses), so a failed
-    load drops the entry it read, not whatever the slot holds by the time that is known."""
+    load drops the entry it read, not whatever the slot holds by the time that is known.
+    A demotion (`from_slot` set; no block) moves a slot of one tier to a slot of the tier
+    below, with the sum the block left the pool with (if `from_version` is still the
+    source's): a load from the lower tier is checked against that same sum."""
 
     block_id: int
     slot: int
@@ -25,6 +28,8 @@ class TierCopy(NamedTuple):
     # A store whose block is held until the copy is done (reported in `stored`); an unheld
     # one (a preempted request's: its blocks are needed now) is made before the step runs.
     held: bool = True
+    from_slot: int = -1
+    from_version: int = 0
 
 
 @dataclass

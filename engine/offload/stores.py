@@ -32,21 +32,52 @@ class TierStore(Protocol):
     def close(self) -> None: ...
 
 
-def num_tier_slots(config: CacheConfig, block_bytes: int) -> int:
-    """Blocks of `block_bytes` the configured tier holds (ValueError: not even one)."""
-    slots = int(config.kv_offloading_size * GIB) // block_bytes
+def num_tier_slots(config: CacheConfig, block_bytes: int, size_field: str) -> int:
+    """Blocks of `block_bytes` in the tier of `size_field`'s GiB (ValueError: not one)."""
+    size = getattr(config, size_field)
+    slots = int(size * GIB) // block_bytes
     if slots < 1:
-        raise ValueError(
-            f"kv_offloading_size={config.kv_offloading_size} GiB holds no KV block of "
-            f"{block_bytes} bytes"
-        )
+        raise ValueError(f"{size_field}={size} GiB holds no KV block of {block_bytes} bytes")
     return slots
 
 
-def make_store(config: CacheConfig, num_slots: int, block_bytes: int) -> TierStore:
+def make_store(config: CacheConfig, block_bytes: int) -> TierStore:
+    """The configured tier's slots: config.num_tier_blocks of host memory or a file, and
+    config.num_disk_tier_blocks of a file after them where a third tier is configured."""
+    num_slots = config.num_tier_blocks or 0
     if config.kv_offloading_backend == "disk":
         return DiskStore(num_slots, block_bytes, config.kv_offloading_path)
-    return HostStore(num_slots, block_bytes)
+    host = HostStore(num_slots, block_bytes)
+    if not config.num_disk_tier_blocks:
+        return host
+    disk = DiskStore(config.num_disk_tier_blocks, block_bytes, config.kv_offloading_path)
+    return StackedStore(host, num_slots, disk)
+
+
+class StackedStore:
+    """A tier over another, as one store: slots [0, n) are the upper one's, [n, ...) the
+    lower one's (TierIndex numbers them so; a demotion reads one and writes the other)."""
+
+    def __init__(self, upper: TierStore, upper_slots: int, lower: TierStore) -> None:
+        self.name = f"{upper.name}+{lower.name}"
+        self._upper, self._upper_slots, self._lower = upper, upper_slots, lower
+
+    def _at(self, slot: int) -> tuple[TierStore, int]:
+        if slot < self._upper_slots:
+            return self._upper, slot
+        return self._lower, slot - self._upper_slots
+
+    def write(self, slot: int, block: torch.Tensor) -> None:
+        store, local = self._at(slot)
+        store.write(local, block)
+
+    def read(self, slot: int, block: torch.Tensor) -> None:
+        store, local = self._at(slot)
+        store.read(local, block)
+
+    def close(self) -> None:
+        self._upper.close()
+        self._lower.close()
 
 
 class HostStore:

@@ -1,6 +1,10 @@
 """The scheduler's side of a KV tier: which block hashes the tier holds, in which slots, in LRU
 order, and the copies its worker is to make.
 
+A tier is one medium (host memory, or a file), or host memory over a file (a third tier): each
+level has its own LRU and slots, and what the upper one evicts moves down to the lower one
+(a copy from slot to slot, in order with the others) instead of being dropped.
+
 Stores are write-through at free: when a request lets go of its blocks (it finished, or was
 preempted), each cached block the tier lacks is copied down, off the step's critical path (the
 worker's thread copies while the next steps compute). The block is held (one more user) until
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_utils import BlockHash, KVCacheBlock
@@ -36,24 +40,52 @@ class TierStats:
     swap_preemptions: int = 0
     recompute_preemptions: int = 0
     hit_tokens: int = 0  # prompt tokens found in the tier (past the primary pool's hits)
-    evicted: int = 0  # dropped from the tier for room
+    lower_hit_tokens: int = 0  # of those, found in the level below host memory (disk)
+    demoted: int = 0  # moved down a level for room (host memory to disk)
+    evicted: int = 0  # dropped from the tier (its lowest level) for room
     failed: int = 0  # loads that did not verify (recomputed)
     copy_us: int = 0  # the worker's time copying and summing
     bytes_copied: int = 0
 
 
+@dataclass
+class _Level:
+    """One medium of the tier, its slots [first, first + num_slots) of the worker's."""
+
+    name: str
+    first: int
+    num_slots: int
+    lru: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict)  # oldest first
+    free: list[int] = field(default_factory=list)  # popped from the end
+
+    def reset(self) -> None:
+        self.lru.clear()
+        self.free = list(range(self.first + self.num_slots - 1, self.first - 1, -1))
+
+
 class TierIndex:
-    def __init__(self, name: str, num_slots: int, block_size: int, pool: BlockPool) -> None:
-        if num_slots < 1:
-            raise ValueError(f"a KV tier needs at least one slot, got {num_slots}")
-        self.name = name
-        self.num_slots = num_slots
+    def __init__(
+        self,
+        name: str,
+        num_slots: int,
+        block_size: int,
+        pool: BlockPool,
+        lower: tuple[str, int] | None = None,
+    ) -> None:
+        """`lower`: (name, slots) of a level below this one (a file under host memory)."""
+        levels = [(name, num_slots), *([lower] if lower is not None else [])]
+        if min(slots for _, slots in levels) < 1:
+            raise ValueError(f"a KV tier needs at least one slot, got {levels}")
+        self._levels: list[_Level] = []
+        for level_name, slots in levels:
+            self._levels.append(_Level(level_name, sum(x.num_slots for x in self._levels), slots))
+            self._levels[-1].reset()
+        self.name = "+".join(level.name for level in self._levels)
+        self.num_slots = sum(level.num_slots for level in self._levels)
         self.block_size = block_size
         self._pool = pool
-        self._lru: OrderedDict[BlockHash, int] = OrderedDict()  # oldest first
-        self._free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end
-        self._slot_hash: list[BlockHash | None] = [None] * num_slots
-        self._versions = [0] * num_slots
+        self._slot_hash: list[BlockHash | None] = [None] * self.num_slots
+        self._versions = [0] * self.num_slots
         self._copies: list[TierCopy] = []  # decided, not yet sent to the worker
         self._pending = 0  # sent, not yet reported done
         self._storing: deque[int] = deque()  # blocks held for their stores, in copy order
@@ -69,14 +101,18 @@ class TierIndex:
         until its copy is done, while the steps go on; else (a preemption, which frees blocks
         because they are needed now) the copies are made before the next step runs."""
         stored: list[BlockHash] = []
+        top = self._levels[0]
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is None or block.is_null:
                 continue
-            if block_hash in self._lru:
-                self._lru.move_to_end(block_hash)
+            if block_hash in top.lru:
+                top.lru.move_to_end(block_hash)
                 continue
-            slot = self._take_slot(block_hash)
+            for level in self._levels[1:]:  # used again: back to the top, from the pool's copy
+                if (lower_slot := level.lru.get(block_hash)) is not None:
+                    self._forget(level, lower_slot)
+            slot = self._take_slot(0, block_hash)
             stored.append(block_hash)
             if hold:
                 self._pool.touch((block,))
@@ -84,13 +120,13 @@ class TierIndex:
             self._copies.append(TierCopy(block.block_id, slot, self._versions[slot], held=hold))
         self.stats.stored += len(stored)
         if stored:  # routers count them held here while the pool or the tier holds them
-            self._pool.record_event(BlockStored(stored, None, [], self.block_size, self.name))
+            self._pool.record_event(BlockStored(stored, None, [], self.block_size, top.name))
 
     def preempt(self, blocks: Sequence[KVCacheBlock], num_computed_tokens: int) -> None:
         """A preempted request lets go of `blocks`: down to the tier (copied before the next
         step runs) where that costs less than computing its tokens again, else dropped."""
         cached = [b for b in blocks if b.block_hash is not None and not b.is_null]
-        missing = sum(1 for b in cached if b.block_hash not in self._lru)
+        missing = sum(1 for b in cached if b.block_hash not in self._levels[0].lru)
         if cached and self.costs.swap_pays(missing, len(cached), num_computed_tokens):
             self.stats.swap_preemptions += 1
             self.offer(blocks, hold=False)
@@ -101,13 +137,15 @@ class TierIndex:
         """The slots of the run of `block_hashes[first:]` the tier holds (at most
         `max_blocks`), each refreshed in the LRU."""
         slots: list[int] = []
-        lru = self._lru
         for block_hash in block_hashes[first : first + max(0, max_blocks)]:
-            slot = lru.get(block_hash)
-            if slot is None:
+            for level in self._levels:
+                slot = level.lru.get(block_hash)
+                if slot is not None:
+                    level.lru.move_to_end(block_hash)
+                    slots.append(slot)
+                    break
+            else:
                 break
-            lru.move_to_end(block_hash)
-            slots.append(slot)
         return slots
 
     def load(
@@ -126,6 +164,8 @@ class TierIndex:
             )
         self._loading.add(request_id)
         self.stats.hit_tokens += len(slots) * self.block_size
+        below = sum(1 for slot in slots if slot >= self._levels[0].num_slots)
+        self.stats.lower_hit_tokens += below * self.block_size
         if resumed:
             self.stats.swapped_in += len(slots)
 
@@ -146,8 +186,8 @@ class TierIndex:
 
     def clear(self) -> None:
         """Forget every entry (the prefix cache was reset); copies in flight still end."""
-        self._lru.clear()
-        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        for level in self._levels:
+            level.reset()
         self._slot_hash = [None] * self.num_slots
         self._versions = [version + 1 for version in self._versions]
 
@@ -180,8 +220,9 @@ class TierIndex:
         )
 
     def block_hashes(self) -> list[BlockHash]:
-        """Every hash the tier holds (an engine's snapshot for the cluster's index)."""
-        return list(self._lru)
+        """Every hash the tier holds, one per slot (an engine's snapshot for the cluster's
+        index)."""
+        return [block_hash for level in self._levels for block_hash in level.lru]
 
     def storing_block_ids(self) -> list[int]:
         """Blocks held until their stores are done (one entry per hold)."""
@@ -189,30 +230,60 @@ class TierIndex:
 
     @property
     def num_used_slots(self) -> int:
-        return len(self._lru)
+        return sum(len(level.lru) for level in self._levels)
+
+    def usage(self) -> list[tuple[str, int, int]]:
+        """(name, slots, used) of each level, the top first (the step trace's)."""
+        return [(level.name, level.num_slots, len(level.lru)) for level in self._levels]
 
     def holds(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._lru
+        return any(block_hash in level.lru for level in self._levels)
 
-    def _take_slot(self, block_hash: BlockHash) -> int:
-        if self._free_slots:
-            slot = self._free_slots.pop()
-        else:  # the least recently used entry goes (a copy still reading it runs first)
-            old_hash, slot = self._lru.popitem(last=False)
+    def _take_slot(self, depth: int, block_hash: BlockHash) -> int:
+        """A slot of level `depth` for `block_hash`: a free one, or the least recently used
+        entry's, which moves down a level (or, from the lowest, goes). A copy deciding
+        earlier still reading the slot runs first: the worker keeps the copies' order."""
+        level = self._levels[depth]
+        if level.free:
+            slot = level.free.pop()
+        else:
+            old_hash, slot = level.lru.popitem(last=False)
             self._slot_hash[slot] = None
-            self.stats.evicted += 1
-            self._pool.record_event(BlockRemoved([old_hash], self.name))
+            if depth + 1 < len(self._levels):
+                self._demote(depth + 1, old_hash, slot)
+            else:
+                self.stats.evicted += 1
+            self._pool.record_event(BlockRemoved([old_hash], level.name))
         self._versions[slot] += 1
         self._slot_hash[slot] = block_hash
-        self._lru[block_hash] = slot
+        level.lru[block_hash] = slot
         return slot
 
+    def _demote(self, depth: int, block_hash: BlockHash, from_slot: int) -> None:
+        """Move `block_hash` from `from_slot` (about to be reused) down to level `depth`."""
+        from_version = self._versions[from_slot]
+        slot = self._take_slot(depth, block_hash)
+        self._copies.append(
+            TierCopy(-1, slot, self._versions[slot], from_slot=from_slot, from_version=from_version)
+        )
+        self.stats.demoted += 1
+        name = self._levels[depth].name
+        self._pool.record_event(BlockStored([block_hash], None, [], self.block_size, name))
+
+    def _level_of(self, slot: int) -> _Level:
+        return next(level for level in self._levels if slot < level.first + level.num_slots)
+
     def _drop(self, slot: int, version: int) -> None:
-        block_hash = self._slot_hash[slot]
-        if block_hash is None or self._versions[slot] != version:
+        if self._slot_hash[slot] is None or self._versions[slot] != version:
             return  # reused since: what it holds now was written after the bad read
-        del self._lru[block_hash]
+        self._forget(self._level_of(slot), slot)
+
+    def _forget(self, level: _Level, slot: int) -> None:
+        """Free `slot` of `level` and its entry (a bad read, or a block back at the top)."""
+        block_hash = self._slot_hash[slot]
+        assert block_hash is not None
+        del level.lru[block_hash]
         self._slot_hash[slot] = None
         self._versions[slot] += 1
-        self._free_slots.append(slot)
-        self._pool.record_event(BlockRemoved([block_hash], self.name))
+        level.free.append(slot)
+        self._pool.record_event(BlockRemoved([block_hash], level.name))

@@ -29,6 +29,8 @@ class TierWorker:
         self.store = store
         self._kv_cache = kv_cache
         self._blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+        # A block on its way between two tiers (demotions), in host memory.
+        self._staging = torch.empty(self._blocks.shape[1], dtype=torch.uint8)
         # Per slot: the version it was written at and its block's sum as it left the pool. A
         # load checks both: a slot read after its reuse fails, whatever the copies' order.
         self._sums: list[tuple[int, int] | None] = [None] * num_slots
@@ -110,6 +112,8 @@ class TierWorker:
         for copy in copies:
             if copy.load_of:
                 self._load(copy, done)
+            elif copy.from_slot >= 0:
+                self._demote(copy)
             else:
                 self._store(copy, done)
         if self._stream is not None:
@@ -127,6 +131,19 @@ class TierWorker:
             self._sums[copy.slot] = None
         if copy.held:
             done.stored.append(copy.block_id)
+
+    def _demote(self, copy: TierCopy) -> None:
+        recorded = self._sums[copy.from_slot]
+        if recorded is None or recorded[0] != copy.from_version:
+            self._sums[copy.slot] = None  # its store failed: the lower slot reads as bad
+            return
+        try:
+            self.store.read(copy.from_slot, self._staging)
+            self.store.write(copy.slot, self._staging)
+            self._sums[copy.slot] = (copy.version, recorded[1])
+        except Exception:
+            logger.exception("moving a KV block down to the %s tier failed", self.store.name)
+            self._sums[copy.slot] = None
 
     def _load(self, copy: TierCopy, done: TierReport) -> None:
         expected = self._sums[copy.slot]

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import CacheConfig, EngineConfig
 from engine.core.sched_output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     KVConnectorOutput,
@@ -216,13 +216,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
-    def start_tier(self, num_slots: int) -> None:
-        """The KV tier's worker over this runner's cache (engine/offload/), its `num_slots`
-        blocks as the configuration says: host memory or a file."""
+    def start_tier(self, cache: CacheConfig) -> None:
+        """The KV tier's worker over this runner's cache (engine/offload/), its slots as
+        `cache` counts them (num_tier_blocks, and num_disk_tier_blocks below them): host
+        memory or a file, and a file below host memory."""
         assert self.kv_cache is not None, "initialize_kv_cache() first"
-        cache = self.config.cache
-        block_bytes = self.kv_cache[0].nbytes
-        store = make_store(cache, num_slots, block_bytes)
+        store = make_store(cache, self.kv_cache[0].nbytes)
+        num_slots = (cache.num_tier_blocks or 0) + (cache.num_disk_tier_blocks or 0)
         self.tier = TierWorker(store, self.kv_cache, num_slots)
 
     @torch.inference_mode()

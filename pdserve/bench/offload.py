@@ -21,7 +21,7 @@ from typing import Any
 from engine.models.catalog import SMOLLM2_MODEL
 from pdserve.bench.stats import percentile
 
-_BACKENDS = ("none", "cpu", "disk")
+_BACKENDS = ("none", "cpu", "disk", "cpu+disk")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class OffloadBenchConfig:
     model: str = SMOLLM2_MODEL
     """the model"""
     backends: str = "none,cpu"
-    """comma-separated: none (no tier), cpu (host memory), disk (a file)"""
+    """comma-separated: none (no tier), cpu (host memory), disk (a file), cpu+disk (host
+    memory for a third of the working set over a file: a third tier)"""
     conversations: int = 8
     """conversations, their turns sent round robin"""
     turns: int = 4
@@ -134,8 +135,14 @@ def _pool_blocks(config: OffloadBenchConfig, working_set: int) -> int:
 def _tier_args(config: OffloadBenchConfig, name: str, tier_gib: float) -> dict[str, Any]:
     if name == "none":
         return {}
-    args: dict[str, Any] = {"kv_offloading_backend": name, "kv_offloading_size": tier_gib}
-    if name == "disk" and config.disk_path:
+    if name == "cpu+disk":  # host memory holds less than the working set: disk the rest
+        args: dict[str, Any] = {
+            "kv_offloading_size": tier_gib / 3,
+            "kv_offloading_disk_size": tier_gib,
+        }
+    else:
+        args = {"kv_offloading_backend": name, "kv_offloading_size": tier_gib}
+    if "disk" in name and config.disk_path:
         args["kv_offloading_path"] = config.disk_path
     return args
 

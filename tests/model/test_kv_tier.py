@@ -69,18 +69,20 @@ def assert_nothing_held(llm: LLM) -> None:
     assert not llm.engine.has_requests()
 
 
-@pytest.mark.parametrize("backend", ["cpu", "disk"])
+# Host memory, a file, and host memory too small for the conversations (15 slots) over a
+# file (1,048): a third tier, what host memory evicts moves down and comes back from there.
+TIERS = {
+    "cpu": {"kv_offloading_size": 0.002},
+    "disk": {"kv_offloading_size": 0.002, "kv_offloading_backend": "disk"},
+    "cpu+disk": {"kv_offloading_size": 0.00003, "kv_offloading_disk_size": 0.002},
+}
+
+
+@pytest.mark.parametrize("backend", list(TIERS))
 def test_evicted_prefixes_come_back_from_the_tier_token_exact(hf_refs, backend, tmp_path):
     ref = hf_refs["llama_gqa"]
-    path = {"kv_offloading_path": str(tmp_path)} if backend == "disk" else {}
-    llm = engine(
-        ref,
-        31,
-        kv_offloading_size=0.002,
-        kv_offloading_backend=backend,
-        step_trace_size=4096,
-        **path,
-    )
+    path = {"kv_offloading_path": str(tmp_path)} if "disk" in backend else {}
+    llm = engine(ref, 31, step_trace_size=4096, **TIERS[backend], **path)
     first = conversations(1)
     answers = converse(llm, first, turns=3, seed=2)
     assert answers == expected_answers(ref, first, 3, 2)
@@ -89,8 +91,10 @@ def test_evicted_prefixes_come_back_from_the_tier_token_exact(hf_refs, backend, 
     # Every later turn found its conversation's earlier turns in the tier, not the pool.
     assert tier["loaded"] > 0 and tier["hit_tokens"] >= 8 * 24 and tier["failed"] == 0
     assert tier["loaded"] * 4 == tier["hit_tokens"]
+    if backend == "cpu+disk":  # host memory's evictions went down and came back up
+        assert tier["demoted"] > 0 and tier["lower_hit_tokens"] > 0
     records = llm.engine.scheduler.step_trace.records()
-    assert any(r["tiers"][backend]["cached"] > 0 for r in records)
+    assert any(r["tiers"][backend.split("+")[-1]]["cached"] > 0 for r in records)
     assert any(r["loaded"] for r in records)  # requests admitted once their tier load ended
     assert_nothing_held(llm)
     llm.close()

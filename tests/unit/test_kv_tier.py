@@ -10,7 +10,7 @@ from deployments.cluster.kv_index import PrefixIndex
 from engine.core.block_pool import BlockPool
 from engine.core.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from engine.offload.copies import TierCopy, TierReport
-from engine.offload.stores import DiskStore, HostStore
+from engine.offload.stores import DiskStore, HostStore, StackedStore
 from engine.offload.swap_costs import SwapCosts
 from engine.offload.tier_index import TierIndex
 from engine.offload.tier_worker import TierWorker
@@ -106,6 +106,68 @@ def test_a_bad_read_drops_the_entry_it_read_but_not_a_newer_one_in_its_slot():
     assert not tier.holds(b"b") and tier.num_used_slots == 0
 
 
+def test_what_host_memory_evicts_moves_down_to_the_disk_level_and_comes_back_up():
+    """A third tier: host memory (1 slot) over a file (2 slots). Host memory's LRU entry
+    moves down (a slot-to-slot copy decided before the store that reuses its slot); disk's
+    goes; a hit on disk is found as one on host memory is; a block stored again from the
+    pool goes back to the top and leaves its disk slot."""
+    pool = BlockPool(8, enable_caching=True, enable_kv_cache_events=True)
+    tier = TierIndex("cpu", 1, 16, pool, lower=("disk", 2))
+    assert tier.name == "cpu+disk" and tier.num_slots == 3
+    tier.offer(cached_blocks(pool, [b"a"]))
+    pool.take_events()
+    tier.offer(cached_blocks(pool, [b"b"]))
+    moved, stored = tier.take_copies()[0][-2:]
+    assert (moved.from_slot, moved.slot, moved.block_id) == (0, 1, -1)  # "a": cpu 0 -> disk 1
+    assert (stored.slot, stored.from_slot) == (0, -1)  # then "b" into the slot "a" left
+    assert pool.take_events() == [
+        BlockStored([b"a"], None, [], 16, "disk"),
+        BlockRemoved([b"a"], "cpu"),
+        BlockStored([b"b"], None, [], 16, "cpu"),
+    ]
+    assert tier.match([b"a", b"b"], 0, 5) == [1, 0] and tier.stats.demoted == 1
+    tier.load("r", [1], [5])
+    assert tier.stats.lower_hit_tokens == 16
+    tier.offer(cached_blocks(pool, [b"c"]))  # "b" down to disk slot 2
+    tier.offer(cached_blocks(pool, [b"d"]))  # "c" down; disk is full: its oldest ("a") goes
+    assert tier.stats.demoted == 3 and tier.stats.evicted == 1
+    assert [h for h in (b"a", b"b", b"c", b"d") if tier.holds(h)] == [b"b", b"c", b"d"]
+    assert tier.usage() == [("cpu", 1, 1), ("disk", 2, 2)]
+    tier.take_copies()
+    pool.take_events()
+    tier.offer(cached_blocks(pool, [b"b"]))  # used again: back to the top
+    assert tier.match([b"b"], 0, 1) == [0] and tier.usage() == [("cpu", 1, 1), ("disk", 2, 2)]
+    assert BlockRemoved([b"b"], "disk") in pool.take_events()
+
+
+def test_the_worker_carries_a_block_s_sum_down_a_level(tmp_path):
+    """The move keeps the sum the block left the pool with: a load from disk is checked
+    against it, and a bit flipped on disk is caught."""
+    cache = torch.randn(6, 2, 2, 4, 2, 8)
+    block_bytes = cache[0].nbytes
+    store = StackedStore(HostStore(1, block_bytes), 1, DiskStore(2, block_bytes, tmp_path))
+    worker = TierWorker(store, cache, 3)
+    try:
+        original = cache[1].clone()
+        worker.submit([TierCopy(1, 0, 1), TierCopy(-1, 1, 1, from_slot=0, from_version=1)])
+        worker.submit([TierCopy(2, 0, 2)])  # slot 0 reused at once
+        assert collect(worker, 3).stored == [1, 2]
+        cache[1] = 0.0
+        worker.submit([TierCopy(4, 1, 1, "r", True)])
+        report = collect(worker, 1)
+        assert report.num_loaded == 1 and torch.equal(cache[4], original)
+        worker.corrupt_slot(1)
+        worker.submit([TierCopy(4, 1, 1, "s", True)])
+        assert collect(worker, 1).invalid_block_ids == {4}
+        # A move of a slot whose store did not happen (another version): never trusted.
+        worker.submit(
+            [TierCopy(-1, 2, 1, from_slot=0, from_version=7), TierCopy(3, 2, 1, "t", True)]
+        )
+        assert collect(worker, 2).invalid_block_ids == {3}
+    finally:
+        worker.close()
+
+
 @pytest.mark.parametrize("medium", ["cpu", "disk"])
 def test_the_worker_brings_blocks_back_bit_for_bit_and_catches_corrupted_ones(medium, tmp_path):
     cache = torch.randn(6, 2, 2, 4, 2, 8)  # [blocks, layers, K/V, tokens, heads, dim]
@@ -159,6 +221,16 @@ def collect(worker: TierWorker, num_copies: int) -> TierReport:
         ({"kv_offloading_size": 1, "kv_offloading_path": "/tmp"}, "kv_offloading_path is for"),
         ({"kv_offloading_size": 1, "enable_prefix_caching": False}, "enable_prefix_caching"),
         ({"kv_offloading_size": 1e-9}, "holds no KV block"),
+        ({"kv_offloading_disk_size": 1}, "kv_offloading_disk_size is a disk tier below"),
+        (
+            {
+                "kv_offloading_size": 1,
+                "kv_offloading_backend": "disk",
+                "kv_offloading_disk_size": 1,
+            },
+            "kv_offloading_disk_size is a disk tier below",
+        ),
+        ({"kv_offloading_size": 1, "kv_offloading_disk_size": 1e-9}, "holds no KV block"),
     ],
 )
 def test_tier_settings_the_engine_cannot_use_are_refused(args, message):
