@@ -21,6 +21,7 @@ from engine.inputs import InputProcessor, ReasoningTokens
 from engine.kv_connector import KVConnectorBase, create_kv_connector
 from engine.models import ModelArchConfig
 from engine.offload.stores import num_tier_slots
+from engine.offload.tier_loans import load_for_loan
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs
 from engine.parallel.rank0 import Rank0Runner
 from engine.parallel.workers import start_followers
@@ -302,7 +303,8 @@ class EngineCore:
 
     def pin_prefix(self, block_hashes: list[bytes], lease_request_id: str) -> list[int]:
         """Lend the cached blocks of the hashes' leading run (the connector leases them under
-        `lease_request_id`; its end frees them). Engine thread only. Nothing while a step is
+        `lease_request_id`; its end frees them), the pool's and then its tier's (copied back
+        and verified first: offload/tier_loans.py). Engine thread only. Nothing while a step is
         in flight (blocks it caches may not hold their KV yet), nor while the pool is nearly
         full or half of it is lent already: loans must not cost this engine's own requests."""
         manager = self.scheduler.kv_cache_manager
@@ -311,6 +313,12 @@ class EngineCore:
         if manager.num_lent_blocks + len(block_hashes) > self.num_kv_blocks // 2:
             return []
         blocks = manager.lend_prefix(block_hashes, lease_request_id)
+        tier, worker = self.scheduler.tier, self.runner.tier
+        if tier is not None and worker is not None and len(blocks) < len(block_hashes):
+            pool = manager.block_pool
+            loaded = load_for_loan(tier, worker, pool, block_hashes, len(blocks), lease_request_id)
+            manager.extend_loan(lease_request_id, loaded)
+            blocks = [*blocks, *loaded]
         return [block.block_id for block in blocks]
 
     def kv_transfer_stats(self) -> dict[str, int]:

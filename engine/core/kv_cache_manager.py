@@ -109,6 +109,12 @@ class KVCacheManager:
             self._loans[loan_id] = blocks
         return blocks
 
+    def extend_loan(self, loan_id: str, blocks: list[KVCacheBlock]) -> None:
+        """Lend `blocks` (each held by its caller: offload/tier_loans.py) under `loan_id` too,
+        after those lend_prefix lent."""
+        if blocks:
+            self._loans.setdefault(loan_id, []).extend(blocks)
+
     def return_loan(self, loan_id: str) -> bool:
         """The borrower is done (or its lease expired): False when `loan_id` is no loan."""
         blocks = self._loans.pop(loan_id, None)

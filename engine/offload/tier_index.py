@@ -44,6 +44,7 @@ class TierStats:
     demoted: int = 0  # moved down a level for room (host memory to disk)
     evicted: int = 0  # dropped from the tier (its lowest level) for room
     failed: int = 0  # loads that did not verify (recomputed)
+    lent: int = 0  # loaded back to be lent to another engine (a prefix loan)
     copy_us: int = 0  # the worker's time copying and summing
     bytes_copied: int = 0
 
@@ -90,6 +91,8 @@ class TierIndex:
         self._pending = 0  # sent, not yet reported done
         self._storing: deque[int] = deque()  # blocks held for their stores, in copy order
         self._loading: set[str] = set()
+        # What a loan's early settle heard of other loads: the next step's settle says it.
+        self._settled_early: list[KVConnectorOutput] = []
         self.stats = TierStats()
         self.costs = SwapCosts()
 
@@ -213,11 +216,29 @@ class TierIndex:
         stats.failed += len(report.invalid_block_ids)
         self._loading -= report.loaded
         problems = dict.fromkeys(report.loaded, "checksum") if report.invalid_block_ids else {}
-        return KVConnectorOutput(
+        output = KVConnectorOutput(
             finished_recving=report.loaded,
             invalid_block_ids=report.invalid_block_ids,
             load_problems=problems,
         )
+        for early in self._settled_early:
+            output.finished_recving |= early.finished_recving
+            output.invalid_block_ids |= early.invalid_block_ids
+            output.load_problems.update(early.load_problems)
+        self._settled_early = []
+        return output
+
+    def settle_loan(self, report: TierReport, loan_id: str, block_ids: Sequence[int]) -> set[int]:
+        """settle() between steps, for a loan whose loads are in `report`: returns the loan's
+        blocks that did not verify, and keeps what it heard of requests' loads for the next
+        step's settle (tier_loans.py)."""
+        output = self.settle(report)
+        output.finished_recving.discard(loan_id)
+        output.load_problems.pop(loan_id, None)
+        bad = output.invalid_block_ids & set(block_ids)
+        output.invalid_block_ids -= bad
+        self._settled_early.append(output)
+        return bad
 
     def block_hashes(self) -> list[BlockHash]:
         """Every hash the tier holds, one per slot (an engine's snapshot for the cluster's

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from deployments.cluster.kv_index import PrefixIndex
 from engine.llm import LLM
@@ -178,6 +179,36 @@ def test_an_index_fed_the_engines_events_finds_what_only_the_tier_holds(hf_refs)
     recovered.load_snapshot("engine", stream.snapshot())
     assert recovered.match(hashes) == {"engine": len(hashes)}
     assert recovered.tier_only_blocks("engine", hashes) == len(hashes)
+    llm.close()
+
+
+def test_a_prefix_loan_lends_the_tier_s_blocks_loaded_back_and_verified(hf_refs):
+    """A prefix evicted from the pool but kept by the tier is lent all the same: its blocks
+    are copied back into fresh pool blocks, bit for bit the KV the prompt left, before the
+    loan is answered; a block that does not verify ends the lent run there."""
+    ref = hf_refs["llama_gqa"]
+    llm = engine(ref, 31, kv_offloading_size=0.002)
+    [prompt] = conversations(11, count=1)
+    llm.generate([{"prompt_token_ids": prompt}], GREEDY)
+    manager = llm.engine.scheduler.kv_cache_manager
+    request = llm.inputs.make_request("probe", prompt, GREEDY)
+    request.set_block_hasher(manager.block_hasher, manager.block_size)
+    hashes = request.block_hashes
+    cache = llm.engine.runner.kv_cache
+    left = [cache[manager.block_pool.get_cached_block(h).block_id].clone() for h in hashes]
+    evict_pool(llm)
+    assert all(manager.block_pool.get_cached_block(h) is None for h in hashes)
+    lent = llm.engine.pin_prefix(hashes, "loan-1")
+    worker, tier = llm.engine.runner.tier, llm.engine.scheduler.tier
+    assert len(lent) == len(hashes) and tier.stats.lent == len(hashes)
+    assert all(torch.equal(cache[block_id], kv) for block_id, kv in zip(lent, left, strict=True))
+    assert manager.return_loan("loan-1")
+    [bad_slot] = tier.match(hashes, 2, 1)  # the prompt's third block, at rest in the tier
+    worker.corrupt_slot(bad_slot)
+    assert len(llm.engine.pin_prefix(hashes, "loan-2")) == 2  # the run ends before it
+    assert tier.stats.failed == 1 and not tier.holds(hashes[2])
+    assert manager.return_loan("loan-2")
+    assert_nothing_held(llm)
     llm.close()
 
 
