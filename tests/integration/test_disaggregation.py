@@ -389,8 +389,7 @@ _FAIL = {"kv_load_failure_policy": "fail"}
 
 
 def _generate_freezing(reader, frozen, prompts, params, kv) -> list[dict]:
-    """reader.generate; with `frozen`, that engine is stopped once every prompt's read from it
-    is held (freezing after the first would fail the second at its start, not mid-read)."""
+    """reader.generate; with `frozen`, that engine stopped once all reads from it are held."""
     if frozen is None:
         return reader.generate(prompts, params, kv)
     with ThreadPoolExecutor(1) as pool:

@@ -16,6 +16,7 @@ import torch
 
 from engine.layers.attention.backend import AttentionBackend, AttentionMetadata
 from engine.layers.gpu import attention_kernels, fused_ops, on_device
+from engine.layers.gpu.decode_new_kv import NewTokenKV
 from engine.layers.layer_ops import LayerOps, TritonLayerOps
 from engine.layers.rotary import RopeTables
 
@@ -51,7 +52,7 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         with on_device(self.device):
             if _decode_only(metadata):
-                new_kv = attention_kernels.NewTokenKV(k, v, *_slots(metadata))
+                new_kv = NewTokenKV(k, v, *_slots(metadata))
                 return self._attend(q, kv_cache, metadata, scale, new_kv)
             fused_ops.kv_write(k, v, kv_cache, *_slots(metadata))
             return self._attend(q, kv_cache, metadata, scale)
@@ -70,7 +71,7 @@ class TritonBackend(AttentionBackend):
         with on_device(self.device):
             if _decode_only(metadata):
                 rows = fused_ops.rope_rows(rope.cos), fused_ops.rope_rows(rope.sin)
-                new_kv = attention_kernels.NewTokenKV(k, v, *slots, *rows)
+                new_kv = NewTokenKV(k, v, *slots, *rows)
                 return self._attend(q, kv_cache, metadata, scale, new_kv)
             rotated = fused_ops.rotary_kv_write(q, k, v, rope.cos, rope.sin, kv_cache, *slots)
             return self._attend(rotated, kv_cache, metadata, scale)
@@ -81,7 +82,7 @@ class TritonBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
-        new_kv: attention_kernels.NewTokenKV | None = None,
+        new_kv: NewTokenKV | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # q may be a view
         if md.num_decodes:

@@ -28,13 +28,12 @@ results there are close, not equal, to a GPU's.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from engine.layers.gpu import fused_ops, interpreted
+from engine.layers.gpu import interpreted
+from engine.layers.gpu.decode_new_kv import NewTokenKV, new_token
 
 # Context positions per decode tile: 128 for heads of up to 64 (SmolLM2's), 64 for 128. A
 # single stream's program walks its tiles one after the other, each a table lookup and then
@@ -119,22 +118,6 @@ def _attend_tiles(  # type: ignore[no-untyped-def]  # Triton reads annotations i
     return m, l_sum, acc
 
 
-@triton.jit
-def _rotated(  # type: ignore[no-untyped-def]
-    rows, d, mask, cos, sin, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr
-):
-    """Rows at `rows` (a pointer, or a column of them) "rotated half" by cos/sin [DIM_PAD] in
-    float32 with fused_ops.rotate, as rotary_kv_write rotates them (bit for bit the same
-    values); or, with ROTATE off, as they are."""
-    half = HEAD_DIM // 2
-    x = tl.load(rows + d, mask=mask, other=0.0).to(tl.float32)
-    if not ROTATE:
-        return x
-    partner = tl.load(rows + tl.where(d < half, d + half, d - half), mask=mask, other=0.0)
-    partner = partner.to(tl.float32)
-    return fused_ops.rotate(x, tl.where(d < half, -partner, partner), cos, sin)
-
-
 # fmt: off
 @triton.jit
 def _decode_kernel(  # type: ignore[no-untyped-def]
@@ -153,9 +136,7 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     # fmt: on
     """One (sequence, KV head, split): every query head of the group over the split's tiles
     of the context (the sequence's query row tokens_ptr[b] of q; seq_lens_ptr[b] positions).
-    With NEW_KV, q and this token's K come unrotated (ROTATE) and its K/V are not in the
-    cache yet: the program whose split holds the token's position writes them there, and
-    every program attends with them from registers."""
+    With NEW_KV, the token's own K/V are not in the cache yet (decode_new_kv.py)."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -172,29 +153,15 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
         first = tl.maximum(seq_len - window, 0)
     lo = tl.maximum(split * tiles_per_split, first // BLOCK_N)
     hi = tl.minimum((split + 1) * tiles_per_split, tl.cdiv(seq_len, BLOCK_N))
-    new_k = 0.0
-    new_v = 0.0
+    new_k, new_v = 0.0, 0.0
     if NEW_KV:
-        # Each half's angles from the table's first half, as rotary_kv_write reads them.
-        rope = token * rope_stride + d % (HEAD_DIM // 2)
-        cos = tl.load(cos_ptr + rope, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + rope, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-        q = _rotated(q_rows, d, rows_ok, cos, sin, HEAD_DIM, ROTATE)
-        q = q.to(q_ptr.dtype.element_ty)
-        k_row = k_ptr + token * k_tok_stride + kv_head * k_head_stride
-        d_ok = d < HEAD_DIM
-        new_k = _rotated(k_row, d, d_ok, cos, sin, HEAD_DIM, ROTATE)
-        new_k = new_k.to(cache_ptr.dtype.element_ty)
-        v_row = v_ptr + token * v_tok_stride + kv_head * v_head_stride
-        new_v = tl.load(v_row + d, mask=d_ok, other=0.0).to(cache_ptr.dtype.element_ty)
-        # The tile of the token's position, as a vector: Triton's interpreter cannot combine
-        # a scalar condition with a vector mask.
-        last = tl.full([DIM_PAD], 0, tl.int32) + (seq_len - 1) // BLOCK_N
-        writes = d_ok & (lo <= last) & (last < hi)  # one program per (sequence, KV head)
-        slot = tl.load(slot_block_ptr + token) * block_stride
-        slot += tl.load(slot_offset_ptr + token) * slot_stride + kv_head * head_stride
-        tl.store(cache_ptr + slot + d, new_k, mask=writes)
-        tl.store(cache_ptr + slot + kv_stride + d, new_v, mask=writes)
+        q, new_k, new_v = new_token(
+            q_rows, rows_ok, k_ptr + token * k_tok_stride + kv_head * k_head_stride,
+            v_ptr + token * v_tok_stride + kv_head * v_head_stride, cos_ptr, sin_ptr,
+            token * rope_stride, cache_ptr + kv_head * head_stride, slot_block_ptr + token,
+            slot_offset_ptr + token, block_stride, slot_stride, kv_stride, seq_len, lo, hi, d,
+            q_ptr, HEAD_DIM, DIM_PAD, BLOCK_N, ROTATE,
+        )  # fmt: skip
     else:
         q = tl.load(q_rows + d[None, :], mask=rows_ok, other=0.0)
     query_pos = tl.full([GROUP_PAD], 0, tl.int32) + seq_len - 1
@@ -210,10 +177,18 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
         tl.store(out_rows + d[None, :], out, mask=rows_ok)
     else:  # an empty split stores (-inf, 0, 0): the merge weighs it at nothing
         part = (row * num_heads + heads) * SPLITS + split  # [GROUP_PAD]
-        tl.store(part_m_ptr + part, m, mask=g < GROUP)
-        tl.store(part_l_ptr + part, l_sum, mask=g < GROUP)
-        acc_ptrs = part_acc_ptr + part[:, None] * DIM_PAD + d[None, :]
-        tl.store(acc_ptrs, acc, mask=(g < GROUP)[:, None])
+        _store_split(part_m_ptr, part_l_ptr, part_acc_ptr, part, m, l_sum, acc, g < GROUP, d,
+                     DIM_PAD)  # fmt: skip
+
+
+@triton.jit
+def _store_split(  # type: ignore[no-untyped-def]
+    part_m_ptr, part_l_ptr, part_acc_ptr, part, m, l_sum, acc, rows, d, DIM_PAD: tl.constexpr
+):
+    """One split's (max, sum, unnormalised output) of each row, for the merge."""
+    tl.store(part_m_ptr + part, m, mask=rows)
+    tl.store(part_l_ptr + part, l_sum, mask=rows)
+    tl.store(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=rows[:, None])
 
 
 # fmt: off
@@ -323,28 +298,6 @@ def decode_splits(
     tiles = triton.cdiv(max(context_len, 1), block_n)
     wanted = triton.cdiv(2 * multiprocessors, batch * kv_heads)
     return max(1, min(wanted, tiles // _MIN_TILES_PER_SPLIT, MAX_DECODE_SPLITS))
-
-
-@dataclass(frozen=True)
-class NewTokenKV:
-    """A decode-only step's own K and V, for decode_attention to write into the cache and to
-    attend with: the step then needs no separate KV-write launch (one per layer). With cos
-    and sin (the step's RopeTables rows, [T, D]), q and k come before rotation."""
-
-    k: torch.Tensor  # [T, Hkv, D], dense heads
-    v: torch.Tensor
-    slot_block: torch.Tensor  # [T] int64
-    slot_offset: torch.Tensor
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
-
-    def launch_args(self) -> tuple[list[torch.Tensor], list[int]]:
-        """(pointers, strides) in the order _decode_kernel takes them."""
-        cos = self.cos if self.cos is not None else self.k
-        sin = self.sin if self.sin is not None else self.k
-        pointers = [self.k, self.v, cos, sin, self.slot_block, self.slot_offset]
-        strides = [*self.k.stride()[:2], *self.v.stride()[:2], cos.stride(0)]
-        return pointers, strides
 
 
 def decode_attention(
