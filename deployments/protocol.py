@@ -123,6 +123,13 @@ class EngineRequest:
     # the engine computes them with the prompt and goes on after them.
     output_token_ids: list[int] = field(default_factory=list)
     pin: PinRequest | None = None  # the decode (or colocated) leg's: keep its KV after it
+    # The cluster index's holdings for this prompt (kv_scoring.Holding by replica), from the
+    # Router's survey: the leg's request router ranks by them without a second index call.
+    # Advice for the Router's own process: never sent to an engine (__getstate__).
+    routing_holdings: Mapping[str, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "routing_holdings": None}
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ power of two choices, which balances by queue length (`rank_by_cost` returns Non
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.core.kv_events import EngineLoad
@@ -118,6 +118,9 @@ class CacheSurvey:
     decode_holder: tuple[str, int] | None  # cheapest decode replica, tokens it holds
     prefill_tokens: int  # the most any prefill replica holds
     lender: Lender | None  # the non-prefill replica holding the most, where it can lend
+    # Every replica's holding (the index's answer): each leg's request router ranks its own
+    # role's replicas by it instead of asking the index again.
+    holdings: Mapping[str, Holding] = field(default_factory=dict)
 
 
 def survey(
@@ -146,6 +149,7 @@ def survey(
         decode_holder=cheapest(decode, prompt_tokens, block_size, weights),
         prefill_tokens=tokens(prefill),
         lender=lender,
+        holdings=holdings,
     )
 
 

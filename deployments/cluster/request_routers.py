@@ -180,18 +180,20 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
         if pending_request is None or request is None or len(candidates) < 2:
             return None
         by_id = {r.replica_id.unique_id: r for r in candidates}
-        hashes = self._prompt_hashes(pending_request, request)
-        if not hashes:  # shorter than a block: nothing to find in any cache
-            return None
-        try:
-            index = await self._index_actor()
-            lookup = index.lookup.remote(hashes, self._role)
-            holdings = await asyncio.wait_for(lookup, self._INDEX_TIMEOUT_S)
-        except RayActorError:
-            self._index = None  # gone: look it up again next time
-            return None
-        except Exception:  # slow or not there yet: load decides
-            return None
+        holdings = request.routing_holdings  # the Router's survey asked the index already
+        if holdings is None:
+            hashes = self._prompt_hashes(pending_request, request)
+            if not hashes:  # shorter than a block: nothing to find in any cache
+                return None
+            try:
+                index = await self._index_actor()
+                lookup = index.lookup.remote(hashes, self._role)
+                holdings = await asyncio.wait_for(lookup, self._INDEX_TIMEOUT_S)
+            except RayActorError:
+                self._index = None  # gone: look it up again next time
+                return None
+            except Exception:  # slow or not there yet: load decides
+                return None
         queue_lens = self.replica_queue_len_cache
         ongoing = {i: queue_lens.get(r.replica_id) or 0 for i, r in by_id.items()}
         prompt_tokens = len(request.prompt_token_ids)

@@ -226,6 +226,7 @@ class Orchestrator:
             if self.cluster_cache is not None:
                 prompt, salt = prepared.prompt_token_ids, prepared.cache_salt
                 survey = await self.cluster_cache.survey(prompt, salt)
+                prepared.holdings = survey.holdings if survey is not None else None
             limit = self.config.max_local_prefill_tokens
             if hint := decode_holder(survey, len(prepared.prompt_token_ids), limit):
                 source = decode_leg(prepared, stream, ROUTE_CACHED, replica_hint=hint)
@@ -410,6 +411,7 @@ class Orchestrator:
             trace_context=prepared.trace_context,
             # The engine that ends the turn holding all of it keeps it: not one handing off.
             pin=None if kv and kv.get("do_remote_decode") else prepared.pin,
+            routing_holdings=prepared.holdings,
         )
 
     async def wait_background(self) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from deployments.errors import EngineFailure
 from deployments.protocol import ResponseChunk, Usage
@@ -35,6 +37,9 @@ class PreparedRequest:
     deadline: float
     trace_context: dict[str, str] | None = None
     pin: PinRequest | None = None
+    # The cluster index's holdings for the prompt, once the Router's survey has them (every
+    # leg's request router ranks by them: EngineRequest.routing_holdings).
+    holdings: Mapping[str, Any] | None = None
 
 
 # Stop strings longer than this together make each chunk's text work (searching the new text for

@@ -23,11 +23,13 @@ from __future__ import annotations
 import heapq
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from deployments.cluster.kv_index import KVIndexServer
 from deployments.cluster.kv_scoring import (
+    Holding,
     decode_holder,
     lender_worth_borrowing,
     rank_by_cost,
@@ -226,11 +228,12 @@ class _Simulation:
             return None, hint, 0
         lender = lender_worth_borrowing(found, self.config.min_loan_tokens)
         lent = lender.tokens // bs if lender is not None else 0  # as PrefixBorrower borrows
-        return self._ranked(request, "prefill"), self._ranked(request, "decode"), lent
+        surveyed = found.holdings  # each leg's router ranks by the survey's (EngineRequest)
+        prefill = self._ranked(request, "prefill", surveyed)
+        return prefill, self._ranked(request, "decode", surveyed), lent
 
-    def _ranked(self, request: SimRequest, role: str) -> str:
+    def _ranked(self, request: SimRequest, role: str, holdings: Mapping[str, Holding]) -> str:
         names = [e.name for e in (self.prefill if role == "prefill" else self.decode)]
-        holdings = self.index.lookup(request.hashes, role)
         bs = self.config.block_size
         ranks = rank_by_cost(names, holdings, request.prompt_tokens, bs, self._inflight)
         if ranks is None:  # the cache says nothing: Serve's power of two choices

@@ -9,6 +9,7 @@ PendingRequest and the request are Serve's and pdserve's own."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,9 +24,14 @@ from engine.request import SamplingParams
 DEPLOYMENT = DeploymentID(name="DecodeServer", app_name="pdserve")
 
 
+@dataclass(frozen=True)
+class ReplicaId:
+    unique_id: str  # hashable, as Serve's ReplicaID: the routers key queue lengths by it
+
+
 def replica(name: str, compat_hash: str | None) -> Any:
     metadata = {} if compat_hash is None else {KV_COMPAT_HASH: compat_hash}
-    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name), replica_metadata=metadata)
+    return SimpleNamespace(replica_id=ReplicaId(name), replica_metadata=metadata)
 
 
 def remote_kv(compat_hash: str) -> dict[str, Any]:
@@ -103,3 +109,21 @@ def test_with_no_compatible_engine_every_engine_stays_a_candidate() -> None:
     candidates = [replica("a", "y"), replica("b", "z")]
     (rank,) = route(KVAwareRouter, candidates, decode_request(remote_kv("x"), "b"))
     assert rank == ["b"]  # the hint, among all of them
+
+
+def test_the_kv_aware_router_ranks_by_the_holdings_the_request_carries() -> None:
+    """The Router's survey asked the index already: the leg's router ranks its candidates by
+    the holdings the request carries (no index here: asking it would leave load to decide),
+    and the holdings never travel with the request to an engine."""
+    import pickle
+
+    from deployments.cluster.kv_scoring import Holding
+    from engine.core.kv_events import EngineLoad
+
+    idle = EngineLoad(num_running=0, num_waiting=0, queued_prompt_tokens=0, kv_cache_usage=0.1)
+    holdings = {"a": Holding(0, idle), "b": Holding(4, idle), "p": Holding(6, idle, "prefill")}
+    request = EngineRequest("r", list(range(100)), SamplingParams(max_tokens=4))
+    request.routing_holdings = holdings
+    candidates = [replica(name, None) for name in ("a", "b", "c")]
+    assert route(KVAwareRouter, candidates, request) == [["b"], ["a", "c"]]
+    assert pickle.loads(pickle.dumps(request)).routing_holdings is None

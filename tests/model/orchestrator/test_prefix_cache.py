@@ -93,6 +93,9 @@ def test_a_follow_up_turn_the_decode_replica_holds_skips_the_prefill_leg(servers
         else:
             assert {c.route for c in second} == {"disaggregated"}
             assert len(prefill_calls) == 1
+        # Each leg carries the survey's holdings: its request router asks the index no more.
+        for leg in [*prefill_calls, *decode_calls]:
+            assert set(leg.routing_holdings or {}) == {"decode-0"}
         assert idle(servers[0]) and idle(decode)
     finally:
         decode.__del__()
