@@ -75,8 +75,8 @@ class EngineCore:
         self.runner.load_model()
         num_blocks = self.runner.determine_num_blocks()
         cache = replace(config.cache, num_blocks=num_blocks)
+        block_bytes = self.runner.kv_cache_spec().bytes_per_block
         if cache.kv_offloading_size:
-            block_bytes = self.runner.kv_cache_spec().bytes_per_block
             slots = num_tier_slots(cache, block_bytes, "kv_offloading_size")
             cache = replace(cache, num_tier_blocks=slots)
         if cache.kv_offloading_disk_size:

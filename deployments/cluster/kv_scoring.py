@@ -52,10 +52,6 @@ class Holding:
     side_channel: str = ""  # "host:port" of its KV side channel ("" without KV transfer)
     tier_blocks: int = 0  # of cached_blocks, those held in a tier only (loaded back first)
 
-    @property
-    def pool_blocks(self) -> int:
-        return self.cached_blocks - self.tier_blocks
-
 
 NOTHING_HELD = Holding(0, None)  # a replica the index does not know
 
@@ -137,8 +133,8 @@ def survey(
 
     decode = {r: h for r, h in holdings.items() if h.role == "decode"}
     prefill = max((h.cached_blocks for h in holdings.values() if h.role == "prefill"), default=0)
-    # A loan lends from the lender's pool (its tier's blocks are not lent).
-    lenders = [(h.pool_blocks, r) for r, h in holdings.items() if h.role != "prefill"]
+    # A loan lends the lender's pool's run and then its tier's (offload/tier_loans.py).
+    lenders = [(h.cached_blocks, r) for r, h in holdings.items() if h.role != "prefill"]
     lender = None
     if lenders:
         blocks, replica = max(lenders)

@@ -120,8 +120,9 @@ def _tier_counters(make: ReplicaMetrics, tier: str) -> tuple[Any, Any, Any]:
     blocks = make.counter(
         "pdserve_kv_tier_blocks",
         "KV blocks the engine's tier below its pool took in (op=stored), gave back verified "
-        "(loaded; swapped_in: a preempted request's own), failed to give back (failed: "
-        "recomputed) or dropped for room (evicted)",
+        "(loaded; swapped_in: a preempted request's own; lent: copied back for a prefix "
+        "loan), failed to give back (failed: recomputed), moved from host memory to disk "
+        "(demoted) or dropped for room (evicted)",
         ("tier", "op"),
         [{"tier": tier, "op": op} for op in TIER_OPS] if tier else [],
     )
@@ -188,7 +189,7 @@ def _kv_check_counters(make: ReplicaMetrics) -> dict[str, Any]:
 # How a KV load that was not simply "ok" ended (engine/core/kv_transfer_state.py).
 KV_LOAD_FAILURES = ("recovered", "failed")
 # The KV tier's block counters (engine/offload/tier_index.py TierStats), by op.
-TIER_OPS = ("stored", "loaded", "swapped_in", "failed", "evicted")
+TIER_OPS = ("stored", "loaded", "swapped_in", "lent", "failed", "demoted", "evicted")
 PREEMPTION_CHOICES = ("swap", "recompute")
 # What became of finished turns' pins (engine/core/pins.py PinStats).
 PIN_OUTCOMES = ("pinned", "refused", "reused", "replaced", "expired", "moved_down", "gave_way")

@@ -148,7 +148,8 @@ class Admitter:
         assert kv.tier is not None
         first = num_local // kv.block_size
         block_ids = kv.get_block_ids(request.request_id)[first : first + len(slots)]
-        kv.tier.load(request.request_id, slots, block_ids, request.status == _PREEMPTED)
+        hashes = request.block_hashes[first : first + len(slots)]
+        kv.tier.load(request.request_id, slots, block_ids, hashes, request.status == _PREEMPTED)
 
     def _note_admitted(
         self, request: Request, num_local: int, num_external: int, from_tier: bool = False

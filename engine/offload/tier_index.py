@@ -91,6 +91,7 @@ class TierIndex:
         self._pending = 0  # sent, not yet reported done
         self._storing: deque[int] = deque()  # blocks held for their stores, in copy order
         self._loading: set[str] = set()
+        self._unrecorded: list[BlockHash] = []  # stored by the offer under way (_record_stored)
         # What a loan's early settle heard of other loads: the next step's settle says it.
         self._settled_early: list[KVConnectorOutput] = []
         self.stats = TierStats()
@@ -103,7 +104,6 @@ class TierIndex:
         and refresh the others' place in the LRU. `hold`: keep each block (one more user)
         until its copy is done, while the steps go on; else (a preemption, which frees blocks
         because they are needed now) the copies are made before the next step runs."""
-        stored: list[BlockHash] = []
         top = self._levels[0]
         for block in blocks:
             block_hash = block.block_hash
@@ -116,14 +116,22 @@ class TierIndex:
                 if (lower_slot := level.lru.get(block_hash)) is not None:
                     self._forget(level, lower_slot)
             slot = self._take_slot(0, block_hash)
-            stored.append(block_hash)
+            self._unrecorded.append(block_hash)
+            self.stats.stored += 1
             if hold:
                 self._pool.touch((block,))
                 self._storing.append(block.block_id)
             self._copies.append(TierCopy(block.block_id, slot, self._versions[slot], held=hold))
-        self.stats.stored += len(stored)
-        if stored:  # routers count them held here while the pool or the tier holds them
-            self._pool.record_event(BlockStored(stored, None, [], self.block_size, top.name))
+        self._record_stored()
+
+    def _record_stored(self) -> None:
+        """The event of the stores decided since the last: routers count a hash held here
+        while the pool or the tier holds it. Recorded before any eviction's, so that a hash
+        stored and evicted within one offer is stored, then removed, in the events too."""
+        if self._unrecorded:
+            name = self._levels[0].name
+            self._pool.record_event(BlockStored(self._unrecorded, None, [], self.block_size, name))
+            self._unrecorded = []
 
     def preempt(self, blocks: Sequence[KVCacheBlock], num_computed_tokens: int) -> None:
         """A preempted request lets go of `blocks`: down to the tier (copied before the next
@@ -156,16 +164,24 @@ class TierIndex:
         request_id: str,
         slots: Sequence[int],
         block_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
         resumed: bool = False,
+        loan: bool = False,
     ) -> None:
-        """Copy `slots` into the request's `block_ids` (as many), asynchronously; `resumed`:
-        the request was preempted, and this is its own KV coming back."""
+        """Copy `slots` (matched for `block_hashes`) into the request's `block_ids` (as many),
+        asynchronously; `resumed`: the request was preempted, and this is its own KV coming
+        back; `loan`: the blocks are to be lent (counted as `lent` by the caller, not as
+        hits). A slot that no longer holds its hash (reused since the match: a pin giving
+        way stored into it) is read at an impossible version: it fails the worker's check and
+        is recomputed, never used."""
         last = len(slots) - 1
         for index, (slot, block_id) in enumerate(zip(slots, block_ids, strict=True)):
-            self._copies.append(
-                TierCopy(block_id, slot, self._versions[slot], request_id, index == last)
-            )
+            same = self._slot_hash[slot] == block_hashes[index]
+            version = self._versions[slot] if same else -1
+            self._copies.append(TierCopy(block_id, slot, version, request_id, index == last))
         self._loading.add(request_id)
+        if loan:
+            return
         self.stats.hit_tokens += len(slots) * self.block_size
         below = sum(1 for slot in slots if slot >= self._levels[0].num_slots)
         self.stats.lower_hit_tokens += below * self.block_size
@@ -268,6 +284,7 @@ class TierIndex:
         if level.free:
             slot = level.free.pop()
         else:
+            self._record_stored()  # this offer's stores so far come before what it evicts
             old_hash, slot = level.lru.popitem(last=False)
             self._slot_hash[slot] = None
             if depth + 1 < len(self._levels):

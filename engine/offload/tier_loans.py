@@ -33,7 +33,7 @@ def load_for_loan(
         return []
     blocks = pool.get_new_blocks(len(slots))
     block_ids = [block.block_id for block in blocks]
-    tier.load(loan_id, slots, block_ids)
+    tier.load(loan_id, slots, block_ids, block_hashes[first : first + len(slots)], loan=True)
     copies, _ = tier.take_copies()  # those decided before go first, as they would have
     worker.submit(copies, wait=True)
     bad = tier.settle_loan(worker.report(), loan_id, block_ids)

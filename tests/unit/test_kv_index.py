@@ -213,9 +213,9 @@ def test_a_survey_names_the_decode_holder_and_a_lender_worth_borrowing_from():
     # which the prefill leg's own routing reaches.
     no_channel = {**holdings, "d1": Holding(6, load(), "decode", "")}
     assert survey(no_channel, [], 100, 16).lender is None
-    # A loan lends from the lender's pool: its tier's blocks do not count.
+    # A loan lends the tier's blocks too (loaded back first): they count.
     in_tier = {**holdings, "d1": Holding(6, load(), "decode", "h:2", tier_blocks=4)}
-    assert survey(in_tier, [], 100, 16).lender == Lender("d1", "h:2", 32)
+    assert survey(in_tier, [], 100, 16).lender == Lender("d1", "h:2", 96)
     only_prefill = {"p1": Holding(4, load(), "prefill", "h:1")}
     nothing = survey(only_prefill, [], 100, 16)
     assert nothing.lender is None and nothing.decode_holder is None

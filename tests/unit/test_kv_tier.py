@@ -77,13 +77,41 @@ def test_the_least_recently_used_entry_makes_room_and_matches_stop_at_a_gap():
     assert tier.match([b"a", b"c"], 0, 1) == tier.match([b"a"], 0, 1)  # at most max_blocks
 
 
+def test_a_slot_reused_between_its_match_and_its_load_is_never_trusted():
+    """Admission matches the tier, then a pin giving way may store into the matched slot
+    before the load is decided: the load is then made at an impossible version, which the
+    worker's check fails (the block is recomputed), never at the new occupant's."""
+    pool = BlockPool(8, enable_caching=True)
+    tier = TierIndex("cpu", 1, 16, pool)
+    tier.offer(cached_blocks(pool, [b"a"]))
+    [slot] = tier.match([b"a"], 0, 1)
+    tier.offer(cached_blocks(pool, [b"b"]))  # "a" goes; its slot now holds "b"
+    tier.take_copies()
+    tier.load("r", [slot], [5], [b"a"])
+    [read] = tier.take_copies()[0]
+    assert (read.slot, read.version) == (slot, -1)  # not the version "b" was stored at
+
+
+def test_an_offer_larger_than_the_tier_records_each_store_before_its_eviction():
+    """A hash stored and evicted within one offer: stored, then removed, in the events (the
+    cluster index would otherwise count it held in the tier)."""
+    pool = BlockPool(8, enable_caching=True, enable_kv_cache_events=True)
+    tier = TierIndex("cpu", 1, 16, pool)
+    tier.offer(cached_blocks(pool, [b"a", b"b"]))
+    assert pool.take_events() == [
+        BlockStored([b"a"], None, [], 16, "cpu"),
+        BlockRemoved([b"a"], "cpu"),
+        BlockStored([b"b"], None, [], 16, "cpu"),
+    ]
+
+
 def test_a_bad_read_drops_the_entry_it_read_but_not_a_newer_one_in_its_slot():
     pool = BlockPool(8, enable_caching=True)
     tier = TierIndex("cpu", 1, 16, pool)
     tier.offer(cached_blocks(pool, [b"a"]))
     stored = tier.take_copies()[0]
     [slot] = tier.match([b"a"], 0, 1)
-    tier.load("r1", [slot], [5])
+    tier.load("r1", [slot], [5], [b"a"])
     read = tier.take_copies()[0][0]
     tier.offer(cached_blocks(pool, [b"b"]))  # evicts "a": the slot now holds "b"
     tier.take_copies()[0]
@@ -100,7 +128,7 @@ def test_a_bad_read_drops_the_entry_it_read_but_not_a_newer_one_in_its_slot():
     assert outcome.load_problems == {"r1": "checksum"}
     assert tier.holds(b"b")  # written after the bad read: kept
     [slot] = tier.match([b"b"], 0, 1)
-    tier.load("r2", [slot], [6])
+    tier.load("r2", [slot], [6], [b"b"])
     read = tier.take_copies()[0][0]
     tier.settle(TierReport(num_done=1, loaded={"r2"}, bad_slots=[(read.slot, read.version)]))
     assert not tier.holds(b"b") and tier.num_used_slots == 0
@@ -126,7 +154,7 @@ def test_what_host_memory_evicts_moves_down_to_the_disk_level_and_comes_back_up(
         BlockStored([b"b"], None, [], 16, "cpu"),
     ]
     assert tier.match([b"a", b"b"], 0, 5) == [1, 0] and tier.stats.demoted == 1
-    tier.load("r", [1], [5])
+    tier.load("r", [1], [5], [b"a"])
     assert tier.stats.lower_hit_tokens == 16
     tier.offer(cached_blocks(pool, [b"c"]))  # "b" down to disk slot 2
     tier.offer(cached_blocks(pool, [b"d"]))  # "c" down; disk is full: its oldest ("a") goes
