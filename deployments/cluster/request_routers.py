@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from typing import Any
 
 from ray.serve.request_router import (
@@ -230,9 +231,28 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
         self._forget({replica_id.unique_id})
 
     def _forget(self, replica_ids: set[str]) -> None:
-        """Drop replicas from the index (engines that stop cleanly also drop themselves)."""
-        if replica_ids and self._index is not None:
+        """Drop replicas from the index (engines that stop cleanly also drop themselves). A
+        router that never looked the index up itself (the Router's survey gave it every
+        request's holdings) finds it first, off Serve's loop."""
+        if not replica_ids:
+            return
+        if self._index is not None:
             self._index.forget.remote(sorted(replica_ids))
+            return
+        import ray
+
+        if ray.is_initialized():
+            args = (self.app_name, sorted(replica_ids))
+            threading.Thread(target=_forget_in_index, args=args, daemon=True).start()
+
+
+def _forget_in_index(app_name: str, replica_ids: list[str]) -> None:
+    from deployments.cluster.kv_index import get_index_actor
+
+    try:
+        get_index_actor(app_name).forget.remote(replica_ids)
+    except Exception:  # the index gone too: it forgets everything when it comes back
+        return
 
 
 def _first_arg(pending_request: PendingRequest | None) -> Any:
