@@ -170,17 +170,10 @@ class PrefixIndex:
     ) -> None:
         blocks, tier = state.blocks, state.tier
         for block_hash in block_hashes:
-            left = blocks[block_hash] - 1
-            if left > 0:
-                blocks[block_hash] = left
-            elif blocks.pop(block_hash, None) is not None:
+            if _count_down(blocks, block_hash):
                 self._unhold(replica, block_hash)
             if in_tier:
-                left = tier[block_hash] - 1
-                if left > 0:
-                    tier[block_hash] = left
-                else:
-                    tier.pop(block_hash, None)
+                _count_down(tier, block_hash)
             if tier or in_tier:
                 self._mark_tier_only(replica, state, block_hash)
 
@@ -211,6 +204,15 @@ class PrefixIndex:
         for block_hash in list(tier):
             tier.pop(block_hash)
             self._mark_tier_only(replica, state, block_hash)
+
+
+def _count_down(counts: Counter[bytes], block_hash: bytes) -> bool:
+    """One block fewer holds `block_hash`: True when that was the last one."""
+    left = counts[block_hash] - 1
+    if left > 0:
+        counts[block_hash] = left
+        return False
+    return counts.pop(block_hash, None) is not None
 
 
 @dataclass

@@ -280,7 +280,7 @@ class KVCacheManager:
     def tier_block_hashes(self) -> list[BlockHash]:
         """Those of cached_block_hashes that the tier holds, one per slot (the pool may hold
         the same hash too: stores are copies)."""
-        return [] if self.tier is None else list(self.tier.block_hashes())
+        return [] if self.tier is None else self.tier.block_hashes()
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()

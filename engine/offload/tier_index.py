@@ -78,9 +78,11 @@ class TierIndex:
         if min(slots for _, slots in levels) < 1:
             raise ValueError(f"a KV tier needs at least one slot, got {levels}")
         self._levels: list[_Level] = []
+        first = 0  # each level's slots follow the one above's
         for level_name, slots in levels:
-            self._levels.append(_Level(level_name, sum(x.num_slots for x in self._levels), slots))
+            self._levels.append(_Level(level_name, first, slots))
             self._levels[-1].reset()
+            first += slots
         self.name = "+".join(level.name for level in self._levels)
         self.num_slots = sum(level.num_slots for level in self._levels)
         self.block_size = block_size
