@@ -47,6 +47,7 @@ def _router_settings(config: AppConfig, engine_args: dict[str, Any]) -> Any:
         retry_after_s=config.retry_after_s,
         api_keys=ApiKeys.resolve(config.api_key),
         side_channel_tls=config.tls(),
+        role_switching=config.role_switching is not None,
     )
 
 
@@ -101,6 +102,7 @@ def _engines(config: AppConfig, engine_args: dict[str, Any]) -> list[Any]:
         colocated_args = config.sized_engine_args(engine_args, "colocated")
         return [engine.bind(config.model, colocated_args, None, **extras)]
     kv = config.kv_transfer_config()
+    extras["role_switching"] = config.role_switching
     prefill = PrefillDeployment.options(
         **_engine_options(
             config, config.autoscaling("prefill"), config.prefill_replicas, "prefill"

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployments.cluster.role_balance import RoleSwitching
 from deployments.cluster.sla_autoscaling import autoscaling_config
 from deployments.credentials import (
     configured_keys,
@@ -62,6 +63,11 @@ class AppConfig:
     """P/D-aware autoscaling of both roles against SLO targets (deployments/cluster/
     sla_autoscaling.py), JSON: {"ttft_s": 2, "tpot_s": 0.2, "kv_cache_usage": 0.85, ...,
     "min_replicas": 1, "max_replicas": 4}; replaces the two above"""
+    role_switching: dict[str, Any] | None = None
+    """engine replicas switch between prefill and decode at runtime so that the P:D ratio
+    follows the load (deployments/cluster/role_balance.py; needs kv_aware_routing), JSON:
+    {"ttft_s": 2, "tpot_s": 0.2, ..., "interval_s": 10, "max_step": 0.25, "min_replicas": 1,
+    "drain_timeout_s": 30}; none: each replica keeps its deployment's role"""
     router_replicas: int = 1
     """router (ingress) replicas"""
     num_cpus_per_engine: float = 1.0
@@ -191,6 +197,12 @@ class AppConfig:
                 )
             if self.autoscaling("prefill")["min_replicas"] < 1:  # type: ignore[index]
                 raise ValueError("sla_autoscaling.min_replicas must be >= 1")
+        if self.role_switching is not None:
+            if self.colocated or not self.kv_aware_routing:
+                raise ValueError(
+                    "role_switching needs prefill and decode replicas and kv_aware_routing"
+                )
+            RoleSwitching.from_spec(self.role_switching)
         prefill_min = (self.prefill_autoscaling or {}).get("min_replicas", 1)
         if not self.colocated and prefill_min < 1:
             # With no prefill replica the router goes decode-only and sends the prefill

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from deployments.cluster.kv_scoring import NOTHING_HELD, CacheSurvey, Holding, survey
+from deployments.cluster.role_balance import ReplicaState, RoleBalancer, RoleSwitching
 from engine.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -215,6 +217,17 @@ def _count_down(counts: Counter[bytes], block_hash: bytes) -> bool:
     return counts.pop(block_hash, None) is not None
 
 
+@dataclass(frozen=True)
+class PublishReply:
+    current: bool  # False: the replica must send a snapshot (as `apply` answers)
+    switch_to: str  # the role the replica is ordered to take ("" for none)
+
+
+SWITCHABLE_ROLES = ("prefill", "decode")
+# An order its replica has not announced by then is dropped (the balancer may decide again).
+_ORDER_TTL_S = 120.0
+
+
 @dataclass
 class _Announced:
     role: str = ""
@@ -242,6 +255,11 @@ class KVIndexServer:
         # Per role ("": all) each replica's holding of a prompt it holds nothing of, kept as
         # loads change: a lookup copies these and replaces the few replicas that hold blocks.
         self._idle: dict[str, dict[str, Holding]] = {"": {}}
+        # Role switching: the roles replicas are told to take, (role, when ordered), by
+        # replica; the balancer that decides them where the app switches roles.
+        self._orders: dict[str, tuple[str, float]] = {}
+        self._balancer: RoleBalancer | None = None
+        self._balancer_spec: dict[str, Any] | None = None
 
     def apply(
         self, replica: str, batches: list[KVEventBatch], load: EngineLoad | None = None
@@ -266,9 +284,17 @@ class KVIndexServer:
         role: str = "",
         load: EngineLoad | None = None,
         side_channel: str = "",
+        role_switching: dict[str, Any] | None = None,
     ) -> None:
-        """A replica (re)announces itself: its whole cache, its role, where it lends from."""
+        """A replica (re)announces itself: its whole cache, its role, where it lends from, and
+        the app's `role_switching` spec (None: the app does not switch roles)."""
         self.index.load_snapshot(replica, snapshot)
+        if role_switching != self._balancer_spec:
+            self._balancer_spec = role_switching
+            policy = RoleSwitching.from_spec(role_switching) if role_switching else None
+            self._balancer = RoleBalancer(policy) if policy is not None else None
+        if self._orders.get(replica, ("",))[0] == role:
+            del self._orders[replica]  # done
         previous = self.replicas.get(replica)
         if previous is not None and previous.role != role:
             self._idle.get(previous.role, {}).pop(replica, None)
@@ -287,8 +313,39 @@ class KVIndexServer:
                 )
         return holdings
 
+    def publish(
+        self,
+        replica: str,
+        batches: list[KVEventBatch],
+        load: EngineLoad | None = None,
+        now: float | None = None,
+    ) -> PublishReply:
+        """An engine's round (KVEventPublisher): `apply`, and the role it is ordered to take
+        ("" for none) — decided now where the app switches roles (deployments/cluster/
+        role_balance.py), or ordered by an operator (`order_switch`)."""
+        current = self.apply(replica, batches, load)
+        now = time.monotonic() if now is None else now
+        balancer = self._balancer
+        if balancer is not None and balancer.due(len(self._orders), now):
+            states = {r: ReplicaState(a.role, a.load) for r, a in self.replicas.items()}
+            for moved, role in balancer.decide(states, now).items():
+                self.order_switch(moved, role, now)
+        order = self._orders.get(replica)
+        if order is not None and now - order[1] > _ORDER_TTL_S:
+            del self._orders[replica]  # never taken up: its replica is stuck or gone
+            order = None
+        return PublishReply(current, order[0] if order is not None else "")
+
+    def order_switch(self, replica: str, role: str, now: float | None = None) -> None:
+        """Tell `replica` (in its next round) to take `role`; the order stands until it
+        announces that role. ValueError for a role engines cannot switch to."""
+        if role not in SWITCHABLE_ROLES:
+            raise ValueError(f"a replica can switch to {SWITCHABLE_ROLES}, not {role!r}")
+        self._orders[replica] = (role, time.monotonic() if now is None else now)
+
     def forget(self, replicas: list[str]) -> None:
         for replica in replicas:
+            self._orders.pop(replica, None)
             self.index.forget(replica)
             announced = self.replicas.pop(replica, None)
             self._idle[""].pop(replica, None)
@@ -342,7 +399,7 @@ class IndexedClusterCache:
 
 # In the actor's name: a detached index outlives a redeploy, and new code must not talk to an
 # index of an older protocol (it would fail every call, and routing would fall back for good).
-_INDEX_PROTOCOL = 2
+_INDEX_PROTOCOL = 3
 
 
 def index_actor_name(app_name: str) -> str:

@@ -158,15 +158,26 @@ def cheapest(
     """The replica of `holdings` (one role) that would serve the prompt cheapest, and how many
     of its tokens it holds; None when it holds none (cache-aware disaggregation asks this of
     the decode replicas)."""
+    replica = cheapest_replica(holdings, prompt_tokens, block_size, weights)
+    if replica is None or holdings[replica].cached_blocks == 0:
+        return None
+    return replica, min(prompt_tokens, holdings[replica].cached_blocks * block_size)
+
+
+def cheapest_replica(
+    holdings: Mapping[str, Holding],
+    prompt_tokens: int,
+    block_size: int,
+    weights: RoutingWeights = RoutingWeights(),
+) -> str | None:
+    """The replica of `holdings` that would serve the prompt cheapest by its own reported load
+    (the first of equals), cached or not; None for none."""
     best: tuple[float, str] | None = None
     for replica, holding in holdings.items():
         cost = replica_cost(prompt_tokens, block_size, holding, 0, weights)
         if best is None or cost < best[0]:
             best = (cost, replica)
-    if best is None or holdings[best[1]].cached_blocks == 0:
-        return None
-    replica = best[1]
-    return replica, min(prompt_tokens, holdings[replica].cached_blocks * block_size)
+    return best[1] if best is not None else None
 
 
 def lender_worth_borrowing(survey: CacheSurvey | None, min_tokens: int) -> Lender | None:

@@ -147,6 +147,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
         self._role = role
         self._block_size = block_size
         self._index: Any = None
+        self._roles: dict[str, str] = {}  # each replica's role, as the index last said
 
     async def choose_replicas(
         self,
@@ -159,7 +160,10 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
             # Cache-aware disaggregation chose it for what it holds: only it. Another
             # replica would compute the whole prompt.
             return hinted
-        ranks = await self._cost_ranks(candidates, pending_request)
+        request = _engine_request(pending_request)
+        holdings = await self._holdings(pending_request, request)
+        candidates = self._in_role(candidates, holdings, request)
+        ranks = self._cost_ranks(candidates, pending_request, request, holdings)
         if ranks is None and len(candidates) < len(candidate_replicas):
             return _two_of(candidates, pending_request)
         if ranks is None:
@@ -170,31 +174,61 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
             pending_request.routing_context.should_backoff = True
         return ranks
 
-    async def _cost_ranks(
-        self, candidates: list[RunningReplica], pending_request: PendingRequest | None
-    ) -> list[list[RunningReplica]] | None:
+    async def _holdings(
+        self, pending_request: PendingRequest | None, request: Any
+    ) -> dict[str, Any] | None:
+        """Every replica's holding of the prompt, from the Router's survey (it asked the index
+        already) or from the index (100 ms at most); None where neither says."""
         from ray.exceptions import RayActorError
 
-        from deployments.cluster.kv_scoring import rank_by_cost
-
-        request = _engine_request(pending_request)
-        if pending_request is None or request is None or len(candidates) < 2:
+        if pending_request is None or request is None:
             return None
-        by_id = {r.replica_id.unique_id: r for r in candidates}
-        holdings = request.routing_holdings  # the Router's survey asked the index already
+        holdings = request.routing_holdings
         if holdings is None:
             hashes = self._prompt_hashes(pending_request, request)
             if not hashes:  # shorter than a block: nothing to find in any cache
                 return None
             try:
                 index = await self._index_actor()
-                lookup = index.lookup.remote(hashes, self._role)
+                lookup = index.lookup.remote(hashes)  # every role: a replica may switch
                 holdings = await asyncio.wait_for(lookup, self._INDEX_TIMEOUT_S)
             except RayActorError:
                 self._index = None  # gone: look it up again next time
                 return None
             except Exception:  # slow or not there yet: load decides
                 return None
+        self._roles = {replica: holding.role for replica, holding in holdings.items()}
+        return holdings
+
+    def _in_role(
+        self, candidates: list[RunningReplica], holdings: Any, request: Any
+    ) -> list[RunningReplica]:
+        """The candidates whose role now is the leg's (a prefill leg hands its KV off; any
+        other generates): replicas of this deployment that switched to the other role
+        (deployments/cluster/role_balance.py) are left out, as the index last said (this
+        request's holdings, else the last seen). All of them where none is in the role (a
+        decode leg sent to the prefill deployment when no decode replica runs)."""
+        if request is None or self._role not in ("prefill", "decode"):
+            return candidates
+        kv = request.kv_transfer_params or {}
+        wanted = "prefill" if kv.get("do_remote_decode") else "decode"
+        other = "decode" if wanted == "prefill" else "prefill"
+        roles = self._roles
+        kept = [r for r in candidates if roles.get(r.replica_id.unique_id) != other]
+        return kept or candidates
+
+    def _cost_ranks(
+        self,
+        candidates: list[RunningReplica],
+        pending_request: PendingRequest | None,
+        request: Any,
+        holdings: Any,
+    ) -> list[list[RunningReplica]] | None:
+        from deployments.cluster.kv_scoring import rank_by_cost
+
+        if holdings is None or len(candidates) < 2:
+            return None
+        by_id = {r.replica_id.unique_id: r for r in candidates}
         queue_lens = self.replica_queue_len_cache
         ongoing = {i: queue_lens.get(r.replica_id) or 0 for i, r in by_id.items()}
         prompt_tokens = len(request.prompt_token_ids)

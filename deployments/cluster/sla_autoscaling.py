@@ -18,12 +18,15 @@ replica has reported): hold.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from engine.core.kv_events import EngineLoad
 
 ROLES = ("prefill", "decode")
 DEFAULT_LOOK_BACK_S = 30.0  # Serve's default look_back_period_s
@@ -127,13 +130,16 @@ class RecentLatencies:
     """An engine replica's TTFT and TPOT over the last `window_s` seconds (old requests say
     nothing of the load now: an idle replica reports none, and its role may shrink)."""
 
-    def __init__(self, window_s: float = DEFAULT_LOOK_BACK_S) -> None:
+    def __init__(
+        self, window_s: float = DEFAULT_LOOK_BACK_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.window_s = window_s
+        self.clock = clock  # a simulator's own (pdserve bench router-sim)
         self._ttft: deque[tuple[float, float]] = deque()
         self._tpot: deque[tuple[float, float]] = deque()
 
     def observe(self, ttft_s: float | None, tpot_s: float | None) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if ttft_s is not None:
             self._ttft.append((now, ttft_s))
         if tpot_s is not None:
@@ -145,9 +151,14 @@ class RecentLatencies:
             while samples and samples[0][0] < horizon:
                 samples.popleft()
 
+    def with_means(self, load: EngineLoad) -> EngineLoad:
+        """`load` with these means (the KV index's role balancer weighs them)."""
+        means = self.means()
+        return dataclasses.replace(load, ttft_s=means.get("ttft_s"), tpot_s=means.get("tpot_s"))
+
     def means(self) -> dict[str, float]:
         """{"ttft_s": ..., "tpot_s": ...}, each only where the window holds a request."""
-        self._forget_before(time.monotonic() - self.window_s)
+        self._forget_before(self.clock() - self.window_s)
         means = {}
         for name, samples in (("ttft_s", self._ttft), ("tpot_s", self._tpot)):
             values = [v for _, v in list(samples)]  # one copy: the loop thread appends

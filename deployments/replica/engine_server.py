@@ -16,12 +16,14 @@ import logging
 import os
 import threading
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 import torch
 from ray import serve
 
 from deployments.cluster.request_routers import KV_COMPAT_HASH
+from deployments.cluster.role_balance import RoleSwitching
 from deployments.cluster.sla_autoscaling import DEFAULT_LOOK_BACK_S, RecentLatencies
 from deployments.credentials import kv_secret
 from deployments.protocol import EngineRequest, ReplicaProbe
@@ -31,7 +33,8 @@ from deployments.replica.core_pinning import (
     place_engine,
     rank_0_cores,
 )
-from deployments.replica.kv_publisher import KVEventPublisher
+from deployments.replica.kv_publisher import KVEventPublisher, ReplicaSignals
+from deployments.replica.role_switch import RoleState, SwitchReport, moved_output, wait_switched
 from deployments.replica.telemetry import EngineMetrics, record_engine_spans
 from deployments.serve_context import replica_name, serve_replica_id
 from deployments.telemetry import Tracing, request_attributes
@@ -68,6 +71,7 @@ class EngineServer:
         otlp_endpoint: str = "",
         pin_cores: bool = False,
         latency_window_s: float = DEFAULT_LOOK_BACK_S,
+        role_switching: dict[str, Any] | None = None,
     ) -> None:
         # Before the engine exists: its threads and first-touched memory start on its cores.
         self._cores = _place(engine_args) if pin_cores else None
@@ -90,7 +94,12 @@ class EngineServer:
         self.metrics = _engine_metrics(self.transport, core.kv_tier)
         self._latencies = RecentLatencies(latency_window_s)
         self._sampler = _start_sampler(self) if self.metrics is not None else None
-        self._kv_publisher = _start_kv_publisher(self.engine, self.role)
+        self._lease_s = float((kv or {}).get("lease_seconds", 30.0))
+        self.roles = RoleState(self.role, _drain_timeout_s(role_switching))
+        signals = ReplicaSignals(self._latencies.with_means, role_switching, self._ordered)
+        self._kv_publisher = _start_kv_publisher(self.engine, self.role, signals)
+        if self._kv_publisher is not None:
+            self.roles.announce = self._kv_publisher.announce_role
         logger.info(
             "%s engine %s ready (%d KV blocks)", self.role, self.replica_id, core.num_kv_blocks
         )
@@ -104,11 +113,43 @@ class EngineServer:
         """Stream a request's token ids. Bad input raises ValueError before anything runs; a
         caller that stops listening (cancelled by Serve) aborts the request."""
         num_output = 0
-        async for output in self._generate(request):
-            num_output += len(output.new_token_ids)
-            if output.timing is not None:
-                self._observe(request, output, output.timing, num_output)
-            yield output
+        self.roles.admit(request.request_id)
+        try:
+            async with aclosing(self._generate(request)) as outputs:
+                async for output in outputs:
+                    num_output += len(output.new_token_ids)
+                    if output.timing is not None:
+                        self._observe(request, output, output.timing, num_output)
+                    yield output
+                    if not output.finished and self.roles.must_move(request.request_id):
+                        yield moved_output(output.request_id)  # closing aborts it here
+                        return
+        finally:
+            self.roles.finish(request.request_id)
+
+    async def switch_role(self, role: str, probe: ReplicaProbe | None = None) -> dict[str, Any]:
+        """Take `role` ("prefill" or "decode") now, and return once the old role's requests
+        have drained or moved and its handed-off KV is read (role_switch.py); ValueError for
+        a role this replica cannot take. `probe` only steers the call to this replica."""
+        previous = self.roles.role
+        epoch = self.roles.switch(role)
+        logger.info("engine %s: %s -> %s (epoch %d)", self.replica_id, previous, role, epoch)
+        report = SwitchReport(role, previous, epoch)
+        held = self._held_requests
+        return await wait_switched(self.roles, report, held, self._lease_s)
+
+    def _held_requests(self) -> int:
+        return int(self.engine.stats.num_held_requests)
+
+    def _ordered(self, role: str) -> None:
+        """The KV index ordered a switch (the KV publisher's thread): take the role now; the
+        drain runs on without anyone waiting on it."""
+        try:
+            epoch = self.roles.switch(role)
+        except ValueError as exc:
+            logger.warning("engine %s refused a switch to %s: %s", self.replica_id, role, exc)
+            return
+        logger.info("engine %s took the %s role (epoch %d)", self.replica_id, role, epoch)
 
     def _generate(self, request: EngineRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         return self.engine.generate_tokens(
@@ -188,7 +229,13 @@ class EngineServer:
     def stats(self, probe: ReplicaProbe | None = None) -> dict[str, Any]:
         """KV blocks and queues (pdserve.v1.EngineStats), a snapshot that may lag a step.
         `probe` only steers the call to this replica (deployments/cluster/health.py)."""
-        return {"role": self.role, "replica_id": self.replica_id, **self.engine.stats.health()}
+        return {
+            "role": self.roles.role,
+            "role_epoch": self.roles.epoch,
+            "moved_requests": self.roles.moved,
+            "replica_id": self.replica_id,
+            **self.engine.stats.health(),
+        }
 
     async def step_trace(
         self,
@@ -200,7 +247,7 @@ class EngineServer:
         """The scheduler's newest `max_steps` step records (0: all kept), each a JSON line,
         the oldest left out past `max_bytes` (0: no bound; `left_out` counts them);
         `keep_steps` as AsyncEngine.step_trace. Where it keeps none, `error` says so."""
-        answer: dict[str, Any] = {"role": self.role, "replica_id": self.replica_id}
+        answer: dict[str, Any] = {"role": self.roles.role, "replica_id": self.replica_id}
         try:
             records = await asyncio.wrap_future(self.engine.step_trace(keep_steps))
         except ValueError as exc:
@@ -315,7 +362,15 @@ def _place(engine_args: dict[str, Any]) -> CoreClaim | None:
     return place_engine(num_cpus * ranks)[1]
 
 
-def _start_kv_publisher(engine: AsyncEngine, role: str) -> KVEventPublisher | None:
+def _drain_timeout_s(role_switching: dict[str, Any] | None) -> float:
+    if not role_switching:
+        return RoleSwitching().drain_timeout_s
+    return RoleSwitching.from_spec(role_switching).drain_timeout_s
+
+
+def _start_kv_publisher(
+    engine: AsyncEngine, role: str, signals: ReplicaSignals
+) -> KVEventPublisher | None:
     """Inside a Serve replica whose engine numbers its KV events: publish them to the app's
     index (the KV-aware request routers read it)."""
     replica_id = serve_replica_id()
@@ -323,7 +378,7 @@ def _start_kv_publisher(engine: AsyncEngine, role: str) -> KVEventPublisher | No
     if replica_id is None or core.kv_events is None:
         return None
     app = serve.get_replica_context().app_name
-    return KVEventPublisher(engine, replica_id, app, role, core.side_channel)
+    return KVEventPublisher(engine, replica_id, app, role, core.side_channel, signals=signals)
 
 
 class PrefillServer(EngineServer):

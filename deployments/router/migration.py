@@ -68,7 +68,9 @@ class ResumableLeg:
 
     async def stream(self) -> AsyncGenerator[EngineCoreOutput, None]:
         request = self.request
-        if request.kv_transfer_params:
+        if self.engines.start is not None:  # a replica of another deployment, by hint
+            role, stream_fn = self.engines.first_role, self.engines.start
+        elif request.kv_transfer_params:
             # Its KV waits for a reader of the role it was handed to.
             role, stream_fn = self.engines.first_role, self.engines.first
         else:
@@ -150,8 +152,12 @@ class MigrationTargets:
         policy: MigrationPolicy,
         replicas: ReplicaWatch | None = None,
         fallback: StreamFn | None = None,
+        start: StreamFn | None = None,
     ) -> None:
+        """`start`: where the first attempt goes instead of `first` (a replica that switched
+        into the role from another deployment: router/role_placement.py)."""
         self.first = first
+        self.start = start
         self.first_role = first_role
         self.policy = policy
         self.replicas = replicas

@@ -45,6 +45,7 @@ from deployments.router.migration import (
 )
 from deployments.router.prompt_checks import check_length, context_max_tokens, tokenize_prompt
 from deployments.router.response_stream import PreparedRequest, ResponseStream
+from deployments.router.role_placement import RolePlacement
 from deployments.router.telemetry import RouterTelemetry
 from deployments.router.text_work import TextWork, prompt_chars
 from engine.outputs import EngineCoreOutput, merge_outputs
@@ -104,6 +105,7 @@ class Orchestrator:
         decode_replicas: ReplicaWatch | None = None,
         cluster_cache: ClusterCache | None = None,
         borrower: Borrower | None = None,
+        placement: RolePlacement | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model = model
@@ -117,6 +119,7 @@ class Orchestrator:
         self.decode_replicas = decode_replicas
         self.cluster_cache = cluster_cache
         self.borrower = borrower
+        self.placement = placement  # legs to replicas that switched roles
         self.text_work = TextWork()  # heavy text work, off the event loop
 
     # ------------------------------------------------------------------ validation
@@ -268,7 +271,9 @@ class Orchestrator:
             # exactly, and the repeat is dropped from the decode stream.
             sent = list(first.new_token_ids)
             params = dataclasses.replace(prepared.params, forced_output_token_ids=sent)
-            leg = self._resumable(self._engine_request(prepared, params, handed_off), on_migration)
+            request = self._engine_request(prepared, params, handed_off)
+            start = self._placed("decode", prepared, request)
+            leg = self._resumable(request, on_migration, start=start)
             pending = list(sent)
             async with aclosing(bounded(leg.stream(), prepared)) as chunks:
                 async for engine_chunk in chunks:
@@ -294,7 +299,8 @@ class Orchestrator:
         assert self.prefill is not None
         chunks: list[EngineCoreOutput] = []
         request = self._prefill_request(prepared, loan)
-        leg = asyncio.ensure_future(collect(self.prefill(request), chunks))
+        stream = self._placed("prefill", prepared, request) or self.prefill
+        leg = asyncio.ensure_future(collect(stream(request), chunks))
         completed = False
         try:
             completed = await self._prefill_answered(prepared, leg)
@@ -377,7 +383,10 @@ class Orchestrator:
         role = "colocated" if route == ROUTE_COLOCATED else "decode"
         request = self._engine_request(prepared, prepared.params, None)
         request.replica_hint = replica_hint
-        leg = self._resumable(request, on_migration, role)
+        start = None
+        if replica_hint and self.placement is not None:
+            start = self.placement.of(role, replica_hint).stream
+        leg = self._resumable(request, on_migration, role, start)
         async with aclosing(bounded(leg.stream(), prepared)) as chunks:
             async for engine_chunk in chunks:
                 if not leg.migrations:  # a moved request's cache hits are not the prompt's
@@ -388,14 +397,30 @@ class Orchestrator:
                     return
 
     def _resumable(
-        self, request: EngineRequest, on_migration: OnMigration | None, role: str = "decode"
+        self,
+        request: EngineRequest,
+        on_migration: OnMigration | None,
+        role: str = "decode",
+        start: StreamFn | None = None,
     ) -> ResumableLeg:
         """The generating leg's outputs, moved to another engine if the one serving it fails:
         another replica of its role, or a prefill replica when none of those runs."""
         targets = MigrationTargets(
-            self.decode, role, self.config.migration, self.decode_replicas, self.prefill
+            self.decode, role, self.config.migration, self.decode_replicas, self.prefill, start
         )
         return ResumableLeg(targets, request, on_migration)
+
+    def _placed(
+        self, role: str, prepared: PreparedRequest, request: EngineRequest
+    ) -> StreamFn | None:
+        """Another deployment's call when the leg's replica switched into `role` from there
+        (the request then names it), else None: the role's own deployment."""
+        if self.placement is None:
+            return None
+        placed = self.placement.place(role, prepared.holdings, len(prepared.prompt_token_ids))
+        if placed.stream is not None:
+            request.replica_hint = placed.replica_hint
+        return placed.stream
 
     def _engine_request(
         self, prepared: PreparedRequest, params: SamplingParams, kv: dict[str, Any] | None

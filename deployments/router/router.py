@@ -53,6 +53,7 @@ from deployments.router.orchestrator import (
     StreamFn,
 )
 from deployments.router.peers import RouterPeers
+from deployments.router.role_placement import RolePlacement
 from deployments.router.telemetry import RouterMetrics, RouterTelemetry
 from deployments.serve_context import replica_name
 from deployments.telemetry import Tracing
@@ -82,6 +83,7 @@ class RouterSettings:
     retry_after_s: float  # told to clients refused at an admission bound
     api_keys: ApiKeys  # salted digests only (credentials.py)
     side_channel_tls: SideChannelTLS | None  # to release and borrow KV over mTLS
+    role_switching: bool = False  # engine replicas may switch roles (placement by the index)
 
 
 @dataclass
@@ -121,12 +123,19 @@ class Router:
         self._health = CachedHealth(self._survey)
         self.tracing = Tracing("router", replica_name(), settings.otlp_endpoint)
         retry = settings.retry_after_s
+        decode_fn = _stream_fn(decode, self._decode_role, retry)
+        prefill_fn = _stream_fn(prefill, "prefill", retry) if prefill is not None else None
+        placement = None
+        if prefill_fn is not None and settings.role_switching:
+            streams = {"prefill": prefill_fn, "decode": decode_fn}
+            placement = RolePlacement(streams, REPLICA_SETS.replica_ids, self.block_size)
         self.orchestrator = Orchestrator(
             self.tokenizer,
             self.facts,
             settings.flow,
-            decode=_stream_fn(decode, self._decode_role, retry),
-            prefill=_stream_fn(prefill, "prefill", retry) if prefill is not None else None,
+            decode=decode_fn,
+            prefill=prefill_fn,
+            placement=placement,
             release=LeaseReleaser(self.kv_secret, tls=settings.side_channel_tls),
             telemetry=RouterTelemetry(
                 self.tracing.tracer, RouterMetrics(tuple(self._engine_handles()))
@@ -141,6 +150,7 @@ class Router:
         one: cache-aware disaggregation and prefix loans."""
         flow = settings.flow
         wanted = flow.max_local_prefill_tokens > 0 or flow.min_prefix_loan_tokens > 0
+        wanted = wanted or settings.role_switching  # legs placed by the roles the index knows
         if not (disaggregated and settings.kv_aware_routing and wanted):
             return {}
         from deployments.cluster.kv_index import IndexedClusterCache

@@ -71,6 +71,11 @@ class EngineLoad:
     num_waiting: int
     queued_prompt_tokens: int  # prompt tokens of unfinished requests not yet computed
     kv_cache_usage: float
+    # Mean time to first token and per output token of the requests the replica finished
+    # lately (its serving layer adds them: role switching weighs them against SLO targets);
+    # None without any.
+    ttft_s: float | None = None
+    tpot_s: float | None = None
 
 
 class KVEventStream:

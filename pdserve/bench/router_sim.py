@@ -15,7 +15,9 @@ Reported per policy: the wall time of the routing code per request (what a route
 the actor call around a lookup, ~1 ms in a deployment, is not simulated), prefix hit rate
 against an oracle with unlimited cache (every block ever computed anywhere), TTFT / TPOT and
 goodput under an SLO on the simulated clock; and the index's size per (hash, replica) entry.
-Role switching (the issue's Deliver 4) is not simulated yet.
+With `--role-switching`, the kv policy also runs at fixed P:D splits and with the app's role
+balancer moving engines between the roles (pdserve/bench/sim_roles.py); `--workload phases`
+is a load that shifts between prefill-heavy and decode-heavy phases.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from deployments.cluster.kv_scoring import (
 )
 from pdserve.bench.index import built_index
 from pdserve.bench.sim_engine import EngineModel, SimEngine, leading_run
+from pdserve.bench.sim_roles import SimSignals, compare_splits, role_spec
 from pdserve.bench.sim_workload import SimRequest, sim_requests
 from pdserve.bench.stats import summarize
-from pdserve.flags import Flag, str_list
+from pdserve.flags import Flag, int_list, str_list
 
 POLICIES = ("kv", "round_robin", "dynamo")
 
@@ -82,6 +85,24 @@ class RouterSimConfig:
     """and whose time per output token is within this"""
     seed: int = 0
     """the workload's and the tie-breaks' random draws"""
+    workload: str = "conversations"
+    """without a trace: conversations (multi-turn, behind shared system prompts) or phases
+    (alternately prefill-heavy and decode-heavy)"""
+    phases: int = 4
+    """phases of the phases workload, each num_requests / phases long"""
+    phase_prompt_tokens: int = 2048
+    """a prefill-heavy phase's prompts (a decode-heavy one's are a sixteenth of it)"""
+    phase_output_tokens: int = 128
+    """a decode-heavy phase's answers (a prefill-heavy one's are 16 tokens)"""
+    role_switching: bool = False
+    """also run the kv policy at fixed P:D splits and with engines switching roles"""
+    fixed_splits: tuple[int, ...] = ()
+    """prefill replicas of each fixed split compared, comma-separated (none: a quarter, half
+    and three quarters of all replicas)"""
+    role_interval_s: float = 1.0
+    """the role balancer's decision interval, simulated seconds"""
+    role_max_step: float = 0.5
+    """the most of a role's replicas one decision moves"""
 
     def __post_init__(self) -> None:
         unknown = set(self.policies) - set(POLICIES)
@@ -92,6 +113,8 @@ class RouterSimConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.request_rate <= 0:
             raise ValueError("request_rate must be > 0")
+        if self.workload not in ("conversations", "phases"):
+            raise ValueError(f"workload must be conversations or phases, got {self.workload!r}")
 
 
 def run(config: RouterSimConfig) -> dict[str, Any]:
@@ -110,6 +133,9 @@ def run(config: RouterSimConfig) -> dict[str, Any]:
         report["policies"][policy]["hit_rate_of_oracle"] = (
             round(hit / report["oracle_hit_rate"], 3) if report["oracle_hit_rate"] else None
         )
+    if config.role_switching:
+        configured = report["policies"].get("kv")
+        report["role_switching"] = compare_splits(config, requests, configured)
     return report
 
 
@@ -125,7 +151,15 @@ def _oracle_hit_rate(requests: list[SimRequest]) -> float:
 
 
 class _Simulation:
-    def __init__(self, config: RouterSimConfig, policy: str) -> None:
+    def __init__(
+        self,
+        config: RouterSimConfig,
+        policy: str,
+        prefill_replicas: int | None = None,
+        switching: bool = False,
+    ) -> None:
+        """`prefill_replicas`: of all the replicas, those starting as prefill (default: the
+        config's split); `switching`: the app's role balancer moves them."""
         self.config, self.policy = config, policy
         model = EngineModel(
             config.prefill_tokens_per_s,
@@ -133,19 +167,22 @@ class _Simulation:
             config.step_per_seq_s,
             config.capacity_blocks,
         )
-        bs = config.block_size
-        self.prefill = [
-            SimEngine(f"p{i}", "prefill", model, bs) for i in range(config.prefill_replicas)
+        total = config.prefill_replicas + config.decode_replicas
+        num_prefill = config.prefill_replicas if prefill_replicas is None else prefill_replicas
+        engines = [
+            SimEngine(f"p{i}", "prefill", model, config.block_size) for i in range(num_prefill)
+        ] + [
+            SimEngine(f"d{i}", "decode", model, config.block_size)
+            for i in range(total - num_prefill)
         ]
-        self.decode = [
-            SimEngine(f"d{i}", "decode", model, bs) for i in range(config.decode_replicas)
-        ]
-        self.engines = {e.name: e for e in (*self.prefill, *self.decode)}
+        self.engines = {e.name: e for e in engines}
+        self._members = self._by_role()
+        self._spec = role_spec(config) if switching else None
+        self.signals = SimSignals(5 * config.role_interval_s) if switching else None
+        self.switches = 0
         self.index = KVIndexServer()
         for engine in self.engines.values():
-            self.index.load_snapshot(
-                engine.name, engine.snapshot(), engine.role, engine.load(0.0), engine.name
-            )
+            self._announce(engine, engine.load(0.0))
         self.rng = random.Random(config.seed)
         self._turn = {"prefill": 0, "decode": 0}
         # What the router itself knows of what it sent: per replica, its requests in flight
@@ -156,6 +193,18 @@ class _Simulation:
         self._ends: list[tuple[float, str, int]] = []
         self._loads: dict[str, Any] = {}  # each engine's load as last published
         self.events = 0
+
+    def _by_role(self) -> dict[str, list[str]]:
+        roles: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for engine in self.engines.values():
+            roles[engine.role].append(engine.name)
+        return roles
+
+    def _announce(self, engine: SimEngine, load: Any) -> None:
+        """A (re)announcement, as the publisher's snapshot: its cache, role and load."""
+        self.index.load_snapshot(
+            engine.name, engine.snapshot(), engine.role, load, engine.name, self._spec
+        )
 
     def run(self, requests: list[SimRequest]) -> dict[str, Any]:
         period, published = 0.02, 0.0
@@ -171,8 +220,12 @@ class _Simulation:
             decisions_us.append((time.perf_counter() - start) * 1e6)
             ttft, tpot, held = self._serve(request, prefill, decode, lent)
             prefilled = request.at_s + ttft
+            ended = prefilled + tpot * request.output_len
             self._sent(prefill, prefilled, len(request.hashes))
-            self._sent(decode, prefilled + tpot * request.output_len, len(request.hashes))
+            self._sent(decode, ended, len(request.hashes))
+            if self.signals is not None:
+                self.signals.later(prefilled, prefill or decode, ttft_s=ttft)
+                self.signals.later(ended, decode, tpot_s=tpot if request.output_len > 1 else None)
             ttft_s.append(ttft)
             tpot_s.append(tpot)
             hits += held
@@ -193,18 +246,43 @@ class _Simulation:
             "goodput_per_s": round(good / duration, 1),
             "kv_events_per_s": round(self.events / duration),
             **self._index_size(),
+            **self._roles_report(),
+        }
+
+    def _roles_report(self) -> dict[str, Any]:
+        if self.signals is None:
+            return {}
+        members = self._members
+        return {
+            "switches": self.switches,
+            "final_split": f"{len(members['prefill'])}:{len(members['decode'])}",
         }
 
     def _publish(self, now: float) -> None:
         """Every engine's batch of the last period and its load, when either changed, to the
         index (as KVEventPublisher sends them)."""
+        if self.signals is not None:
+            self.signals.until(now)
         for engine in self.engines.values():
             batch = engine.take_batch()
             load = engine.load(now)
+            if self.signals is not None:
+                load = self.signals.with_means(engine.name, load)
             if batch is not None or load != self._loads.get(engine.name):
                 self._loads[engine.name] = load
                 self.events += len(batch.events) if batch is not None else 0
-                self.index.apply(engine.name, [batch] if batch is not None else [], load)
+                batches = [batch] if batch is not None else []
+                reply = self.index.publish(engine.name, batches, load, now=now)
+                if reply.switch_to and reply.switch_to != engine.role:
+                    self._switch(engine, reply.switch_to, load)
+
+    def _switch(self, engine: SimEngine, role: str, load: Any) -> None:
+        """As an engine replica does when the index orders it: take the role and announce it;
+        its requests of the old role run on (they drain)."""
+        engine.role = role
+        self._announce(engine, load)
+        self._members = self._by_role()
+        self.switches += 1
 
     # ------------------------------------------------------------------ routing
 
@@ -233,7 +311,7 @@ class _Simulation:
         return prefill, self._ranked(request, "decode", surveyed), lent
 
     def _ranked(self, request: SimRequest, role: str, holdings: Mapping[str, Holding]) -> str:
-        names = [e.name for e in (self.prefill if role == "prefill" else self.decode)]
+        names = self._members[role]
         bs = self.config.block_size
         ranks = rank_by_cost(names, holdings, request.prompt_tokens, bs, self._inflight)
         if ranks is None:  # the cache says nothing: Serve's power of two choices
@@ -272,10 +350,10 @@ class _Simulation:
             self._active[name] -= blocks
 
     def _next(self, role: str) -> str:
-        engines = self.prefill if role == "prefill" else self.decode
+        names = self._members[role]
         turn = self._turn[role]
         self._turn[role] = turn + 1
-        return engines[turn % len(engines)].name
+        return names[turn % len(names)]
 
     # ------------------------------------------------------------------ serving
 
@@ -308,4 +386,4 @@ def _busy(holding: Any) -> int:
 
 
 CONFIG = RouterSimConfig
-FLAGS = {"policies": Flag(parse=str_list)}
+FLAGS = {"policies": Flag(parse=str_list), "fixed_splits": Flag(parse=int_list)}

@@ -30,7 +30,12 @@ class SimRequest:
 
 
 def sim_requests(config: RouterSimConfig) -> list[SimRequest]:
-    requests = _traced(config) if config.trace else _synthetic(config)
+    if config.trace:
+        requests = _traced(config)
+    elif config.workload == "phases":
+        requests = _phased(config)
+    else:
+        requests = _synthetic(config)
     return sorted(requests, key=lambda r: r.at_s)
 
 
@@ -81,3 +86,24 @@ def _synthetic(config: RouterSimConfig) -> list[SimRequest]:
             requests.append(SimRequest(at, hashes, tokens, rng.randrange(32, 256)))
             at += rng.expovariate(1 / THINK_TIME_S)
     return requests[: config.num_requests] if len(requests) > config.num_requests else requests
+
+
+def _phased(config: RouterSimConfig) -> list[SimRequest]:
+    """A load that shifts: `phases` equal phases of Poisson arrivals, alternately
+    prefill-heavy (long prompts, 16-token answers) and decode-heavy (prompts a sixteenth as
+    long, long answers). Prompts share nothing: what the phases test is the P:D split."""
+    rng = random.Random(config.seed)
+    per_phase = -(-config.num_requests // max(1, config.phases))
+    long_blocks = max(
+        1, min(config.max_prompt_blocks, config.phase_prompt_tokens // config.block_size)
+    )
+    requests, at, next_id = [], 0.0, 1 << 41  # past the other workloads' blocks
+    for i in range(config.num_requests):
+        at += rng.expovariate(config.request_rate)
+        prefill_heavy = (i // per_phase) % 2 == 0
+        blocks = long_blocks if prefill_heavy else max(1, long_blocks // 16)
+        output_len = 16 if prefill_heavy else config.phase_output_tokens
+        hashes = [_block(next_id + j, 0) for j in range(blocks)]
+        next_id += blocks
+        requests.append(SimRequest(at, hashes, blocks * config.block_size, output_len))
+    return requests

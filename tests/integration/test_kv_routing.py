@@ -32,7 +32,7 @@ from engine.core.kv_cache_utils import prompt_block_hashes
 from engine.llm import LLM
 from engine.request import SamplingParams
 from pdserve.client import Completion, GenerationClient, generate_request
-from tests.integration.serving import AppSettings, ServeCluster, replica_actors
+from tests.integration.serving import AppSettings, ServeCluster, ServedApp, replica_actors
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -62,14 +62,30 @@ SETTINGS = AppSettings(
         "transport": "nixl",
         "max_local_prefill_tokens": LOCAL,
         "min_prefix_loan_tokens": LOAN,
+        # Replicas may switch roles, but the balancer never moves one here (no load comes
+        # near these targets): the role-switching test orders its switches itself, through
+        # the index as the balancer's orders go. Requests a switch drains move after 0.2 s.
+        "role_switching": {
+            "ttft_s": 1e6,
+            "queued_prompt_tokens": 1e12,
+            "tpot_s": 1e6,
+            "kv_cache_usage": 1e6,
+            "running_requests": 1e6,
+            "drain_timeout_s": 0.2,
+        },
     }
 )
 
 
 @pytest.fixture(scope="module")
-def client(serve_cluster: ServeCluster) -> Iterator[GenerationClient]:
-    with serve_cluster.serving(SETTINGS) as served:
-        yield served.client
+def served(serve_cluster: ServeCluster) -> Iterator[ServedApp]:
+    with serve_cluster.serving(SETTINGS) as app:
+        yield app
+
+
+@pytest.fixture(scope="module")
+def client(served: ServedApp) -> GenerationClient:
+    return served.client
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +230,73 @@ def test_a_uniform_workload_is_spread_over_the_replicas(client, offline):
             (replica,) = holders(prompt, role)
             served[replica] += 1
         assert len(served) == 2 and max(served.values()) <= 1.5 * len(prompts) / 2, served
+
+
+def roles() -> dict[str, str]:
+    """Every engine replica's role, as the index knows it."""
+    return {r: held.role for r, held in ray.get(index_actor().lookup.remote([])).items()}
+
+
+def order(switches: dict[str, str]) -> None:
+    """Order switches through the index, as its balancer does; wait until all are announced."""
+    for replica, role in switches.items():
+        ray.get(index_actor().order_switch.remote(replica, role))
+    assert wait_until(lambda: switches.items() <= roles().items(), timeout_s=30)
+
+
+def streamed(client: GenerationClient, prompt: list[int], params: dict, progress: list[int]):
+    """The whole answer; `progress[0]` its tokens so far."""
+    completion = Completion()
+    for response in client.stream(generate_request(prompt, **params)):
+        completion.add(response)
+        progress[0] = len(completion.token_ids)
+    return completion
+
+
+def test_replicas_switch_roles_under_load_and_every_stream_ends_token_exact(
+    served, client, offline
+):
+    """Both prefill replicas become decode replicas and a decode replica a prefill one while
+    six long streams run: streams still running on a switched replica 0.2 s later move to
+    another engine (migration), the rest finish where they are. Six new requests then
+    prefill on the switched decode replica (through the decode deployment's handle) and
+    decode on the other three. Every answer equals offline greedy; the replicas switch back;
+    no block is held afterwards."""
+    assert wait_until(index_knows_all_engines, timeout_s=30)
+    before = roles()
+    prefill = sorted(r for r, role in before.items() if role == "prefill")
+    decode = sorted(r for r, role in before.items() if role == "decode")
+    assert len(prefill) == len(decode) == 2
+    rng = random.Random(41)
+    long_params = {**PARAMS, "max_tokens": 300}
+    first = [[rng.randrange(10, 400) for _ in range(70)] for _ in range(6)]
+    progress = [[0] for _ in first]
+    with ThreadPoolExecutor(6) as pool:
+        running = [
+            pool.submit(streamed, client, prompt, long_params, count)
+            for prompt, count in zip(first, progress, strict=True)
+        ]
+        assert wait_until(lambda: min(n[0] for n in progress) >= 2, timeout_s=60)
+        order({prefill[0]: "decode", prefill[1]: "decode", decode[0]: "prefill"})
+        second = [[rng.randrange(10, 400) for _ in range(70)] for _ in range(6)]
+        done = list(pool.map(lambda p: client.complete(generate_request(p, **PARAMS)), second))
+        for prompt, future in zip(first, running, strict=True):
+            expected = offline.generate(
+                [{"prompt_token_ids": prompt}], SamplingParams(**long_params)
+            )
+            assert future.result().token_ids == expected[0].outputs[0].token_ids
+    for answer, prompt in zip(done, second, strict=True):
+        check(answer, prompt, offline)
+        assert answer.route == "disaggregated"
+    assert wait_until(index_knows_all_engines, timeout_s=10)
+    for prompt in second:
+        assert holders(prompt, "prefill") == [decode[0]]  # the only prefill replica now
+        assert holders(prompt, "decode")[0] in (decode[1], *prefill)
+    engines = {e.replica_id: e for e in client.health().engines}
+    assert {engines[r].role_epoch for r in (*prefill, decode[0])} == {1}
+    assert sum(e.moved_requests for e in engines.values()) >= 1  # the drain ran out for some
+    order({prefill[0]: "prefill", prefill[1]: "prefill", decode[0]: "decode"})
+    assert wait_until(served.engines_idle, timeout_s=60), client.health()
 
 
 def test_the_index_is_complete_again_soon_after_its_actor_is_sigkilled(client, offline):

@@ -49,7 +49,9 @@ def remote_kv(compat_hash: str) -> dict[str, Any]:
     ).to_params()
 
 
-def route(router_class: type, candidates: list[Any], request: EngineRequest) -> list[list[str]]:
+def route(
+    router_class: type, candidates: list[Any], request: EngineRequest, role: str = "decode"
+) -> list[list[str]]:
     """The router's ranks of replica names for `request`. Each choice here is of replicas that
     may be full: the router must have told Serve to back off before asking again."""
 
@@ -57,7 +59,7 @@ def route(router_class: type, candidates: list[Any], request: EngineRequest) -> 
         router = router_class(
             deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN
         )
-        router.initialize_state(role="decode")
+        router.initialize_state(role=role)
         pending = PendingRequest(
             args=[request], kwargs={}, metadata=RequestMetadata("req", "internal")
         )
@@ -127,3 +129,34 @@ def test_the_kv_aware_router_ranks_by_the_holdings_the_request_carries() -> None
     candidates = [replica(name, None) for name in ("a", "b", "c")]
     assert route(KVAwareRouter, candidates, request) == [["b"], ["a", "c"]]
     assert pickle.loads(pickle.dumps(request)).routing_holdings is None
+
+
+def test_replicas_that_switched_roles_leave_their_deployment_s_candidates() -> None:
+    """A decode replica now in the prefill role (deployments/cluster/role_balance.py) gets no
+    decode leg from its deployment's router, and a prefill replica now decoding no prefill
+    leg; a replica whose role the index does not know stays; where none is in the role, all
+    stay (a decode leg sent to the prefill deployment when no decode replica runs)."""
+    from deployments.cluster.kv_scoring import Holding
+    from engine.core.kv_events import EngineLoad
+
+    idle = EngineLoad(num_running=0, num_waiting=0, queued_prompt_tokens=0, kv_cache_usage=0.1)
+    holdings = {
+        "a": Holding(2, idle, "decode"),
+        "b": Holding(5, idle, "prefill"),  # switched
+        "c": Holding(1, idle, "decode"),
+    }
+    candidates = [replica(name, None) for name in ("a", "b", "c", "u")]
+
+    def leg(kv: dict[str, Any] | None) -> EngineRequest:
+        request = EngineRequest("r", list(range(100)), SamplingParams(max_tokens=4))
+        request.kv_transfer_params = kv
+        request.routing_holdings = holdings
+        return request
+
+    assert route(KVAwareRouter, candidates, leg(None)) == [["a"], ["c"], ["u"]]
+    prefill_leg = leg({"do_remote_decode": True})
+    assert route(KVAwareRouter, candidates, prefill_leg, role="prefill") == [["b"], ["u"]]
+    none_decoding = leg(None)
+    none_decoding.routing_holdings = {"b": holdings["b"], "e": Holding(0, idle, "prefill")}
+    two = [replica("b", None), replica("e", None)]
+    assert route(KVAwareRouter, two, none_decoding) == [["b"], ["e"]]

@@ -119,10 +119,9 @@ def test_replicas_average_latencies_over_serves_look_back():
     assert all(e._bound_deployment.init_kwargs["latency_window_s"] == 40 for e in engines)
 
 
-def test_recent_latencies_forget_requests_older_than_the_window(monkeypatch):
+def test_recent_latencies_forget_requests_older_than_the_window():
     clock = [100.0]
-    monkeypatch.setattr("deployments.cluster.sla_autoscaling.time.monotonic", lambda: clock[0])
-    window = RecentLatencies(window_s=30)
+    window = RecentLatencies(window_s=30, clock=lambda: clock[0])
     window.observe(1.0, 0.1)
     window.observe(3.0, None)
     assert window.means() == {"ttft_s": 2.0, "tpot_s": 0.1}
@@ -130,10 +129,9 @@ def test_recent_latencies_forget_requests_older_than_the_window(monkeypatch):
     assert window.means() == {}
 
 
-def test_recent_latencies_stay_bounded_when_nobody_reads_them(monkeypatch):
+def test_recent_latencies_stay_bounded_when_nobody_reads_them():
     clock = [0.0]
-    monkeypatch.setattr("deployments.cluster.sla_autoscaling.time.monotonic", lambda: clock[0])
-    window = RecentLatencies(window_s=30)
+    window = RecentLatencies(window_s=30, clock=lambda: clock[0])
     for i in range(1000):
         clock[0] = float(i)
         window.observe(0.5, 0.05)

@@ -1,0 +1,131 @@
+"""An engine replica's role at runtime (deployments/cluster/role_balance.py says why and when).
+
+A switch, ordered by the KV index (the app's balancer, or an operator's `order_switch`) or
+called on the replica (`EngineServer.switch_role`):
+1. **Announce.** The role changes at once and the replica's KV publisher announces it (a
+   snapshot, within 20 ms): routers take it out of the old role's candidates and into the
+   new one's. The role's epoch counts the switches.
+2. **Drain.** Every request admitted before the switch (the old role's legs) runs on; one still
+   running after `drain_timeout_s` moves: its stream ends with an error, and the Router moves
+   it to another engine from its prompt and the tokens generated so far (migration.py:
+   token-exact). A prefill leg so moved falls back as a failed prefill does.
+3. **Fence.** KV the replica handed out under the old role (prefill legs' blocks held for a
+   decode reader) stays readable under its lease until read or expired, never freed early:
+   the switch is done when those are gone too (or when their leases must have expired).
+
+Every engine computes prompts and generates tokens alike: the role only steers the routers,
+which is why a switch needs neither a restart nor a new engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine.outputs import EngineCoreOutput
+from engine.request import FinishReason
+
+SWITCHABLE = ("prefill", "decode")
+MOVED = "the engine replica changed role; the request moves to another engine"
+
+
+@dataclass
+class SwitchReport:
+    role: str
+    previous_role: str
+    epoch: int  # the role's, after the switch
+    drained: int = 0  # old-role requests that finished on this replica
+    moved: int = 0  # old-role requests moved after drain_timeout_s
+    held_requests_at_end: int = 0  # handed-off KV still held (leases past the wait)
+    seconds: float = 0.0
+
+
+@dataclass
+class _Leg:
+    epoch: int  # the role's epoch the request was admitted in
+    deadline: float = float("inf")  # when it moves (set by a switch)
+
+
+@dataclass
+class RoleState:
+    """The replica's role, its epoch, and its requests by epoch (any thread)."""
+
+    role: str
+    drain_timeout_s: float = 30.0
+    announce: Callable[[str], None] = lambda role: None  # the KV publisher's announce_role
+    epoch: int = 0  # one more per switch
+    moved: int = 0
+    _legs: dict[str, _Leg] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def switch(self, role: str) -> int:
+        """Take `role` now (ValueError for a role engines cannot take); the new epoch."""
+        if role not in SWITCHABLE:
+            raise ValueError(f"an engine replica switches to one of {SWITCHABLE}, not {role!r}")
+        with self._lock:
+            if role == self.role:
+                return self.epoch
+            if self.role not in SWITCHABLE:
+                raise ValueError(f"a {self.role} engine replica does not switch roles")
+            self.role, self.epoch = role, self.epoch + 1
+            deadline = time.monotonic() + self.drain_timeout_s
+            for leg in self._legs.values():
+                leg.deadline = min(leg.deadline, deadline)
+        self.announce(role)
+        return self.epoch
+
+    def admit(self, request_id: str) -> None:
+        with self._lock:
+            self._legs[request_id] = _Leg(self.epoch)
+
+    def finish(self, request_id: str) -> None:
+        with self._lock:
+            self._legs.pop(request_id, None)
+
+    def must_move(self, request_id: str) -> bool:
+        """Whether the request outstayed its drain: it ends here, counted as moved."""
+        leg = self._legs.get(request_id)
+        if leg is None or time.monotonic() < leg.deadline:
+            return False
+        with self._lock:
+            self.moved += 1
+        return True
+
+    def older_than(self, epoch: int) -> int:
+        """Requests admitted before `epoch` still running here."""
+        with self._lock:
+            return sum(1 for leg in self._legs.values() if leg.epoch < epoch)
+
+
+def moved_output(request_id: str) -> EngineCoreOutput:
+    """The last output of a request that moves: the Router's migration takes it up."""
+    return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, error=MOVED)
+
+
+async def wait_switched(
+    state: RoleState,
+    report: SwitchReport,
+    held_requests: Callable[[], int],
+    lease_s: float,
+    poll_s: float = 0.05,
+) -> dict[str, Any]:
+    """Wait until the requests of the epochs before the report's are gone (finished or moved) and
+    the KV handed out before it is read or its leases must have run out; what it took."""
+    start, epoch = time.monotonic(), report.epoch
+    before = state.older_than(epoch)
+    moved_before = state.moved
+    drain_end = start + state.drain_timeout_s + 1.0  # moves happen at the next token
+    while state.older_than(epoch) and time.monotonic() < drain_end:
+        await asyncio.sleep(poll_s)
+    fence_end = start + max(state.drain_timeout_s, lease_s)
+    while held_requests() and time.monotonic() < fence_end:
+        await asyncio.sleep(poll_s)
+    report.moved = state.moved - moved_before
+    report.drained = max(0, before - report.moved)
+    report.held_requests_at_end = held_requests()
+    report.seconds = round(time.monotonic() - start, 3)
+    return asdict(report)
