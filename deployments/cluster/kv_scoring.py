@@ -62,10 +62,16 @@ def replica_cost(
     holding: Holding,
     ongoing: int,
     weights: RoutingWeights,
+    lent_blocks: int = 0,
 ) -> float:
-    """The cost above; `ongoing` is the router's own count of requests in flight there."""
-    uncached = max(0, prompt_tokens - holding.cached_blocks * block_size)
-    in_tier = min(prompt_tokens, holding.tier_blocks * block_size)
+    """The cost above; `ongoing` is the router's own count of requests in flight there;
+    `lent_blocks`, the prompt's leading blocks a prefix loan brings (read, not computed,
+    wherever the request goes)."""
+    cached, tier_blocks = holding.cached_blocks, holding.tier_blocks
+    if lent_blocks > cached:
+        cached, tier_blocks = lent_blocks, 0
+    uncached = max(0, prompt_tokens - cached * block_size)
+    in_tier = min(prompt_tokens, tier_blocks * block_size)
     load = holding.load
     queued = load.queued_prompt_tokens if load is not None else 0
     busy = max(ongoing, (load.num_running + load.num_waiting) if load is not None else 0)
@@ -82,17 +88,20 @@ def rank_by_cost(
     block_size: int,
     ongoing: Mapping[str, int],
     weights: RoutingWeights = RoutingWeights(),
+    lent_blocks: int = 0,
 ) -> list[list[str]] | None:
     """Candidates in ranks of equal cost, cheapest first (Serve takes the first rank with
-    room); None when the cache does not tell them apart and load alone should decide."""
+    room); None when the cache does not tell them apart and load alone should decide (a
+    loan of `lent_blocks` brings every candidate those blocks)."""
     chosen = [holdings.get(c, NOTHING_HELD) for c in candidates]
-    if not chosen or max(h.cached_blocks for h in chosen) == 0:
+    if not chosen or max(h.cached_blocks for h in chosen) <= lent_blocks:
         return None
     if len({(h.cached_blocks, h.tier_blocks) for h in chosen}) == 1:
         return None
     costs: dict[float, list[str]] = {}
     for candidate, holding in zip(candidates, chosen, strict=True):
-        cost = replica_cost(prompt_tokens, block_size, holding, ongoing.get(candidate, 0), weights)
+        busy = ongoing.get(candidate, 0)
+        cost = replica_cost(prompt_tokens, block_size, holding, busy, weights, lent_blocks)
         costs.setdefault(cost, []).append(candidate)
     return [costs[cost] for cost in sorted(costs)]
 
@@ -112,8 +121,11 @@ class CacheSurvey:
 
     block_hashes: list[bytes]  # the prompt's, as the engines hash it (a loan asks by them)
     decode_holder: tuple[str, int] | None  # cheapest decode replica, tokens it holds
-    prefill_tokens: int  # the most any prefill replica holds
-    lender: Lender | None  # the non-prefill replica holding the most, where it can lend
+    lender: Lender | None  # the replica holding the most, any role, where it can lend
+    # The prefill replica that would compute the prompt cheapest given the lender's blocks
+    # (by the engines' loads: the leg's router, knowing its own requests in flight, then
+    # chooses), and the tokens it holds itself; None without a prefill replica or a lender.
+    borrower: tuple[str, int] | None = None
     # Every replica's holding (the index's answer): each leg's request router ranks its own
     # role's replicas by it instead of asking the index again.
     holdings: Mapping[str, Holding] = field(default_factory=dict)
@@ -132,21 +144,44 @@ def survey(
         return min(prompt_tokens, blocks * block_size)
 
     decode = {r: h for r, h in holdings.items() if h.role == "decode"}
-    prefill = max((h.cached_blocks for h in holdings.values() if h.role == "prefill"), default=0)
-    # A loan lends the lender's pool's run and then its tier's (offload/tier_loans.py).
-    lenders = [(h.cached_blocks, r) for r, h in holdings.items() if h.role != "prefill"]
-    lender = None
+    # A loan lends the lender's pool's run and then its tier's (offload/tier_loans.py). Any
+    # engine lends: a prefill replica holding a prompt the load sends elsewhere too.
+    lenders = [(h.cached_blocks, r) for r, h in holdings.items() if h.side_channel]
+    lender, borrower = None, None
     if lenders:
         blocks, replica = max(lenders)
-        if blocks and holdings[replica].side_channel:
+        if blocks:
             lender = Lender(replica, holdings[replica].side_channel, tokens(blocks))
+            prefill = {r: h for r, h in holdings.items() if h.role == "prefill"}
+            borrower = _borrower(prefill, blocks, prompt_tokens, block_size, weights)
     return CacheSurvey(
         block_hashes=block_hashes,
         decode_holder=cheapest(decode, prompt_tokens, block_size, weights),
-        prefill_tokens=tokens(prefill),
         lender=lender,
+        borrower=borrower,
         holdings=holdings,
     )
+
+
+def _borrower(
+    prefill: Mapping[str, Holding],
+    lent_blocks: int,
+    prompt_tokens: int,
+    block_size: int,
+    weights: RoutingWeights,
+) -> tuple[str, int] | None:
+    """The prefill replica that would compute the prompt cheapest if it borrowed the lender's
+    `lent_blocks` (it computes what follows the longer of its own run and the loan), and the
+    tokens it holds itself."""
+    best: tuple[float, str] | None = None
+    for replica, holding in prefill.items():
+        cost = replica_cost(prompt_tokens, block_size, holding, 0, weights, lent_blocks)
+        if best is None or cost < best[0]:
+            best = (cost, replica)
+    if best is None:
+        return None
+    replica = best[1]
+    return replica, min(prompt_tokens, prefill[replica].cached_blocks * block_size)
 
 
 def cheapest(
@@ -181,13 +216,15 @@ def cheapest_replica(
 
 
 def lender_worth_borrowing(survey: CacheSurvey | None, min_tokens: int) -> Lender | None:
-    """Prefix loans: the lender whose blocks spare the prefill leg at least `min_tokens` more
-    than the best prefill replica holds (0: never); None where none does (routing then finds
-    the prompt on a prefill replica, or nobody holds it)."""
-    if survey is None or survey.lender is None or min_tokens <= 0:
+    """Prefix loans: the lender whose blocks spare the borrower (the prefill replica the leg
+    then goes to) at least `min_tokens` more than it holds itself (0: never); None where
+    none does (routing then finds the prompt on a prefill replica, or nobody holds it)."""
+    if survey is None or survey.lender is None or survey.borrower is None or min_tokens <= 0:
         return None
-    lender = survey.lender
-    return lender if lender.tokens - survey.prefill_tokens >= min_tokens else None
+    lender, (borrower, held) = survey.lender, survey.borrower
+    if borrower == lender.replica:
+        return None
+    return lender if lender.tokens - held >= min_tokens else None
 
 
 def decode_holder(survey: CacheSurvey | None, prompt_tokens: int, limit: int) -> str:

@@ -232,7 +232,10 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
         queue_lens = self.replica_queue_len_cache
         ongoing = {i: queue_lens.get(r.replica_id) or 0 for i, r in by_id.items()}
         prompt_tokens = len(request.prompt_token_ids)
-        ranks = rank_by_cost(list(by_id), holdings, prompt_tokens, self._block_size, ongoing)
+        lent = _lent_blocks(request.kv_transfer_params, self._block_size)
+        ranks = rank_by_cost(
+            list(by_id), holdings, prompt_tokens, self._block_size, ongoing, lent_blocks=lent
+        )
         return [[by_id[i] for i in rank] for rank in ranks] if ranks is not None else None
 
     def _prompt_hashes(self, pending_request: PendingRequest, request: Any) -> list[bytes]:
@@ -287,6 +290,16 @@ def _forget_in_index(app_name: str, replica_ids: list[str]) -> None:
         get_index_actor(app_name).forget.remote(replica_ids)
     except Exception:  # the index gone too: it forgets everything when it comes back
         return
+
+
+def _lent_blocks(kv_transfer_params: dict[str, Any] | None, block_size: int) -> int:
+    """The blocks a prefill leg's prefix loan brings (router/kv_leases.py): any replica reads
+    them, so they count as cached on every candidate; 0 without a loan (a decode leg's
+    handed-off KV goes to whichever replica reads it, and is not ranked by)."""
+    kv = kv_transfer_params or {}
+    if not (kv.get("do_remote_prefill") and kv.get("do_remote_decode")):
+        return 0
+    return int(kv.get("remote_num_tokens") or 0) // block_size
 
 
 def _first_arg(pending_request: PendingRequest | None) -> Any:

@@ -1,17 +1,23 @@
 """What the router does to an engine leg's stream of outputs: bound it by the request's
-deadline, collect it, drop the tokens the client already has."""
+deadline, collect it, drop the tokens the client already has, give up a prefill leg that
+does not answer in time."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from typing import Any
 
+from deployments.cluster.replica_set import ReplicaWatch
 from deployments.errors import DeadlineExceeded
 from deployments.router.response_stream import PreparedRequest
 from engine.outputs import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
 
 
 async def bounded(
@@ -66,3 +72,28 @@ def drop_repeat(chunk: EngineCoreOutput, pending: list[int]) -> EngineCoreOutput
     return dataclasses.replace(
         chunk, new_token_ids=chunk.new_token_ids[dropped:], new_logprobs=logprobs
     )
+
+
+async def answered_in_time(
+    leg: asyncio.Future[Any],
+    prepared: PreparedRequest,
+    timeout_s: float,
+    replicas: ReplicaWatch | None,
+) -> bool:
+    """Whether a prefill leg ended (its errors raised) before `timeout_s`, the request's
+    deadline, or the end of the last prefill replica `replicas` watches; False, logged, when
+    it was given up."""
+    timeout = min(timeout_s, prepared.deadline - time.monotonic())
+    gone = asyncio.ensure_future(replicas.gone()) if replicas else None
+    try:
+        waiting = {leg} if gone is None else {leg, gone}
+        done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if gone is not None:
+            gone.cancel()
+    if leg not in done:
+        why = "no prefill replica is running" if gone in done else f"no answer in {timeout:.1f} s"
+        logger.warning("prefill leg of %s given up (%s); decode-only", prepared.request_id, why)
+        return False
+    leg.result()
+    return True

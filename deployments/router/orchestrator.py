@@ -35,7 +35,7 @@ from deployments.protocol import (
     ResponseChunk,
 )
 from deployments.router.kv_leases import BackgroundReleases, ReleaseFn
-from deployments.router.leg_streams import bounded, collect, drop_repeat
+from deployments.router.leg_streams import answered_in_time, bounded, collect, drop_repeat
 from deployments.router.migration import (
     Migration,
     MigrationPolicy,
@@ -303,7 +303,9 @@ class Orchestrator:
         leg = asyncio.ensure_future(collect(stream(request), chunks))
         completed = False
         try:
-            completed = await self._prefill_answered(prepared, leg)
+            completed = await answered_in_time(
+                leg, prepared, self.config.prefill_timeout_s, self.prefill_replicas
+            )
             if not completed:
                 return None
         except Overloaded:
@@ -338,29 +340,6 @@ class Orchestrator:
         )
         kv = {**(loan or {}), **({"do_remote_decode": True} if max_tokens > 1 else {})}
         return self._engine_request(prepared, params, kv or None)
-
-    async def _prefill_answered(self, prepared: PreparedRequest, leg: asyncio.Future[Any]) -> bool:
-        """Whether the leg ended (its errors raised) before prefill_timeout_s, the request's
-        deadline, or the last prefill replica's end; False, logged, when it was given up."""
-        timeout = min(self.config.prefill_timeout_s, prepared.deadline - time.monotonic())
-        replicas = self.prefill_replicas
-        gone = asyncio.ensure_future(replicas.gone()) if replicas else None
-        try:
-            waiting = {leg} if gone is None else {leg, gone}
-            done, _ = await asyncio.wait(
-                waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            if gone is not None:
-                gone.cancel()
-        if leg not in done:
-            why = (
-                "no prefill replica is running" if gone in done else f"no answer in {timeout:.1f} s"
-            )
-            logger.warning("prefill leg of %s given up (%s); decode-only", prepared.request_id, why)
-            return False
-        leg.result()
-        return True
 
     def _release_unread(self, chunks: list[EngineCoreOutput], loan: dict[str, Any] | None) -> None:
         """A prefill leg we stopped listening to: KV its engine holds for a reader, and a loan

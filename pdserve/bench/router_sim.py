@@ -305,15 +305,19 @@ class _Simulation:
         if hint:
             return None, hint, 0
         lender = lender_worth_borrowing(found, self.config.min_loan_tokens)
-        lent = lender.tokens // bs if lender is not None else 0  # as PrefixBorrower borrows
         surveyed = found.holdings  # each leg's router ranks by the survey's (EngineRequest)
-        prefill = self._ranked(request, "prefill", surveyed)
+        lent = lender.tokens // bs if lender is not None else 0  # as PrefixBorrower borrows
+        prefill = self._ranked(request, "prefill", surveyed, lent)
         return prefill, self._ranked(request, "decode", surveyed), lent
 
-    def _ranked(self, request: SimRequest, role: str, holdings: Mapping[str, Holding]) -> str:
+    def _ranked(
+        self, request: SimRequest, role: str, holdings: Mapping[str, Holding], lent: int = 0
+    ) -> str:
+        """As the leg's KVAwareRouter ranks (a loan's `lent` blocks count on every one)."""
         names = self._members[role]
         bs = self.config.block_size
-        ranks = rank_by_cost(names, holdings, request.prompt_tokens, bs, self._inflight)
+        tokens = request.prompt_tokens
+        ranks = rank_by_cost(names, holdings, tokens, bs, self._inflight, lent_blocks=lent)
         if ranks is None:  # the cache says nothing: Serve's power of two choices
             two = self.rng.sample(names, min(2, len(names)))
             return min(two, key=lambda n: _busy(holdings.get(n)))

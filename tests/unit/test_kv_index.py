@@ -135,6 +135,20 @@ def test_cost_ranking_weighs_cached_blocks_against_queued_work():
     assert rank_by_cost(["a", "b"], hot, 100, 16, {})[0] == ["b"]
 
 
+def test_a_prefix_loan_counts_as_cached_on_every_candidate():
+    """A prefill leg bringing a loan reads those blocks wherever it goes: only what a replica
+    holds beyond the loan, and its load, tell the candidates apart."""
+    from deployments.cluster.kv_scoring import Holding, rank_by_cost
+
+    holdings = {"b": Holding(0, load()), "c": Holding(8, load(running=2))}
+    # 160 tokens: c computes 32 (+64 for its two requests), b all 160.
+    assert rank_by_cost(["b", "c"], holdings, 160, 16, {}) == [["c"], ["b"]]
+    # A 6-block loan: b computes 64, c still 32 + 64.
+    assert rank_by_cost(["b", "c"], holdings, 160, 16, {}, lent_blocks=6) == [["b"], ["c"]]
+    # A loan of all c holds: the cache tells them apart by nothing (load decides).
+    assert rank_by_cost(["b", "c"], holdings, 160, 16, {}, lent_blocks=8) is None
+
+
 def test_the_index_tells_blocks_held_in_a_tier_only_from_the_pool_s():
     """A tier's blocks (medium "cpu") count in the match, and are counted apart where the
     pool does not hold them too: through events, a snapshot and a restart alike."""
@@ -198,7 +212,7 @@ def test_the_cheapest_holder_and_how_much_of_the_prompt_it_holds():
 
 
 def test_a_survey_names_the_decode_holder_and_a_lender_worth_borrowing_from():
-    from deployments.cluster.kv_scoring import Holding, Lender, survey
+    from deployments.cluster.kv_scoring import Holding, Lender, lender_worth_borrowing, survey
 
     holdings = {
         "p1": Holding(2, load(), "prefill", "h:1"),
@@ -207,19 +221,29 @@ def test_a_survey_names_the_decode_holder_and_a_lender_worth_borrowing_from():
     }
     found = survey(holdings, [], 100, 16)
     assert found.decode_holder == ("d1", 96)
-    assert found.prefill_tokens == 32
     assert found.lender == Lender("d1", "h:2", 96)
-    # A replica that cannot lend (no side channel) is no lender; nor is a prefill replica,
-    # which the prefill leg's own routing reaches.
+    assert found.borrower == ("p1", 32)  # the one prefill replica, holding 2 blocks itself
+    assert lender_worth_borrowing(found, 64) == found.lender  # spares it 64 tokens
+    assert lender_worth_borrowing(found, 65) is None
+    # A replica that cannot lend (no side channel) is no lender: the most of the rest is the
+    # prefill replica itself, which needs no loan from itself.
     no_channel = {**holdings, "d1": Holding(6, load(), "decode", "")}
-    assert survey(no_channel, [], 100, 16).lender is None
+    found = survey(no_channel, [], 100, 16)
+    assert found.lender == Lender("p1", "h:1", 32) and found.borrower == ("p1", 32)
+    assert lender_worth_borrowing(found, 16) is None
     # A loan lends the tier's blocks too (loaded back first): they count.
     in_tier = {**holdings, "d1": Holding(6, load(), "decode", "h:2", tier_blocks=4)}
     assert survey(in_tier, [], 100, 16).lender == Lender("d1", "h:2", 96)
-    only_prefill = {"p1": Holding(4, load(), "prefill", "h:1")}
-    nothing = survey(only_prefill, [], 100, 16)
-    assert nothing.lender is None and nothing.decode_holder is None
-    assert nothing.prefill_tokens == 64
+    # A prefill replica lends too: the load sends the leg to the idle one, which borrows
+    # what the busy one holds instead of computing it.
+    busy = {
+        "p1": Holding(6, load(running=8, queued=400), "prefill", "h:1"),
+        "p2": Holding(0, load(), "prefill", "h:2"),
+    }
+    found = survey(busy, [], 100, 16)
+    assert found.lender == Lender("p1", "h:1", 96) and found.borrower == ("p2", 0)
+    assert lender_worth_borrowing(found, 64) == found.lender
+    assert found.decode_holder is None
 
 
 def test_matching_by_holders_equals_a_walk_of_each_replicas_blocks():
@@ -233,7 +257,9 @@ def test_matching_by_holders_equals_a_walk_of_each_replicas_blocks():
     index = PrefixIndex()
     truth: dict[str, Counter[bytes]] = {}  # current replicas' blocks
     seqs: dict[str, int] = {}
-    chains = [[bytes([c, i]) for i in range(12)] for c in range(4)]
+    # Longer than a few of match_held's chunks (32 hashes), so replicas drop out of a match
+    # within a chunk, at its edges and in later chunks.
+    chains = [[bytes([c, i]) for i in range(80)] for c in range(4)]
     for turn in range(3000):
         replica = f"r{rng.randrange(6)}"
         action = rng.random()
@@ -271,7 +297,7 @@ def test_matching_by_holders_equals_a_walk_of_each_replicas_blocks():
             else:
                 blocks.clear()
             seqs[replica] = seq + 1
-        prompt = rng.choice(chains)[: rng.randrange(1, 13)]
+        prompt = rng.choice(chains)[: rng.randrange(1, 81)]
         expected = {}
         for name in index.replicas:
             held = truth.get(name, Counter()) if index.is_current(name) else Counter()

@@ -160,3 +160,13 @@ def test_replicas_that_switched_roles_leave_their_deployment_s_candidates() -> N
     none_decoding.routing_holdings = {"b": holdings["b"], "e": Holding(0, idle, "prefill")}
     two = [replica("b", None), replica("e", None)]
     assert route(KVAwareRouter, two, none_decoding) == [["b"], ["e"]]
+
+
+def test_a_prefill_leg_s_loan_is_what_its_router_counts_as_cached_everywhere() -> None:
+    from deployments.cluster.request_routers import _lent_blocks
+
+    loan = {**remote_kv("x"), "do_remote_decode": True}  # remote_num_tokens 20
+    assert _lent_blocks(loan, 16) == 1
+    assert _lent_blocks(remote_kv("x"), 16) == 0  # a decode leg's hand-off: not a loan
+    assert _lent_blocks({"do_remote_decode": True}, 16) == 0
+    assert _lent_blocks(None, 16) == 0
