@@ -202,6 +202,9 @@ class AppConfig:
                 raise ValueError(
                     "role_switching needs prefill and decode replicas and kv_aware_routing"
                 )
+            if self.sla_autoscaling is not None:
+                # A switched replica's signals would count for its deployment's old role.
+                raise ValueError("role_switching and sla_autoscaling: set one or the other")
             RoleSwitching.from_spec(self.role_switching)
         prefill_min = (self.prefill_autoscaling or {}).get("min_replicas", 1)
         if not self.colocated and prefill_min < 1:

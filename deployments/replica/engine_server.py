@@ -210,7 +210,7 @@ class EngineServer:
         kv = {"transport": self.transport, "block_bytes": self.block_bytes}
         record_engine_spans(
             self.tracing.tracer,
-            self.role,
+            self.roles.role,  # the role it has now (it may have switched: role_switch.py)
             request.trace_context,
             timing,
             attributes,

@@ -49,6 +49,9 @@ class RolePlacement:
         if not holdings:
             return HOME
         in_role = {r: h for r, h in holdings.items() if h.role == role}
+        elsewhere = set().union(*(self._members(d) or () for d in self._streams if d != role))
+        if elsewhere.isdisjoint(in_role):  # nobody switched into the role: no cost to weigh
+            return HOME
         best = cheapest_replica(in_role, prompt_tokens, self._block_size)
         return self.of(role, best) if best is not None else HOME
 

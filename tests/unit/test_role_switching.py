@@ -172,3 +172,25 @@ def test_the_simulated_cluster_follows_a_shifting_load_better_than_any_fixed_spl
     assert switching["switches"] > 0  # the balancer moved engines
     best = max(f["goodput_per_s"] for f in result["fixed"].values())
     assert switching["goodput_per_s"] > 1.2 * best  # 1.37x when written
+
+
+def test_the_app_refuses_role_switching_where_it_cannot_work_and_passes_it_to_engines():
+    from deployments.app import build_app
+    from deployments.app_config import AppConfig
+
+    spec = {"ttft_s": 3, "drain_timeout_s": 5}
+    for args in (
+        {"colocated": True},
+        {"kv_aware_routing": False},
+        {"sla_autoscaling": {"ttft_s": 2}},
+    ):
+        with pytest.raises(ValueError, match="role_switching"):
+            AppConfig.from_args({"role_switching": spec, **args})
+    with pytest.raises(ValueError, match="unknown"):
+        AppConfig.from_args({"role_switching": {"drain_s": 5}})
+    app = build_app({"model": "tiny", "role_switching": spec})
+    router = app._bound_deployment
+    decode, prefill = router.init_args[1:]
+    for engine in (decode, prefill):
+        assert engine._bound_deployment.init_kwargs["role_switching"] == spec
+    assert router.init_args[0].role_switching  # the Router places legs by role
