@@ -205,6 +205,9 @@ class AppConfig:
             if self.sla_autoscaling is not None:
                 # A switched replica's signals would count for its deployment's old role.
                 raise ValueError("role_switching and sla_autoscaling: set one or the other")
+            if self.max_migrations < 1:
+                # A request outstaying a switch's drain moves: with migration off it would fail.
+                raise ValueError("role_switching needs max_migrations >= 1")
             RoleSwitching.from_spec(self.role_switching)
         prefill_min = (self.prefill_autoscaling or {}).get("min_replicas", 1)
         if not self.colocated and prefill_min < 1:

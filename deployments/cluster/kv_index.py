@@ -233,6 +233,8 @@ class _Announced:
     role: str = ""
     side_channel: str = ""  # "host:port" it lends prefixes from ("" without KV transfer)
     load: EngineLoad | None = None
+    previous_role: str = ""  # before its last switch (its requests of that role drain)
+    switched_at: float = float("-inf")
 
 
 _UNANNOUNCED = _Announced()
@@ -285,21 +287,35 @@ class KVIndexServer:
         load: EngineLoad | None = None,
         side_channel: str = "",
         role_switching: dict[str, Any] | None = None,
+        now: float | None = None,
     ) -> None:
         """A replica (re)announces itself: its whole cache, its role, where it lends from, and
         the app's `role_switching` spec (None: the app does not switch roles)."""
         self.index.load_snapshot(replica, snapshot)
         if role_switching != self._balancer_spec:
-            self._balancer_spec = role_switching
-            policy = RoleSwitching.from_spec(role_switching) if role_switching else None
-            self._balancer = RoleBalancer(policy) if policy is not None else None
+            self._configure_balancer(role_switching)
         if self._orders.get(replica, ("",))[0] == role:
             del self._orders[replica]  # done
+        announced = _Announced(role, side_channel, load)
         previous = self.replicas.get(replica)
         if previous is not None and previous.role != role:
             self._idle.get(previous.role, {}).pop(replica, None)
-        self.replicas[replica] = announced = _Announced(role, side_channel, load)
+            announced.previous_role = previous.role
+            announced.switched_at = time.monotonic() if now is None else now
+        elif previous is not None:
+            announced.previous_role, announced.switched_at = (
+                previous.previous_role,
+                previous.switched_at,
+            )
+        self.replicas[replica] = announced
         self._announce(replica, announced)
+
+    def _configure_balancer(self, spec: dict[str, Any] | None) -> None:
+        """The app's spec as the engines bring it (a redeploy may change it): a new balancer
+        that keeps the time of the last decision, so `interval_s` holds across the change."""
+        self._balancer_spec = spec
+        last = self._balancer.last if self._balancer is not None else float("-inf")
+        self._balancer = RoleBalancer(RoleSwitching.from_spec(spec), last) if spec else None
 
     def lookup(self, block_hashes: list[bytes], role: str = "") -> dict[str, Holding]:
         """Per replica (of `role`, or all): the prompt's leading blocks it holds, its load."""
@@ -325,22 +341,35 @@ class KVIndexServer:
         role_balance.py), or ordered by an operator (`order_switch`)."""
         current = self.apply(replica, batches, load)
         now = time.monotonic() if now is None else now
+        for stuck in [r for r, (_, at) in self._orders.items() if now - at > _ORDER_TTL_S]:
+            del self._orders[stuck]  # never taken up: its replica is stuck or gone
         balancer = self._balancer
         if balancer is not None and balancer.due(len(self._orders), now):
-            states = {r: ReplicaState(a.role, a.load) for r, a in self.replicas.items()}
-            for moved, role in balancer.decide(states, now).items():
+            for moved, role in balancer.decide(self._states(now), now).items():
                 self.order_switch(moved, role, now)
         order = self._orders.get(replica)
-        if order is not None and now - order[1] > _ORDER_TTL_S:
-            del self._orders[replica]  # never taken up: its replica is stuck or gone
-            order = None
         return PublishReply(current, order[0] if order is not None else "")
+
+    def _states(self, now: float) -> dict[str, ReplicaState]:
+        """Every replica's role and load for the balancer, and the role it is draining out
+        of where it switched within the drain time."""
+        assert self._balancer is not None
+        drain_s = self._balancer.policy.drain_timeout_s
+        return {
+            r: ReplicaState(
+                a.role, a.load, a.previous_role if now - a.switched_at < drain_s else ""
+            )
+            for r, a in self.replicas.items()
+        }
 
     def order_switch(self, replica: str, role: str, now: float | None = None) -> None:
         """Tell `replica` (in its next round) to take `role`; the order stands until it
         announces that role. ValueError for a role engines cannot switch to."""
         if role not in SWITCHABLE_ROLES:
             raise ValueError(f"a replica can switch to {SWITCHABLE_ROLES}, not {role!r}")
+        if self.replicas.get(replica, _UNANNOUNCED).role == role:
+            self._orders.pop(replica, None)  # it has that role: nothing to wait for
+            return
         self._orders[replica] = (role, time.monotonic() if now is None else now)
 
     def forget(self, replicas: list[str]) -> None:

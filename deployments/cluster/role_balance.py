@@ -72,32 +72,32 @@ class ReplicaState:
 
     role: str
     load: EngineLoad | None
+    draining_from: str = ""  # the role it left within the drain time (its requests run on)
 
 
-def role_load(members: list[EngineLoad], everyone: list[EngineLoad]) -> RoleLoad:
+def role_load(members: list[EngineLoad], carrying: list[EngineLoad]) -> RoleLoad:
     """The autoscaling signals of a role: its replicas' latencies (where they have some) and
-    KV usage, and the queued prompt tokens and running requests of every replica. A replica
-    that just left the role still runs the old role's requests (they drain), and they are
-    work the role will carry once they end: counting them where they run, against the role
-    they left, would make the role look idle and move more replicas out of it."""
+    KV usage, and the queued prompt tokens and running requests of `carrying`: its replicas
+    and those that left it within the drain time. Those still run the role's requests, which
+    the role carries once they end: left out, the role would look idle and lose more."""
     return RoleLoad(
         ttft_s=[x.ttft_s for x in members if x.ttft_s is not None],
-        queued_prompt_tokens=[float(x.queued_prompt_tokens) for x in everyone],
+        queued_prompt_tokens=[float(x.queued_prompt_tokens) for x in carrying],
         tpot_s=[x.tpot_s for x in members if x.tpot_s is not None],
         kv_cache_usage=[x.kv_cache_usage for x in members],
-        running_requests=[float(x.num_running) for x in everyone],
+        running_requests=[float(x.num_running) for x in carrying],
     )
 
 
 def plan_switches(replicas: Mapping[str, ReplicaState], policy: RoleSwitching) -> dict[str, str]:
     """{replica: its new role} for this decision (empty: the split stays)."""
     members = {role: sorted(r for r, s in replicas.items() if s.role == role) for role in ROLES}
-    everyone = [s.load for s in replicas.values() if s.load is not None]
     pressures = {}
     for role in ROLES:
         loads = [replicas[r].load for r in members[role]]
         known = [x for x in loads if x is not None]
-        signals = role_load(known, everyone)
+        drained = [s.load for s in replicas.values() if s.draining_from == role and s.load]
+        signals = role_load(known, known + drained)
         p = pressure(role, signals, policy.targets, len(members[role])) if known else None
         if p is None:
             return {}  # a role with no signal yet: nothing to weigh it against
@@ -140,15 +140,15 @@ class RoleBalancer:
     simulator's), and not while a replica it moved has yet to announce its new role: the
     caller asks `due`, then builds the states and calls `decide`."""
 
-    def __init__(self, policy: RoleSwitching) -> None:
+    def __init__(self, policy: RoleSwitching, last: float = float("-inf")) -> None:
         self.policy = policy
-        self._last = float("-inf")
+        self.last = last  # when it last decided
 
     def due(self, pending: int, now: float) -> bool:
         """Whether to decide now. `pending`: orders given out and not yet announced (their
         replicas still say the old role: deciding again now would count them twice)."""
-        return not pending and now - self._last >= self.policy.interval_s
+        return not pending and now - self.last >= self.policy.interval_s
 
     def decide(self, replicas: Mapping[str, ReplicaState], now: float) -> dict[str, str]:
-        self._last = now
+        self.last = now
         return plan_switches(replicas, self.policy)

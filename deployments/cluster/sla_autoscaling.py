@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -135,16 +136,19 @@ class RecentLatencies:
     ) -> None:
         self.window_s = window_s
         self.clock = clock  # a simulator's own (pdserve bench router-sim)
+        # The event loop observes, the KV publisher's thread reads means.
+        self._lock = threading.Lock()
         self._ttft: deque[tuple[float, float]] = deque()
         self._tpot: deque[tuple[float, float]] = deque()
 
     def observe(self, ttft_s: float | None, tpot_s: float | None) -> None:
         now = self.clock()
-        if ttft_s is not None:
-            self._ttft.append((now, ttft_s))
-        if tpot_s is not None:
-            self._tpot.append((now, tpot_s))
-        self._forget_before(now - self.window_s)  # bounded even if nobody asks for means
+        with self._lock:
+            if ttft_s is not None:
+                self._ttft.append((now, ttft_s))
+            if tpot_s is not None:
+                self._tpot.append((now, tpot_s))
+            self._forget_before(now - self.window_s)  # bounded even if nobody asks
 
     def _forget_before(self, horizon: float) -> None:
         for samples in (self._ttft, self._tpot):
@@ -158,12 +162,12 @@ class RecentLatencies:
 
     def means(self) -> dict[str, float]:
         """{"ttft_s": ..., "tpot_s": ...}, each only where the window holds a request."""
-        self._forget_before(self.clock() - self.window_s)
-        means = {}
-        for name, samples in (("ttft_s", self._ttft), ("tpot_s", self._tpot)):
-            values = [v for _, v in list(samples)]  # one copy: the loop thread appends
-            if values:
-                means[name] = sum(values) / len(values)
+        with self._lock:
+            self._forget_before(self.clock() - self.window_s)
+            means = {}
+            for name, samples in (("ttft_s", self._ttft), ("tpot_s", self._tpot)):
+                if samples:
+                    means[name] = sum(v for _, v in samples) / len(samples)
         return means
 
 

@@ -113,7 +113,7 @@ class EngineServer:
         """Stream a request's token ids. Bad input raises ValueError before anything runs; a
         caller that stops listening (cancelled by Serve) aborts the request."""
         num_output = 0
-        self.roles.admit(request.request_id)
+        key = self.roles.admit()
         try:
             async with aclosing(self._generate(request)) as outputs:
                 async for output in outputs:
@@ -121,16 +121,17 @@ class EngineServer:
                     if output.timing is not None:
                         self._observe(request, output, output.timing, num_output)
                     yield output
-                    if not output.finished and self.roles.must_move(request.request_id):
+                    if not output.finished and self.roles.must_move(key):
                         yield moved_output(output.request_id)  # closing aborts it here
                         return
         finally:
-            self.roles.finish(request.request_id)
+            self.roles.finish(key)
 
-    async def switch_role(self, role: str, probe: ReplicaProbe | None = None) -> dict[str, Any]:
+    async def switch_role(self, probe: ReplicaProbe | None, role: str) -> dict[str, Any]:
         """Take `role` ("prefill" or "decode") now, and return once the old role's requests
         have drained or moved and its handed-off KV is read (role_switch.py); ValueError for
-        a role this replica cannot take. `probe` only steers the call to this replica."""
+        a role this replica cannot take. `probe` only steers the call to this replica (the
+        request routers read a hint from the first argument, as for `stats`)."""
         previous = self.roles.role
         epoch = self.roles.switch(role)
         logger.info("engine %s: %s -> %s (epoch %d)", self.replica_id, previous, role, epoch)

@@ -53,15 +53,15 @@ class KVEventPublisher:
         self._sent_at = 0.0
         self._index: Any = None
         self._needs_snapshot = True
+        self._announced_role = ""  # the role the index last heard (announce_role may move on)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
     def announce_role(self, role: str) -> None:
-        """The replica took `role`: the next round announces it (with a snapshot), within
-        one period."""
+        """The replica took `role` (any thread): the next round announces it with a
+        snapshot, within one period."""
         self._role = role
-        self._needs_snapshot = True
 
     def stop(self) -> None:
         """Stop publishing and take this replica out of the index (a replica scaled down)."""
@@ -93,7 +93,7 @@ class KVEventPublisher:
             return
         if self._index is None:
             self._index = get_index_actor(self._app_name)
-        if self._needs_snapshot:
+        if self._needs_snapshot or self._announced_role != self._role:
             self._engine.take_kv_event_batches()  # covered by the snapshot
             snapshot = self._engine.kv_snapshot().result(timeout=_CALL_TIMEOUT_S)
             load = self._load()
@@ -107,7 +107,7 @@ class KVEventPublisher:
                 self._signals.role_switching,
             )
             ray.get(announce, timeout=_CALL_TIMEOUT_S)
-            self._needs_snapshot = self._role != role  # switched meanwhile: announce again
+            self._needs_snapshot, self._announced_role = False, role
             self._sent(load)
             return
         batches = [_lean(batch) for batch in self._engine.take_kv_event_batches()]
@@ -116,7 +116,7 @@ class KVEventPublisher:
         if batches or load != self._sent_load or due:
             published = self._index.publish.remote(self._replica_id, batches, load)
             reply = ray.get(published, timeout=_CALL_TIMEOUT_S)
-            self._needs_snapshot = self._needs_snapshot or not reply.current
+            self._needs_snapshot = not reply.current
             self._sent(load)
             if reply.switch_to and reply.switch_to != self._role:
                 self._signals.on_switch(reply.switch_to)

@@ -6,12 +6,15 @@ called on the replica (`EngineServer.switch_role`):
    snapshot, within 20 ms): routers take it out of the old role's candidates and into the
    new one's. The role's epoch counts the switches.
 2. **Drain.** Every request admitted before the switch (the old role's legs) runs on; one still
-   running after `drain_timeout_s` moves: its stream ends with an error, and the Router moves
-   it to another engine from its prompt and the tokens generated so far (migration.py:
-   token-exact). A prefill leg so moved falls back as a failed prefill does.
-3. **Fence.** KV the replica handed out under the old role (prefill legs' blocks held for a
-   decode reader) stays readable under its lease until read or expired, never freed early:
-   the switch is done when those are gone too (or when their leases must have expired).
+   generating after `drain_timeout_s` moves at its next token: its stream ends with an error,
+   and the Router moves it to another engine from its prompt and the tokens generated so far
+   (migration.py: token-exact; a move counts against the request's `max_migrations`, which
+   is why the app refuses role switching with migration off). A prefill leg is one step:
+   it ends where it started.
+3. **Fence.** KV the replica handed out as a prefill replica (blocks held for a decode
+   reader) stays readable under its lease until read or expired, never freed early: a
+   switch out of the prefill role is done when those are gone too (or when their leases
+   must have expired).
 
 Every engine computes prompts and generates tokens alike: the role only steers the routers,
 which is why a switch needs neither a restart nor a new engine.
@@ -59,7 +62,8 @@ class RoleState:
     announce: Callable[[str], None] = lambda role: None  # the KV publisher's announce_role
     epoch: int = 0  # one more per switch
     moved: int = 0
-    _legs: dict[str, _Leg] = field(default_factory=dict)
+    _legs: dict[int, _Leg] = field(default_factory=dict)  # by admission
+    _admitted: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def switch(self, role: str) -> int:
@@ -75,20 +79,24 @@ class RoleState:
             deadline = time.monotonic() + self.drain_timeout_s
             for leg in self._legs.values():
                 leg.deadline = min(leg.deadline, deadline)
-        self.announce(role)
-        return self.epoch
+            # Under the lock: two switches at once (an order, a call) announce in order.
+            self.announce(role)
+            return self.epoch
 
-    def admit(self, request_id: str) -> None:
+    def admit(self) -> int:
+        """A request came in: its key (both legs of a request share its id)."""
         with self._lock:
-            self._legs[request_id] = _Leg(self.epoch)
+            self._admitted += 1
+            self._legs[self._admitted] = _Leg(self.epoch)
+            return self._admitted
 
-    def finish(self, request_id: str) -> None:
+    def finish(self, key: int) -> None:
         with self._lock:
-            self._legs.pop(request_id, None)
+            self._legs.pop(key, None)
 
-    def must_move(self, request_id: str) -> bool:
+    def must_move(self, key: int) -> bool:
         """Whether the request outstayed its drain: it ends here, counted as moved."""
-        leg = self._legs.get(request_id)
+        leg = self._legs.get(key)
         if leg is None or time.monotonic() < leg.deadline:
             return False
         with self._lock:
@@ -122,10 +130,11 @@ async def wait_switched(
     while state.older_than(epoch) and time.monotonic() < drain_end:
         await asyncio.sleep(poll_s)
     fence_end = start + max(state.drain_timeout_s, lease_s)
-    while held_requests() and time.monotonic() < fence_end:
+    # Only a prefill replica hands KV out (a loan's blocks are leased like it, briefly).
+    while report.previous_role == "prefill" and held_requests() and time.monotonic() < fence_end:
         await asyncio.sleep(poll_s)
     report.moved = state.moved - moved_before
-    report.drained = max(0, before - report.moved)
+    report.drained = max(0, before - report.moved - state.older_than(epoch))
     report.held_requests_at_end = held_requests()
     report.seconds = round(time.monotonic() - start, 3)
     return asdict(report)

@@ -137,6 +137,9 @@ class ResumableLeg:
             kv_transfer_params=None,
             replica_hint="",
             output_token_ids=list(self.outputs),
+            # The survey's holdings are from before the failure (or the role switch that
+            # moved it): its router asks the index afresh.
+            routing_holdings=None,
         )
 
 

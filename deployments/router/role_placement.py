@@ -12,10 +12,11 @@ answered, every leg goes to its role's own deployment, as before.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from deployments.cluster.kv_scoring import Holding, cheapest_replica
+from deployments.cluster.kv_scoring import Holding, RoutingWeights, replica_cost
 from deployments.router.migration import StreamFn
 
 
@@ -52,8 +53,23 @@ class RolePlacement:
         elsewhere = set().union(*(self._members(d) or () for d in self._streams if d != role))
         if elsewhere.isdisjoint(in_role):  # nobody switched into the role: no cost to weigh
             return HOME
-        best = cheapest_replica(in_role, prompt_tokens, self._block_size)
+        best = self._about_cheapest(in_role, prompt_tokens)
         return self.of(role, best) if best is not None else HOME
+
+    def _about_cheapest(self, holdings: Mapping[str, Holding], prompt_tokens: int) -> str | None:
+        """One of the replicas costing within a request's weight of the cheapest, at random:
+        the loads are the engines' last reports (up to 20 ms old) and this Router's own legs
+        in flight are not in them, so a burst would otherwise all go to one replica."""
+        weights = RoutingWeights()
+        costs = {
+            r: replica_cost(prompt_tokens, self._block_size, h, 0, weights)
+            for r, h in holdings.items()
+        }
+        if not costs:
+            return None
+        least = min(costs.values())
+        near = [r for r, cost in costs.items() if cost <= least + weights.request_tokens]
+        return random.choice(near)
 
     def of(self, role: str, replica: str) -> Placement:
         """A leg of `role` that must go to `replica` (a cache-aware disaggregation hint)."""

@@ -200,10 +200,10 @@ class _Simulation:
             roles[engine.role].append(engine.name)
         return roles
 
-    def _announce(self, engine: SimEngine, load: Any) -> None:
+    def _announce(self, engine: SimEngine, load: Any, now: float = 0.0) -> None:
         """A (re)announcement, as the publisher's snapshot: its cache, role and load."""
         self.index.load_snapshot(
-            engine.name, engine.snapshot(), engine.role, load, engine.name, self._spec
+            engine.name, engine.snapshot(), engine.role, load, engine.name, self._spec, now
         )
 
     def run(self, requests: list[SimRequest]) -> dict[str, Any]:
@@ -274,13 +274,13 @@ class _Simulation:
                 batches = [batch] if batch is not None else []
                 reply = self.index.publish(engine.name, batches, load, now=now)
                 if reply.switch_to and reply.switch_to != engine.role:
-                    self._switch(engine, reply.switch_to, load)
+                    self._switch(engine, reply.switch_to, load, now)
 
-    def _switch(self, engine: SimEngine, role: str, load: Any) -> None:
+    def _switch(self, engine: SimEngine, role: str, load: Any, now: float) -> None:
         """As an engine replica does when the index orders it: take the role and announce it;
         its requests of the old role run on (they drain)."""
         engine.role = role
-        self._announce(engine, load)
+        self._announce(engine, load, now)
         self._members = self._by_role()
         self.switches += 1
 

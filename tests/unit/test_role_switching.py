@@ -105,19 +105,48 @@ def test_the_index_orders_a_switch_in_the_replica_s_next_round_until_it_announce
     assert index.publish("p0", []).switch_to == "decode"
     with pytest.raises(ValueError, match="colocated"):
         index.order_switch("p0", "colocated")
+    index.order_switch("p0", "prefill")  # the role it has: no order stands
+    assert index.publish("p0", []).switch_to == ""
+
+
+def test_an_order_never_taken_up_expires_and_lets_the_balancer_decide_again():
+    index = KVIndexServer()
+    spec = {"queued_prompt_tokens": 1000, "running_requests": 10, "interval_s": 1.0}
+    announce(index, "p0", "prefill", spec, queued=5000)
+    announce(index, "d0", "decode", spec, running=3)
+    announce(index, "d1", "decode", spec)
+    index.order_switch("d0", "prefill", now=0.0)  # d0 never publishes again (stuck)
+    assert index.publish("d1", [], now=100.0).switch_to == ""  # pending: no decision
+    # Past the order's 120 s it is dropped, and the balancer moves d1 (d0 still decodes).
+    assert index.publish("d1", [], now=130.0).switch_to == "prefill"
+
+
+def test_a_replica_that_left_a_role_still_counts_its_draining_work_there():
+    # x just became a prefill replica with 40 decodes still running: the one replica left
+    # decoding carries them when they end, so decode is over its target (pressure 4).
+    states = cluster([load(queued=0)] * 2, [load(5)])
+    states["x"] = ReplicaState("prefill", load(running=40), draining_from="decode")
+    moves = plan_switches(states, POLICY)
+    assert moves and set(moves.values()) == {"decode"} and "x" not in moves
+    states["x"] = ReplicaState("prefill", load(running=40))  # drained long ago: not counted
+    assert plan_switches(states, POLICY) == {}
 
 
 def test_a_switch_drains_the_old_role_s_requests_and_moves_those_that_outstay_it():
     announced = []
     state = RoleState("decode", drain_timeout_s=60.0, announce=announced.append)
-    state.admit("old")
+    old = state.admit()
+    before = time.monotonic()
     assert state.switch("prefill") == 1 and announced == ["prefill"]
-    state.admit("new")
-    assert state.older_than(1) == 1  # "old" drains; "new" came in under the new role
-    assert not state.must_move("old") and not state.must_move("new")
-    state._legs["old"].deadline = time.monotonic() - 1  # its drain ran out
-    assert state.must_move("old") and state.moved == 1
-    state.finish("old")
+    new = state.admit()
+    assert state.older_than(1) == 1  # the old one drains; the new one came in under the new role
+    # The switch gave the old request a drain deadline, and the new one none.
+    assert before + 60.0 <= state._legs[old].deadline <= time.monotonic() + 60.0
+    assert state._legs[new].deadline == float("inf")
+    assert not state.must_move(old) and not state.must_move(new)
+    state._legs[old].deadline = time.monotonic() - 1  # its drain ran out
+    assert state.must_move(old) and state.moved == 1
+    state.finish(old)
     assert state.older_than(1) == 0
     assert state.switch("prefill") == 1  # already: no new epoch
     with pytest.raises(ValueError, match="one of"):
