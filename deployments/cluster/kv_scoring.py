@@ -173,14 +173,9 @@ def _borrower(
     """The prefill replica that would compute the prompt cheapest if it borrowed the lender's
     `lent_blocks` (it computes what follows the longer of its own run and the loan), and the
     tokens it holds itself."""
-    best: tuple[float, str] | None = None
-    for replica, holding in prefill.items():
-        cost = replica_cost(prompt_tokens, block_size, holding, 0, weights, lent_blocks)
-        if best is None or cost < best[0]:
-            best = (cost, replica)
-    if best is None:
+    replica = cheapest_replica(prefill, prompt_tokens, block_size, weights, lent_blocks)
+    if replica is None:
         return None
-    replica = best[1]
     return replica, min(prompt_tokens, prefill[replica].cached_blocks * block_size)
 
 
@@ -204,12 +199,14 @@ def cheapest_replica(
     prompt_tokens: int,
     block_size: int,
     weights: RoutingWeights = RoutingWeights(),
+    lent_blocks: int = 0,
 ) -> str | None:
     """The replica of `holdings` that would serve the prompt cheapest by its own reported load
-    (the first of equals), cached or not; None for none."""
+    (the first of equals), cached or not (a loan's `lent_blocks` reach every one); None for
+    none."""
     best: tuple[float, str] | None = None
     for replica, holding in holdings.items():
-        cost = replica_cost(prompt_tokens, block_size, holding, 0, weights)
+        cost = replica_cost(prompt_tokens, block_size, holding, 0, weights, lent_blocks)
         if best is None or cost < best[0]:
             best = (cost, replica)
     return best[1] if best is not None else None
