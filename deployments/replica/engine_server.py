@@ -95,7 +95,9 @@ class EngineServer:
         self._latencies = RecentLatencies(latency_window_s)
         self._sampler = _start_sampler(self) if self.metrics is not None else None
         self._lease_s = float((kv or {}).get("lease_seconds", 30.0))
-        self.roles = RoleState(self.role, _drain_timeout_s(role_switching))
+        self.roles = RoleState(
+            self.role, _drain_timeout_s(role_switching), enabled=role_switching is not None
+        )
         signals = ReplicaSignals(self._latencies.with_means, role_switching, self._ordered)
         self._kv_publisher = _start_kv_publisher(self.engine, self.role, signals)
         if self._kv_publisher is not None:

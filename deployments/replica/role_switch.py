@@ -59,6 +59,9 @@ class RoleState:
 
     role: str
     drain_timeout_s: float = 30.0
+    # The app switches roles (its Router places legs by role): elsewhere a switched replica
+    # would be left out by its deployment's router and reached by no other.
+    enabled: bool = True
     announce: Callable[[str], None] = lambda role: None  # the KV publisher's announce_role
     epoch: int = 0  # one more per switch
     moved: int = 0
@@ -73,8 +76,8 @@ class RoleState:
         with self._lock:
             if role == self.role:
                 return self.epoch
-            if self.role not in SWITCHABLE:
-                raise ValueError(f"a {self.role} engine replica does not switch roles")
+            if self.role not in SWITCHABLE or not self.enabled:
+                raise ValueError(f"this {self.role} engine replica's app does not switch roles")
             self.role, self.epoch = role, self.epoch + 1
             deadline = time.monotonic() + self.drain_timeout_s
             for leg in self._legs.values():

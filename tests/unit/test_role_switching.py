@@ -153,6 +153,8 @@ def test_a_switch_drains_the_old_role_s_requests_and_moves_those_that_outstay_it
         state.switch("colocated")
     with pytest.raises(ValueError, match="colocated"):
         RoleState("colocated").switch("decode")
+    with pytest.raises(ValueError, match="does not switch"):
+        RoleState("decode", enabled=False).switch("prefill")  # the app has no role_switching
     output = moved_output("r")
     assert output.error == MOVED and output.finished
 
