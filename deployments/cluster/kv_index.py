@@ -23,6 +23,7 @@ a replica gone from its set says so for it).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deployments.cluster.kv_scoring import NOTHING_HELD, CacheSurvey, Holding, survey
-from deployments.cluster.role_balance import ReplicaState, RoleBalancer, RoleSwitching
+from deployments.cluster.role_balance import ReplicaState, RoleOrders
 from engine.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -223,11 +224,6 @@ class PublishReply:
     switch_to: str  # the role the replica is ordered to take ("" for none)
 
 
-SWITCHABLE_ROLES = ("prefill", "decode")
-# An order its replica has not announced by then is dropped (the balancer may decide again).
-_ORDER_TTL_S = 120.0
-
-
 @dataclass
 class _Announced:
     role: str = ""
@@ -257,11 +253,7 @@ class KVIndexServer:
         # Per role ("": all) each replica's holding of a prompt it holds nothing of, kept as
         # loads change: a lookup copies these and replaces the few replicas that hold blocks.
         self._idle: dict[str, dict[str, Holding]] = {"": {}}
-        # Role switching: the roles replicas are told to take, (role, when ordered), by
-        # replica; the balancer that decides them where the app switches roles.
-        self._orders: dict[str, tuple[str, float]] = {}
-        self._balancer: RoleBalancer | None = None
-        self._balancer_spec: dict[str, Any] | None = None
+        self.roles = RoleOrders()  # role switching: orders, and the balancer deciding them
 
     def apply(
         self, replica: str, batches: list[KVEventBatch], load: EngineLoad | None = None
@@ -292,10 +284,8 @@ class KVIndexServer:
         """A replica (re)announces itself: its whole cache, its role, where it lends from, and
         the app's `role_switching` spec (None: the app does not switch roles)."""
         self.index.load_snapshot(replica, snapshot)
-        if role_switching != self._balancer_spec:
-            self._configure_balancer(role_switching)
-        if self._orders.get(replica, ("",))[0] == role:
-            del self._orders[replica]  # done
+        self.roles.configure(role_switching)
+        self.roles.announced(replica, role)
         announced = _Announced(role, side_channel, load)
         previous = self.replicas.get(replica)
         if previous is not None and previous.role != role:
@@ -309,13 +299,6 @@ class KVIndexServer:
             )
         self.replicas[replica] = announced
         self._announce(replica, announced)
-
-    def _configure_balancer(self, spec: dict[str, Any] | None) -> None:
-        """The app's spec as the engines bring it (a redeploy may change it): a new balancer
-        that keeps the time of the last decision, so `interval_s` holds across the change."""
-        self._balancer_spec = spec
-        last = self._balancer.last if self._balancer is not None else float("-inf")
-        self._balancer = RoleBalancer(RoleSwitching.from_spec(spec), last) if spec else None
 
     def lookup(self, block_hashes: list[bytes], role: str = "") -> dict[str, Holding]:
         """Per replica (of `role`, or all): the prompt's leading blocks it holds, its load."""
@@ -341,20 +324,12 @@ class KVIndexServer:
         role_balance.py), or ordered by an operator (`order_switch`)."""
         current = self.apply(replica, batches, load)
         now = time.monotonic() if now is None else now
-        for stuck in [r for r, (_, at) in self._orders.items() if now - at > _ORDER_TTL_S]:
-            del self._orders[stuck]  # never taken up: its replica is stuck or gone
-        balancer = self._balancer
-        if balancer is not None and balancer.due(len(self._orders), now):
-            for moved, role in balancer.decide(self._states(now), now).items():
-                self.order_switch(moved, role, now)
-        order = self._orders.get(replica)
-        return PublishReply(current, order[0] if order is not None else "")
+        states = functools.partial(self._states, now)
+        return PublishReply(current, self.roles.round(replica, states, now))
 
-    def _states(self, now: float) -> dict[str, ReplicaState]:
+    def _states(self, now: float, drain_s: float) -> dict[str, ReplicaState]:
         """Every replica's role and load for the balancer, and the role it is draining out
         of where it switched within the drain time."""
-        assert self._balancer is not None
-        drain_s = self._balancer.policy.drain_timeout_s
         return {
             r: ReplicaState(
                 a.role, a.load, a.previous_role if now - a.switched_at < drain_s else ""
@@ -365,16 +340,12 @@ class KVIndexServer:
     def order_switch(self, replica: str, role: str, now: float | None = None) -> None:
         """Tell `replica` (in its next round) to take `role`; the order stands until it
         announces that role. ValueError for a role engines cannot switch to."""
-        if role not in SWITCHABLE_ROLES:
-            raise ValueError(f"a replica can switch to {SWITCHABLE_ROLES}, not {role!r}")
-        if self.replicas.get(replica, _UNANNOUNCED).role == role:
-            self._orders.pop(replica, None)  # it has that role: nothing to wait for
-            return
-        self._orders[replica] = (role, time.monotonic() if now is None else now)
+        current = self.replicas.get(replica, _UNANNOUNCED).role
+        self.roles.order(replica, role, current, time.monotonic() if now is None else now)
 
     def forget(self, replicas: list[str]) -> None:
         for replica in replicas:
-            self._orders.pop(replica, None)
+            self.roles.forget(replica)
             self.index.forget(replica)
             announced = self.replicas.pop(replica, None)
             self._idle[""].pop(replica, None)

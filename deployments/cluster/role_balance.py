@@ -23,7 +23,7 @@ replica's load every 20 ms: deployments/cluster/kv_index.py) and `pdserve bench 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -152,3 +152,59 @@ class RoleBalancer:
     def decide(self, replicas: Mapping[str, ReplicaState], now: float) -> dict[str, str]:
         self.last = now
         return plan_switches(replicas, self.policy)
+
+
+# An order its replica has not announced by then is dropped (the balancer may decide again).
+ORDER_TTL_S = 120.0
+
+
+class RoleOrders:
+    """What the app's KV index actor keeps for role switching: the role each replica is told
+    to take (until it announces it), and the balancer deciding them where the app switches
+    roles (its spec comes with every engine's snapshot, so an index that restarted has it
+    back with the first one)."""
+
+    def __init__(self) -> None:
+        self.balancer: RoleBalancer | None = None
+        self._spec: dict[str, Any] | None = None
+        self._orders: dict[str, tuple[str, float]] = {}  # replica -> (role, when ordered)
+
+    def configure(self, spec: dict[str, Any] | None) -> None:
+        """The app's spec as an engine brings it (a redeploy may change it): a new balancer
+        keeps the time of the last decision, so `interval_s` holds across the change."""
+        if spec == self._spec:
+            return
+        self._spec = spec
+        last = self.balancer.last if self.balancer is not None else float("-inf")
+        self.balancer = RoleBalancer(RoleSwitching.from_spec(spec), last) if spec else None
+
+    def order(self, replica: str, role: str, current_role: str, now: float) -> None:
+        """ValueError for a role engines cannot switch to; none stands for the role it has."""
+        if role not in ROLES:
+            raise ValueError(f"a replica can switch to {ROLES}, not {role!r}")
+        if current_role == role:
+            self._orders.pop(replica, None)
+            return
+        self._orders[replica] = (role, now)
+
+    def announced(self, replica: str, role: str) -> None:
+        if self._orders.get(replica, ("",))[0] == role:
+            del self._orders[replica]  # done
+
+    def forget(self, replica: str) -> None:
+        self._orders.pop(replica, None)
+
+    def round(
+        self, replica: str, states: Callable[[float], Mapping[str, ReplicaState]], now: float
+    ) -> str:
+        """A replica's publishing round: drop orders never taken up (their replicas are stuck
+        or gone), let the balancer decide when due (`states(drain_timeout_s)` then says every
+        replica's), and answer the role `replica` is told to take ("" for none)."""
+        for stuck in [r for r, (_, at) in self._orders.items() if now - at > ORDER_TTL_S]:
+            del self._orders[stuck]
+        balancer = self.balancer
+        if balancer is not None and balancer.due(len(self._orders), now):
+            replicas = states(balancer.policy.drain_timeout_s)
+            for moved, role in balancer.decide(replicas, now).items():
+                self.order(moved, role, replicas[moved].role, now)
+        return self._orders.get(replica, ("", 0.0))[0]

@@ -265,7 +265,7 @@ def test_replicas_switch_roles_under_load_and_every_stream_ends_token_exact(
     assert wait_until(index_knows_all_engines, timeout_s=30)
     # The engines brought the app's spec to the index: its balancer runs (and, with these
     # targets, moves nobody).
-    policy = ray.get(index_actor().__ray_call__.remote(lambda index: index._balancer.policy))
+    policy = ray.get(index_actor().__ray_call__.remote(lambda index: index.roles.balancer.policy))
     assert policy.drain_timeout_s == 0.2 and policy.targets.tpot_s == 1e6
     before = roles()
     prefill = sorted(r for r, role in before.items() if role == "prefill")

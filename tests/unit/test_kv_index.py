@@ -247,9 +247,9 @@ def test_a_survey_names_the_decode_holder_and_a_lender_worth_borrowing_from():
 
 
 def test_matching_by_holders_equals_a_walk_of_each_replicas_blocks():
-    """Random stores, removals, clears, gaps, snapshots and forgets over 6 replicas: every
-    match equals each replica's own walk of the prompt over the blocks it holds (what the
-    index did before it kept holders per hash), and the holders index nothing else."""
+    """Random stores, removals, clears, gaps, snapshots and forgets over 6 replicas and
+    80-block chains: every match equals each replica's own walk of the prompt over its
+    blocks (the index before holders per hash), and the holders index nothing else."""
     import random
     from collections import Counter
 
@@ -257,8 +257,6 @@ def test_matching_by_holders_equals_a_walk_of_each_replicas_blocks():
     index = PrefixIndex()
     truth: dict[str, Counter[bytes]] = {}  # current replicas' blocks
     seqs: dict[str, int] = {}
-    # Longer than a few of match_held's chunks (32 hashes), so replicas drop out of a match
-    # within a chunk, at its edges and in later chunks.
     chains = [[bytes([c, i]) for i in range(80)] for c in range(4)]
     for turn in range(3000):
         replica = f"r{rng.randrange(6)}"
