@@ -288,15 +288,13 @@ class KVIndexServer:
         self.roles.announced(replica, role)
         announced = _Announced(role, side_channel, load)
         previous = self.replicas.get(replica)
-        if previous is not None and previous.role != role:
+        if previous is not None:  # what it drains stays known across re-announcements
+            announced.previous_role = previous.previous_role
+            announced.switched_at = previous.switched_at
+        if previous is not None and previous.role != role:  # a switch
             self._idle.get(previous.role, {}).pop(replica, None)
             announced.previous_role = previous.role
             announced.switched_at = time.monotonic() if now is None else now
-        elif previous is not None:
-            announced.previous_role, announced.switched_at = (
-                previous.previous_role,
-                previous.switched_at,
-            )
         self.replicas[replica] = announced
         self._announce(replica, announced)
 

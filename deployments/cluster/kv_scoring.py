@@ -152,8 +152,10 @@ def survey(
         blocks, replica = max(lenders)
         if blocks:
             lender = Lender(replica, holdings[replica].side_channel, tokens(blocks))
+            # The prefill replica that would compute it cheapest with the loan (it computes
+            # what follows the longer of its own run and the loan).
             prefill = {r: h for r, h in holdings.items() if h.role == "prefill"}
-            borrower = _borrower(prefill, blocks, prompt_tokens, block_size, weights)
+            borrower = cheapest_held(prefill, prompt_tokens, block_size, weights, blocks)
     return CacheSurvey(
         block_hashes=block_hashes,
         decode_holder=cheapest(decode, prompt_tokens, block_size, weights),
@@ -161,22 +163,6 @@ def survey(
         borrower=borrower,
         holdings=holdings,
     )
-
-
-def _borrower(
-    prefill: Mapping[str, Holding],
-    lent_blocks: int,
-    prompt_tokens: int,
-    block_size: int,
-    weights: RoutingWeights,
-) -> tuple[str, int] | None:
-    """The prefill replica that would compute the prompt cheapest if it borrowed the lender's
-    `lent_blocks` (it computes what follows the longer of its own run and the loan), and the
-    tokens it holds itself."""
-    replica = cheapest_replica(prefill, prompt_tokens, block_size, weights, lent_blocks)
-    if replica is None:
-        return None
-    return replica, min(prompt_tokens, prefill[replica].cached_blocks * block_size)
 
 
 def cheapest(
@@ -188,28 +174,29 @@ def cheapest(
     """The replica of `holdings` (one role) that would serve the prompt cheapest, and how many
     of its tokens it holds; None when it holds none (cache-aware disaggregation asks this of
     the decode replicas)."""
-    replica = cheapest_replica(holdings, prompt_tokens, block_size, weights)
-    if replica is None or holdings[replica].cached_blocks == 0:
-        return None
-    return replica, min(prompt_tokens, holdings[replica].cached_blocks * block_size)
+    found = cheapest_held(holdings, prompt_tokens, block_size, weights)
+    return found if found is not None and found[1] else None
 
 
-def cheapest_replica(
+def cheapest_held(
     holdings: Mapping[str, Holding],
     prompt_tokens: int,
     block_size: int,
     weights: RoutingWeights = RoutingWeights(),
     lent_blocks: int = 0,
-) -> str | None:
+) -> tuple[str, int] | None:
     """The replica of `holdings` that would serve the prompt cheapest by its own reported load
-    (the first of equals), cached or not (a loan's `lent_blocks` reach every one); None for
-    none."""
+    (the first of equals), cached or not, and the prompt tokens it holds itself; a loan's
+    `lent_blocks` reach every one (the survey's borrower); None for no replica."""
     best: tuple[float, str] | None = None
     for replica, holding in holdings.items():
         cost = replica_cost(prompt_tokens, block_size, holding, 0, weights, lent_blocks)
         if best is None or cost < best[0]:
             best = (cost, replica)
-    return best[1] if best is not None else None
+    if best is None:
+        return None
+    replica = best[1]
+    return replica, min(prompt_tokens, holdings[replica].cached_blocks * block_size)
 
 
 def lender_worth_borrowing(survey: CacheSurvey | None, min_tokens: int) -> Lender | None:

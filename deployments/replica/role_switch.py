@@ -29,10 +29,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from deployments.cluster.role_balance import ROLES as SWITCHABLE
 from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason
 
-SWITCHABLE = ("prefill", "decode")
 MOVED = "the engine replica changed role; the request moves to another engine"
 
 
