@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from connector.transport import BlockRead, KVTransport, TransferResults
+from connector.transport import BlockRead, KVTransport, TransferResults, as_shards, destination
 from engine.config import KV_DATA_FAULTS, KVFaultInjection
 from engine.core.block_pool import NULL_BLOCK_ID
 
@@ -78,15 +78,15 @@ class FaultyTransport(KVTransport):
         self.injected: Counter[str] = Counter()
         self._faults = FaultInjector(config)
         self._delay_s = config.delay_s
-        self._cache: torch.Tensor | None = None
+        self._caches: list[torch.Tensor] = []
         self._reads: dict[str, BlockRead] = {}
         self._delayed: dict[str, float] = {}  # transfer id -> when to report it done
         self._lost: set[str] = set()  # done, never reported (until cancelled)
         self._cancelled: set[str] = set()  # held here, reported failed at the next poll
         self._cancel_asked: set[str] = set()  # asked of the inner transport: no notice fault
 
-    def register(self, kv_cache: torch.Tensor) -> None:
-        self._cache = kv_cache
+    def register(self, kv_cache: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        self._caches = as_shards(kv_cache)
         self.inner.register(kv_cache)
 
     def local_metadata(self) -> bytes:
@@ -148,7 +148,7 @@ class FaultyTransport(KVTransport):
         return {"faults_injected": data, **kinds}
 
     def _completed(self, read: BlockRead, results: TransferResults) -> None:
-        assert self._cache is not None, "register() first"
+        cache = destination(read, self._caches)  # where the read landed: there the faults go
         transfer_id = read.transfer_id
         # Blocks read from the remote's null block are never checked: no fault goes there.
         pairs = zip(read.local_block_ids, read.remote_block_ids, strict=True)
@@ -158,7 +158,7 @@ class FaultyTransport(KVTransport):
             self._cancel_asked.discard(transfer_id)
             fault = None if fault in _KINDS else fault
         if fault not in _KINDS:  # none, or a data fault: the read is reported done
-            if fault is not None and self._faults.corrupt(self._cache, block_ids, fault):
+            if fault is not None and self._faults.corrupt(cache, block_ids, fault):
                 self.injected[fault] += 1
             results.done.add(transfer_id)
             return
@@ -168,5 +168,5 @@ class FaultyTransport(KVTransport):
         elif fault == "lose":
             self._lost.add(transfer_id)
         else:  # die: its tail blocks never arrived, zeroed as a fresh allocation holds them
-            self._cache[block_ids[len(block_ids) // 2 :]] = 0
+            cache[block_ids[len(block_ids) // 2 :]] = 0
             results.failed[transfer_id] = _DIED

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -24,7 +25,7 @@ import torch
 from connector.block_data import BlockChunk
 from connector.side_channel import block_bytes_view
 from connector.side_channel_client import BlockStream, SideChannelClient, SideChannelError
-from connector.transport import BlockRead, KVTransport, TransferResults
+from connector.transport import BlockRead, KVTransport, TransferResults, as_shards, destination
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class GrpcTransport(KVTransport):
         self.read_timeout_s = read_timeout_s
         self.min_bytes_per_s = min_bytes_per_s
         self._executor = ThreadPoolExecutor(max_concurrent_reads, thread_name_prefix="kv-grpc")
-        self._cache: torch.Tensor | None = None  # [num_blocks, block_bytes] uint8 view
+        self._caches: list[torch.Tensor] = []  # per shard, [num_blocks, block_bytes] uint8
         self._clients: dict[str, SideChannelClient] = {}
         self._reads: dict[str, _Read] = {}
         self._results = TransferResults()
@@ -63,8 +64,8 @@ class GrpcTransport(KVTransport):
 
     # ------------------------------------------------------------------ KVTransport
 
-    def register(self, kv_cache: torch.Tensor) -> None:
-        self._cache = block_bytes_view(kv_cache)
+    def register(self, kv_cache: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        self._caches = [block_bytes_view(shard) for shard in as_shards(kv_cache)]
 
     def local_metadata(self) -> bytes:
         return b""  # readers find us through the side channel's host/port
@@ -82,7 +83,7 @@ class GrpcTransport(KVTransport):
             self._clients.pop(engine_id, None)
 
     def start_read(self, read: BlockRead) -> None:
-        if self._cache is None:
+        if not self._caches:
             raise RuntimeError("GrpcTransport.register() first")
         with self._lock:
             if read.transfer_id in self._reads:
@@ -144,8 +145,8 @@ class GrpcTransport(KVTransport):
 
     def _copy(self, state: _Read) -> str | None:
         """Returns None on success, else why the read failed."""
-        read, cache = state.read, self._cache
-        assert cache is not None  # start_read checked
+        read = state.read
+        cache = block_bytes_view(destination(read, self._caches))
         problem = self._check(read, cache)
         if problem:
             return problem
@@ -154,7 +155,9 @@ class GrpcTransport(KVTransport):
             return f"no side-channel client for engine {read.remote_engine_id!r} (handshake first)"
         num_bytes = len(read.remote_block_ids) * cache.shape[1]
         timeout_s = self.read_timeout_s + num_bytes / self.min_bytes_per_s
-        stream = client.open_read(read.lease_id, read.remote_block_ids, timeout_s)
+        stream = client.open_read(
+            read.lease_id, read.remote_block_ids, timeout_s, shard=read.remote_shard
+        )
         with self._lock:
             state.stream = stream
         if state.cancelled.is_set():

@@ -16,15 +16,13 @@ import time
 from dataclasses import dataclass
 
 import grpc
-import torch
 
+from connector.kv_shards import ShardedLoad, ShardSet
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteKV
 from connector.read_watch import Doom, ReadWatch
 from connector.side_channel_client import SideChannelClient, SideChannelError
-from connector.transport import BlockRead, KVTransport
-from engine.block_checksums import timed_block_checksums
+from connector.transport import KVTransport
 from engine.config import KVTransferConfig
-from engine.core.block_pool import NULL_BLOCK_ID
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +34,8 @@ _RETIRED_CLIENTS = 8
 # A read's deadline grows with its bytes at a slow link's pace (config.read_timeout_base_s
 # plus the bytes at this rate): a lost completion, a stuck transfer costs about a second.
 READ_MIN_BYTES_PER_S = 100e6
+# How long a load whose later pieces could not start waits for its started ones to stop.
+_STOP_WAIT_S = 10.0
 
 
 @dataclass
@@ -43,10 +43,16 @@ class _ActiveRead:
     load: LoadSpec
     client: SideChannelClient
     deadline: float  # time.monotonic() by which the read is to have ended
-    num_bytes: int
+    sharded: ShardedLoad  # its pieces (one, between engines of the same shard layout)
     cancelled: bool = False
     doom: Doom | None = None  # why the read watch gave up on it
     timed_out: bool = False  # cancelled at its deadline
+    failure: str | None = None  # the first piece's failure (the read ends once all have)
+    refused_by_remote: bool = False  # a piece was refused: the remote no longer held it
+
+    @property
+    def num_bytes(self) -> int:
+        return self.sharded.num_bytes
 
     @property
     def unreachable(self) -> bool:
@@ -84,13 +90,14 @@ class KVReads:
         self._engine_at: dict[tuple[str, int], str] = {}  # the engine a side channel serves
         self._silent_until: dict[tuple[str, int], float] = {}  # remotes not to call for now
         self._active: dict[str, _ActiveRead] = {}
+        self._pieces: dict[str, str] = {}  # transfer id -> the request id it is a piece of
+        self._shard_heads: dict[str, tuple[tuple[int, int], ...]] = {}  # per remote engine
         # Leases renewed, silent remotes found, off the engine thread.
         self._watch = ReadWatch(timeout_s=config.heartbeat_timeout_s)
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         self._problems: dict[str, str] = {}  # request id -> why its load was not used in full
-        self._kv_cache: torch.Tensor | None = None
-        self._block_bytes = 0
+        self._shards: ShardSet | None = None
         self.stats = {
             "blocks_read": 0,
             "reads_failed": 0,
@@ -102,11 +109,14 @@ class KVReads:
             "fenced_reads": 0,  # the remote no longer held the blocks: never used
             "unanswered_reads": 0,  # the remote stopped answering mid-read
             "timed_out_reads": 0,  # not reported done by their deadline
+            # Reads' pieces (connector/kv_shards.py): straight into our shard's blocks, or
+            # through staging (the remote shard holds other heads than ours).
+            "pieces_direct": 0,
+            "pieces_staged": 0,
         }
 
-    def register(self, kv_cache: torch.Tensor) -> None:
-        self._kv_cache = kv_cache
-        self._block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+    def register(self, shards: ShardSet) -> None:
+        self._shards = shards
 
     @property
     def in_flight(self) -> set[str]:
@@ -120,7 +130,7 @@ class KVReads:
             active = self._active.get(request_id)
             if active is not None and not active.cancelled:
                 active.cancelled = True
-                self.transport.cancel(request_id)
+                self._cancel_pieces(active)
         for load in meta.loads:
             self._start_load(load)
 
@@ -130,23 +140,21 @@ class KVReads:
             self._failed(load, "unreachable")
             return
         renewing = False
+        assert self._shards is not None, "register() first"
         try:
             client = self._client(load.remote)
             self._handshake(client, load.remote)
+            heads = self._shard_heads.get(load.remote.engine_id, ())
+            sharded = ShardedLoad.plan(load, self._shards, heads)  # ValueError: cannot map
             # One-sided transports (NIXL) read without asking the remote: make sure the lease
             # is live before reading (a refused renewal fails the load, nothing is read).
             renewing = True
             client.renew_lease(load.remote.lease_id, self.config.heartbeat_timeout_s)
             renewing = False
-            self.transport.start_read(
-                BlockRead(
-                    transfer_id=load.request_id,
-                    remote_engine_id=load.remote.engine_id,
-                    local_block_ids=load.local_block_ids,
-                    remote_block_ids=load.remote_block_ids,
-                    lease_id=load.remote.lease_id,
-                )
-            )
+            self._start_pieces(sharded)
+            staged = sum(not piece.direct for piece in sharded.pieces)
+            self.stats["pieces_staged"] += staged
+            self.stats["pieces_direct"] += len(sharded.pieces) - staged
         except (SideChannelError, ValueError, RuntimeError) as exc:
             logger.warning("KV load for %s failed to start: %s", load.request_id, exc)
             if _unreachable(exc):
@@ -159,15 +167,32 @@ class KVReads:
             fenced = renewing and isinstance(exc, SideChannelError) and exc.lease_gone
             self._failed(load, "fenced" if fenced else "refused")
             return
-        num_bytes = len(load.local_block_ids) * self._block_bytes
         # Reads in flight share the link (and may be queued ahead in the transport): the
         # budget covers their bytes too.
         ahead = sum(a.num_bytes for a in self._active.values())
-        budget = self.config.read_timeout_base_s + (ahead + num_bytes) / READ_MIN_BYTES_PER_S
-        self._active[load.request_id] = _ActiveRead(
-            load, client, time.monotonic() + budget, num_bytes
+        budget = (
+            self.config.read_timeout_base_s + (ahead + sharded.num_bytes) / READ_MIN_BYTES_PER_S
         )
+        self._active[load.request_id] = _ActiveRead(
+            load, client, time.monotonic() + budget, sharded
+        )
+        for transfer_id in sharded.reads:
+            self._pieces[transfer_id] = load.request_id
         self._watch.add(load.request_id, client, load.remote.lease_id)
+
+    def _start_pieces(self, sharded: ShardedLoad) -> None:
+        """Start every piece's read; where one cannot start, those started are stopped and
+        the error raised once they have (nothing writes into the blocks after it)."""
+        started: list[str] = []
+        try:
+            for transfer_id, (_, read) in sharded.reads.items():
+                self.transport.start_read(read)
+                started.append(transfer_id)
+        except (ValueError, RuntimeError):
+            for transfer_id in started:
+                self.transport.cancel(transfer_id)
+            _wait_stopped(self.transport, set(started))
+            raise
 
     def _client(self, remote: RemoteKV) -> SideChannelClient:
         key = (remote.host, remote.port)
@@ -196,6 +221,7 @@ class KVReads:
         if set_client is not None:
             set_client(reply.engine_id, client)
         self.transport.add_remote(reply.engine_id, reply.transport_metadata)
+        self._shard_heads[reply.engine_id] = reply.shard_heads
         self._peers.add(reply.engine_id)
         self._forget_replaced((remote.host, remote.port), reply.engine_id)
         self.stats["remote_engines"] = len(self._peers)
@@ -219,22 +245,46 @@ class KVReads:
         """Request ids whose loads ended (used, or failed to the policy) since the last call."""
         # Reads that ended are taken first: only those still in flight may be cancelled.
         results = self.transport.poll()
-        for request_id in results.done:
-            active = self._pop_active(request_id)
+        ended: list[_ActiveRead] = []
+        for transfer_id in results.done:
+            active = self._piece_ended(transfer_id, ended)
+            if active is not None and active.failure is None:
+                active.sharded.landed(transfer_id)
+        for transfer_id, reason in results.failed.items():
+            active = self._piece_ended(transfer_id, ended)
             if active is not None:
+                active.failure = active.failure or reason
+                active.refused_by_remote |= transfer_id in results.fenced
+        for active in ended:
+            request_id = active.load.request_id
+            self._pop_active(request_id)
+            if active.failure is None:
                 self._read_done(active)
-        for request_id, reason in results.failed.items():
-            active = self._pop_active(request_id)
-            if active is not None:
-                reason = active.doom.reason if active.doom is not None else reason
-                logger.warning("KV load for %s failed: %s", request_id, reason)
-                if not active.unreachable:
-                    self._release(active.load.remote)
-                self._failed(active.load, active.problem(request_id in results.fenced))
+                continue
+            reason = active.doom.reason if active.doom is not None else active.failure
+            logger.warning("KV load for %s failed: %s", request_id, reason)
+            if not active.unreachable:
+                self._release(active.load.remote)
+            self._failed(active.load, active.problem(active.refused_by_remote))
         self._cancel_doomed()
         self._cancel_overdue()
         done, self._finished_recving = self._finished_recving, set()
         return done
+
+    def _piece_ended(self, transfer_id: str, ended: list[_ActiveRead]) -> _ActiveRead | None:
+        """The read `transfer_id` is a piece of; added to `ended` once its last piece ended."""
+        request_id = self._pieces.pop(transfer_id, None)
+        active = self._active.get(request_id) if request_id is not None else None
+        if active is None:
+            return None
+        active.sharded.pending.discard(transfer_id)
+        if not active.sharded.pending:
+            ended.append(active)
+        return active
+
+    def _cancel_pieces(self, active: _ActiveRead) -> None:
+        for transfer_id in active.sharded.pending:
+            self.transport.cancel(transfer_id)
 
     def _pop_active(self, request_id: str) -> _ActiveRead | None:
         self._watch.remove(request_id)
@@ -252,29 +302,19 @@ class KVReads:
             )
             self._failed(active.load, "fenced")
         else:
-            self._verify(active.load)
+            self._verify(active.sharded)
 
-    def _verify(self, load: LoadSpec) -> None:
+    def _verify(self, sharded: ShardedLoad) -> None:
         """A read that ended well is used only if every block it wrote matches the checksum
-        its producer computed; the blocks that do not are invalid (the policy then recomputes
-        from the first of them, or fails the request)."""
-        assert self._kv_cache is not None, "register() first"
-        # A remote null block stands for positions its attention never reads (left of a
-        # sliding window): its bytes are anyone's scratch, so neither side's are checked.
-        checked = [
-            (local, wanted)
-            for local, remote, wanted in zip(
-                load.local_block_ids, load.remote_block_ids, load.checksums, strict=True
-            )
-            if remote != NULL_BLOCK_ID
-        ]
-        got, micros = timed_block_checksums(self._kv_cache, [local for local, _ in checked])
-        self.stats["checksum_us_verified"] += micros
-        bad = [
-            local for (local, wanted), found in zip(checked, got, strict=True) if found != wanted
-        ]
+        its producer computed (each piece summed what it brought as it landed); the blocks
+        that do not are invalid (the policy then recomputes from the first of them, or fails
+        the request). A remote null block stands for positions its attention never reads
+        (left of a sliding window): its bytes are anyone's scratch, never checked."""
+        load = sharded.load
+        bad, num_checked = sharded.bad_blocks()
+        self.stats["checksum_us_verified"] += sharded.checksum_us
         self.stats["blocks_read"] += len(load.local_block_ids)
-        self.stats["blocks_verified"] += len(checked) - len(bad)
+        self.stats["blocks_verified"] += num_checked - len(bad)
         if bad:
             logger.warning(
                 "KV load for %s: %d of %d blocks failed their checksum",
@@ -317,7 +357,7 @@ class KVReads:
             self.stats["unanswered_reads"] += doom.unreachable
             if doom.unreachable:
                 self._mark_silent(active.load.remote)
-            self.transport.cancel(request_id)
+            self._cancel_pieces(active)
 
     def _cancel_overdue(self) -> None:
         now = time.monotonic()
@@ -326,7 +366,7 @@ class KVReads:
                 logger.warning("KV load for %s timed out; cancelling", request_id)
                 active.cancelled = active.timed_out = True
                 self.stats["timed_out_reads"] += 1
-                self.transport.cancel(request_id)
+                self._cancel_pieces(active)
 
     def _release(self, remote: RemoteKV) -> bool | None:
         """Give the lease back: True when it was still live, False when it had ended, None
@@ -362,6 +402,16 @@ class KVReads:
         self._watch.close()
         for client in [*self._clients.values(), *self._retired]:
             client.close()
+
+
+def _wait_stopped(transport: KVTransport, transfer_ids: set[str]) -> None:
+    """Poll until every read of `transfer_ids` has been reported (each stops at its cancel)."""
+    deadline = time.monotonic() + _STOP_WAIT_S
+    while transfer_ids and time.monotonic() < deadline:
+        results = transport.poll()
+        transfer_ids -= results.done | set(results.failed)
+        if transfer_ids:
+            time.sleep(0.001)
 
 
 def _unreachable(exc: Exception) -> bool:

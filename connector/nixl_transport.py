@@ -13,19 +13,25 @@ reported failed by `poll`, like a read broken mid-way (some blocks written, the 
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from connector.transport import BlockRead, KVTransport, TransferResults, contiguous_runs
+from connector.nixl_regions import CacheRegion, PeerMetadata, region_of
+from connector.transport import (
+    BlockRead,
+    KVTransport,
+    TransferResults,
+    as_shards,
+    contiguous_runs,
+    destination,
+)
 
 if TYPE_CHECKING:
     from nixl._api import nixl_agent, nixl_xfer_handle
@@ -33,99 +39,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FAIL_AFTER_DESCRIPTORS_ENV = "PDSERVE_NIXL_FAIL_AFTER_DESCRIPTORS"
-METADATA_VERSION = 1
 DEFAULT_READ_TIMEOUT_S = 60.0
 _CANCEL_GRACE_S = 5.0  # a cancelled read still in flight this long is released, reported
 # Idle wait of NIXL's UCX progress thread, in microseconds. The thread wakes on UCX events, so
 # this only bounds how late it notices one it missed. NIXL's Python wrapper pins it to 0, which
 # makes the thread busy-poll: a whole core per engine, measured at 100% CPU with no transfer.
 PROGRESS_THREAD_DELAY_US = 10_000
-
-
-@dataclass(frozen=True)
-class CacheRegion:
-    """A registered cache; block b is the block_bytes bytes at base_addr + b * block_bytes."""
-
-    base_addr: int
-    block_bytes: int
-    num_blocks: int
-    mem_type: str  # "DRAM" or "VRAM"
-    device_id: int
-
-    def run_desc(self, first_block: int, num_blocks: int) -> tuple[int, int, int]:
-        """The NIXL (address, length, device id) of `num_blocks` blocks from `first_block` on."""
-        address = self.base_addr + first_block * self.block_bytes
-        return (address, num_blocks * self.block_bytes, self.device_id)
-
-    def check_block_ids(self, block_ids: list[int], side: str) -> None:
-        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
-        if bad:
-            raise ValueError(f"{side} block ids out of range [0, {self.num_blocks}): {bad[:8]}")
-
-
-def region_of(kv_cache: torch.Tensor) -> CacheRegion:
-    """The region of a block-contiguous [num_blocks, ...] cache tensor."""
-    if kv_cache.dim() < 1 or kv_cache.shape[0] < 1:
-        raise ValueError(
-            f"kv_cache must be [num_blocks, ...] with num_blocks >= 1, got {tuple(kv_cache.shape)}"
-        )
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous: a block is one byte range")
-    if kv_cache.device.type == "cuda":
-        index = kv_cache.device.index
-        device_id = torch.cuda.current_device() if index is None else index
-        mem_type = "VRAM"
-    elif kv_cache.device.type == "cpu":
-        device_id, mem_type = 0, "DRAM"  # NIXL's device id for host memory
-    else:
-        raise ValueError(f"NIXL transport supports cpu and cuda caches, got {kv_cache.device}")
-    return CacheRegion(
-        base_addr=kv_cache.data_ptr(),
-        block_bytes=kv_cache[0].numel() * kv_cache.element_size(),
-        num_blocks=kv_cache.shape[0],
-        mem_type=mem_type,
-        device_id=device_id,
-    )
-
-
-@dataclass(frozen=True)
-class PeerMetadata:
-    """What `local_metadata` publishes: JSON, the NIXL agent metadata base64-encoded."""
-
-    agent_name: str
-    agent_metadata: bytes
-    region: CacheRegion
-
-    def to_bytes(self) -> bytes:
-        record = {
-            "version": METADATA_VERSION,
-            "agent_name": self.agent_name,
-            "agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii"),
-            "base_addr": self.region.base_addr,
-            "block_bytes": self.region.block_bytes,
-            "num_blocks": self.region.num_blocks,
-            "mem_type": self.region.mem_type,
-            "device_id": self.region.device_id,
-        }
-        return json.dumps(record, sort_keys=True).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> PeerMetadata:
-        try:
-            record = json.loads(data)
-            if record.get("version") != METADATA_VERSION:
-                raise ValueError(f"version {record.get('version')!r} != {METADATA_VERSION}")
-            region = CacheRegion(
-                base_addr=int(record["base_addr"]),
-                block_bytes=int(record["block_bytes"]),
-                num_blocks=int(record["num_blocks"]),
-                mem_type=str(record["mem_type"]),
-                device_id=int(record["device_id"]),
-            )
-            agent_metadata = base64.b64decode(record["agent_metadata"], validate=True)
-            return cls(str(record["agent_name"]), agent_metadata, region)
-        except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
-            raise ValueError(f"malformed NIXL transport metadata: {exc}") from exc
 
 
 @dataclass
@@ -144,6 +63,7 @@ class _Read:
     handle: nixl_xfer_handle | None  # None once nothing more can be written locally
     deadline: float  # time.monotonic() after which the read is aborted
     failure: str | None = None  # set before the end: post error, injected failure, cancel
+    staging: Any = None  # the registration of the read's staging tensor, dropped at its end
 
 
 def _fail_after_from_env() -> int | None:
@@ -227,26 +147,28 @@ class NixlTransport(KVTransport):
         self._fail_after: int | None = _fail_after_from_env()
         self._lock = threading.Lock()  # NIXL runs unsynchronized (NIXL_THREAD_SYNC_NONE)
         self._agent: nixl_agent | None = _create_agent(agent_name)
-        self._kv_cache: torch.Tensor | None = None  # keeps the registered storage alive
-        self._registration: Any = None
-        self._region: CacheRegion | None = None
+        self._kv_caches: list[torch.Tensor] = []  # keeps the registered storage alive
+        self._registrations: list[Any] = []
+        self._regions: list[CacheRegion] = []
         self._metadata: bytes | None = None
         self._peers: dict[str, PeerMetadata] = {}
         self._reads: dict[str, _Read] = {}
 
     # -- set-up -------------------------------------------------------------------------------
 
-    def register(self, kv_cache: torch.Tensor) -> None:
+    def register(self, kv_cache: torch.Tensor | Sequence[torch.Tensor]) -> None:
         with self._lock:
             agent = self._require_agent()
-            if self._region is not None:
+            if self._regions:
                 raise RuntimeError("the KV cache is already registered")
-            region = region_of(kv_cache)
-            self._registration = agent.register_memory(kv_cache)
-            self._kv_cache = kv_cache
-            self._region = region
+            shards = as_shards(kv_cache)
+            regions = [region_of(shard) for shard in shards]
+            for shard in shards:
+                self._registrations.append(agent.register_memory(shard))
+            self._kv_caches = shards
+            self._regions = regions
             # Taken after registering: the agent metadata carries the remote keys of our memory.
-            local = PeerMetadata(self.agent_name, agent.get_agent_metadata(), region)
+            local = PeerMetadata(self.agent_name, agent.get_agent_metadata(), tuple(regions))
             self._metadata = local.to_bytes()
 
     def local_metadata(self) -> bytes:
@@ -259,11 +181,14 @@ class NixlTransport(KVTransport):
         peer = PeerMetadata.from_bytes(metadata)
         with self._lock:
             agent = self._require_agent()
-            region = self._require_region()
-            if peer.region.block_bytes != region.block_bytes:
+            ours = self._require_regions()
+            # Engines of as many shards hold the same heads in each: their blocks must match.
+            # (Others are checked per read: a staging tensor takes the remote's shape.)
+            theirs = [region.block_bytes for region in peer.regions]
+            if len(theirs) == len(ours) and theirs != [region.block_bytes for region in ours]:
                 raise ValueError(
-                    f"engine {engine_id!r} has {peer.region.block_bytes}-byte blocks, we have "
-                    f"{region.block_bytes}: incompatible KV cache layouts"
+                    f"engine {engine_id!r} has {theirs[0]}-byte blocks, we have "
+                    f"{ours[0].block_bytes}: incompatible KV cache layouts"
                 )
             known = self._peers.get(engine_id)
             if known == peer:
@@ -297,8 +222,7 @@ class NixlTransport(KVTransport):
 
     def start_read(self, read: BlockRead) -> None:
         with self._lock:
-            self._require_agent()
-            region = self._require_region()
+            agent = self._require_agent()
             peer = self._peers.get(read.remote_engine_id)
             if peer is None:
                 raise ValueError(
@@ -307,8 +231,15 @@ class NixlTransport(KVTransport):
             if read.transfer_id in self._reads:
                 raise ValueError(f"read {read.transfer_id!r} is already in flight")
             _check_pairing(read)
+            region = region_of(destination(read, self._require_caches()))
+            remote = peer.region(read.remote_shard)
+            if remote.block_bytes != region.block_bytes:
+                raise ValueError(
+                    f"engine {read.remote_engine_id!r} has {remote.block_bytes}-byte blocks "
+                    f"where we read into {region.block_bytes}: incompatible KV cache layouts"
+                )
             region.check_block_ids(read.local_block_ids, "local")
-            peer.region.check_block_ids(read.remote_block_ids, f"remote ({read.remote_engine_id})")
+            remote.check_block_ids(read.remote_block_ids, f"remote ({read.remote_engine_id})")
             runs = contiguous_runs(read.local_block_ids, read.remote_block_ids)
             self._count(runs, region)
             deadline = time.monotonic() + self.read_timeout_s
@@ -317,7 +248,11 @@ class NixlTransport(KVTransport):
                 runs = runs[: self._fail_after]
                 failure = f"injected failure after {len(runs)} descriptor(s)"
                 self._fail_after = None
-            self._reads[read.transfer_id] = self._post(runs, peer, deadline, failure)
+            # A staging tensor is registered for this read only (a few blocks, read once).
+            staging = agent.register_memory(read.into) if read.into is not None else None
+            posted = self._post(runs, region, peer.agent_name, remote, deadline, failure)
+            posted.staging = staging
+            self._reads[read.transfer_id] = posted
 
     def poll(self) -> TransferResults:
         results = TransferResults()
@@ -326,6 +261,7 @@ class NixlTransport(KVTransport):
                 if not self._has_stopped(read):
                     continue
                 del self._reads[transfer_id]
+                self._drop_staging(read)
                 if read.failure is None:
                     results.done.add(transfer_id)
                 else:
@@ -350,35 +286,39 @@ class NixlTransport(KVTransport):
                 return
             for read in self._reads.values():
                 self._release(read)
+                if read.staging is not None:
+                    self._best_effort(agent.deregister_memory, read.staging)
             self._reads.clear()
             for peer in self._peers.values():
                 self._best_effort(agent.remove_remote_agent, peer.agent_name)
             self._peers.clear()
-            if self._registration is not None:
-                self._best_effort(agent.deregister_memory, self._registration)
-            self._registration = self._kv_cache = None
+            for registration in self._registrations:
+                self._best_effort(agent.deregister_memory, registration)
+            self._registrations, self._kv_caches = [], []
 
     # -- internals ----------------------------------------------------------------------------
 
     def _post(
         self,
         runs: list[tuple[int, int, int]],
-        peer: PeerMetadata,
+        region: CacheRegion,
+        peer_agent: str,
+        remote_region: CacheRegion,
         deadline: float,
         failure: str | None,
     ) -> _Read:
         """Create and post one READ, one descriptor per run; errors end up in `failure`."""
         if not runs:
             return _Read(None, deadline, failure)  # nothing to move: reported at the next poll
-        agent, region = self._require_agent(), self._require_region()
+        agent = self._require_agent()
         local_runs = [region.run_desc(first, n) for first, _, n in runs]
-        remote_runs = [peer.region.run_desc(first, n) for _, first, n in runs]
+        remote_runs = [remote_region.run_desc(first, n) for _, first, n in runs]
         local = agent.get_xfer_descs(local_runs, region.mem_type)
-        remote = agent.get_xfer_descs(remote_runs, peer.region.mem_type)
+        remote = agent.get_xfer_descs(remote_runs, remote_region.mem_type)
         read = _Read(None, deadline, failure)
         try:
             # No notification: nobody on the prefill side drains them, they would pile up there.
-            read.handle = agent.initialize_xfer("READ", local, remote, peer.agent_name, b"")
+            read.handle = agent.initialize_xfer("READ", local, remote, peer_agent, b"")
             state = agent.transfer(read.handle)
         except Exception as exc:  # NIXL's errors share no base class below Exception
             state = "ERR"
@@ -443,7 +383,16 @@ class NixlTransport(KVTransport):
             raise RuntimeError("the NIXL transport is closed")
         return self._agent
 
-    def _require_region(self) -> CacheRegion:
-        if self._region is None:
+    def _drop_staging(self, read: _Read) -> None:
+        if read.staging is not None and self._agent is not None:
+            self._best_effort(self._agent.deregister_memory, read.staging)
+        read.staging = None
+
+    def _require_regions(self) -> list[CacheRegion]:
+        if not self._regions:
             raise RuntimeError("register the KV cache first")
-        return self._region
+        return self._regions
+
+    def _require_caches(self) -> list[torch.Tensor]:
+        self._require_regions()
+        return self._kv_caches

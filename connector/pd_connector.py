@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from engine.kv_connector import KVConnectorBase, PinPrefix, RunOnEngineThread
 from engine.models import ModelArchConfig
 from engine.models.fingerprint import dummy_weights_fingerprint, weights_fingerprint
 from engine.request import Request, RequestStatus
+from engine.worker.kv_cache import KVShard
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ class PDConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ worker side
 
-    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+    def register_kv_caches(self, kv_cache: torch.Tensor | Sequence[KVShard]) -> None:
         self.worker.register(kv_cache)
 
     def start_load_kv(self, metadata: Any) -> None:

@@ -8,18 +8,20 @@ one transport, registered over the engine's KV cache.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 from connector.faults import NO_FAULTS, FaultyTransport
 from connector.kv_reads import KVReads
+from connector.kv_shards import ShardSet
 from connector.leases import no_generations
 from connector.metadata import ConnectorMetadata, RemoteKV, tokens_hash
 from connector.side_channel import Loan, SideChannelServer
 from connector.transport import KVTransport
-from engine.block_checksums import timed_block_checksums
 from engine.config import KVTransferConfig
+from engine.worker.kv_cache import KVShard
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ class PDWorker:
         self.reads = KVReads(config, engine_id, compat_hash, self.transport)
         self.server: SideChannelServer | None = None
         self.port = 0
-        self._kv_cache: torch.Tensor | None = None
+        self._shards: ShardSet | None = None
         # The engine's block generations (set by watch_generations): leases fence on them.
         self._generation_of: Callable[[int], int] = no_generations
         self._checksum_us = 0  # spent summing the blocks we hand out or lend
@@ -73,17 +75,19 @@ class PDWorker:
 
     # ------------------------------------------------------------------ set-up
 
-    def register(self, kv_cache: torch.Tensor) -> None:
-        self._kv_cache = kv_cache
-        self.transport.register(kv_cache)
-        self.reads.register(kv_cache)
+    def register(self, kv_cache: torch.Tensor | Sequence[KVShard]) -> None:
+        """The engine's cache, or each rank's shard of it (connector/kv_shards.py)."""
+        shards = self._shards = ShardSet(kv_cache)
+        self.transport.register(shards.caches)
+        self.reads.register(shards)
         self.server = SideChannelServer(
             self.config,
             self.engine_id,
             self.compat_hash,
-            kv_cache,
+            shards.caches,
             self.transport.local_metadata(),
             self.transport.name,
+            shard_heads=shards.ranges,
             generation_of=lambda block_id: self._generation_of(block_id),
         )
         self.port = self.server.start()
@@ -113,9 +117,10 @@ class PDWorker:
 
     def checksums(self, block_ids: list[int]) -> list[str]:
         """Of our blocks as they are now (the producer's side of the verification)."""
-        assert self._kv_cache is not None, "register() first"
-        sums, micros = timed_block_checksums(self._kv_cache, block_ids)
-        self._checksum_us += micros
+        assert self._shards is not None, "register() first"
+        started = time.perf_counter()
+        sums = self._shards.checksums(block_ids)
+        self._checksum_us += round((time.perf_counter() - started) * 1e6)
         return sums
 
     def serve_loans(self, lend: Callable[[list[bytes], float], Loan | None]) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -160,10 +160,12 @@ class SideChannelServer:
         config: KVTransferConfig,
         engine_id: str,
         compat_hash: str,
-        kv_cache: torch.Tensor,
+        kv_cache: torch.Tensor | Sequence[torch.Tensor],
         transport_metadata: bytes,
         transport_name: str,
         *,
+        # Each shard's KV heads, (first, count), where the engine registered several.
+        shard_heads: Sequence[tuple[int, int]] = (),
         # Each ReadBlocks stream holds a thread for its whole length (a reader runs up to 4):
         # room for several readers' streams and the short calls beside them (lease renewals
         # are reads' heartbeats, with a 0.75 s deadline — they must not queue behind streams).
@@ -178,8 +180,12 @@ class SideChannelServer:
         self.config = config
         self.engine_id = engine_id
         self.compat_hash = compat_hash
-        self.cache = block_bytes_view(kv_cache)
-        self.num_blocks, self.block_bytes = self.cache.shape
+        shards: list[torch.Tensor] = (
+            list(kv_cache) if isinstance(kv_cache, (list, tuple)) else [kv_cache]  # type: ignore[list-item]
+        )
+        self.caches = [block_bytes_view(shard) for shard in shards]
+        self.shard_heads = [head for pair in shard_heads for head in pair]
+        self.num_blocks, self.block_bytes = self.caches[0].shape
         self.transport_metadata = transport_metadata
         self.transport_name = transport_name
         self.chunk_bytes = chunk_bytes
@@ -220,22 +226,26 @@ class SideChannelServer:
             self._server.stop(grace_s).wait()
             self._server = None
 
-    def block_chunks(self, block_ids: list[int]) -> Iterator[tuple[int, int, memoryview]]:
+    def block_chunks(
+        self, block_ids: list[int], shard: int = 0
+    ) -> Iterator[tuple[int, int, memoryview]]:
         """(block_id, offset, bytes) in request order; device caches staged per run of blocks.
         The bytes are views of the cache (or of its staged host copy), not copies."""
-        per_stage = max(1, _STAGE_BYTES // self.block_bytes)
+        cache = self.caches[shard]
+        block_bytes = cache.shape[1]
+        per_stage = max(1, _STAGE_BYTES // block_bytes)
         i = 0
         while i < len(block_ids):
             n = 1
             while i + n < len(block_ids) and n < per_stage and block_ids[i + n] == block_ids[i] + n:
                 n += 1
-            staged = self.cache[block_ids[i] : block_ids[i] + n]
+            staged = cache[block_ids[i] : block_ids[i] + n]
             host = staged if staged.device.type == "cpu" else staged.cpu()
             flat = host.numpy().data.cast("B")  # the run's bytes, no copy
             for k in range(n):
-                for offset in range(0, self.block_bytes, self.chunk_bytes):
-                    start = k * self.block_bytes + offset
-                    end = min(start + self.chunk_bytes, (k + 1) * self.block_bytes)
+                for offset in range(0, block_bytes, self.chunk_bytes):
+                    start = k * block_bytes + offset
+                    end = min(start + self.chunk_bytes, (k + 1) * block_bytes)
                     yield block_ids[i + k], offset, flat[start:end]
             i += n
 
@@ -313,6 +323,7 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
             num_blocks=s.num_blocks,
             block_bytes=s.block_bytes,
             transport=s.transport_name,
+            shard_heads=s.shard_heads,
         )
 
     def RenewLease(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -338,7 +349,12 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
             )
         if len(set(block_ids)) != len(block_ids):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "duplicate block ids")
-        return self._stream(request.lease_id, block_ids, context)
+        if request.shard >= len(self.s.caches):
+            context.abort(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"shard {request.shard} outside [0, {len(self.s.caches)})",
+            )
+        return self._stream(request.lease_id, block_ids, request.shard, context)
 
     def LendPrefix(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._authorize(context)
@@ -370,7 +386,7 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
         )
 
     def _stream(
-        self, lease_id: str, block_ids: list[int], context: grpc.ServicerContext
+        self, lease_id: str, block_ids: list[int], shard: int, context: grpc.ServicerContext
     ) -> Iterator[Any]:
         # The lease is held from the first message on: the engine cannot free these blocks
         # (take_finished skips them) until this generator has stopped.
@@ -380,8 +396,9 @@ class _KVTransferServicer(pb_grpc.KVTransferServicer):
         except LeaseError as exc:
             context.abort(exc.code, str(exc))
         try:
-            for block_id, offset, data in self.s.block_chunks(block_ids):
-                message = encode_block_data(block_id, offset, data, self.s.block_bytes)
+            block_bytes = self.s.caches[shard].shape[1]
+            for block_id, offset, data in self.s.block_chunks(block_ids, shard):
+                message = encode_block_data(block_id, offset, data, block_bytes)
                 # After the copy: the bytes sent are the block's as lent only if the lease
                 # still holds it and it was not freed or rewritten meanwhile.
                 leases.check_live(lease_id, (block_id,))

@@ -60,6 +60,8 @@ class HandshakeReply:
     transport_metadata: bytes
     num_blocks: int
     block_bytes: int
+    # Each shard's KV heads, (first, count), for an engine of several (else empty).
+    shard_heads: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,7 @@ class SideChannelClient:
             r.transport_metadata,
             r.num_blocks,
             r.block_bytes,
+            tuple(zip(r.shard_heads[::2], r.shard_heads[1::2], strict=True)),
         )
         return self.remote
 
@@ -194,10 +197,11 @@ class SideChannelClient:
         )
 
     def open_read(
-        self, lease_id: str, block_ids: list[int], timeout_s: float | None = None
+        self, lease_id: str, block_ids: list[int], timeout_s: float | None = None, shard: int = 0
     ) -> BlockStream:
-        """Start ReadBlocks; the deadline (default timeout_s) covers the whole stream."""
-        request = pb.ReadBlocksRequest(lease_id=lease_id, block_ids=block_ids)
+        """Start ReadBlocks (of the engine's `shard`); the deadline (default timeout_s) covers
+        the whole stream."""
+        request = pb.ReadBlocksRequest(lease_id=lease_id, block_ids=block_ids, shard=shard)
         call = self._read_blocks(
             request, metadata=self._metadata, timeout=timeout_s or self.timeout_s
         )

@@ -3,11 +3,16 @@
 Both engines use the block-contiguous layout (engine/worker/kv_cache.py): block b of a cache is
 the `block_bytes` bytes at offset b * block_bytes, all layers, K and V. A transport therefore
 moves blocks as opaque byte ranges; consecutive block ids on both sides form one range.
+
+An engine whose tensor-parallel ranks keep caches of their own registers one cache per rank
+(its shards, connector/kv_shards.py); a read names the shard on each side, and may land in a
+staging tensor instead of a shard (the remote shard holds other heads than ours).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +27,28 @@ class BlockRead:
     local_block_ids: list[int]
     remote_block_ids: list[int]
     lease_id: str
+    local_shard: int = 0  # which of our registered caches receives the blocks
+    remote_shard: int = 0  # which of the remote's registered caches they come from
+    # Where the blocks land instead of our shard: its rows, indexed by local_block_ids (a
+    # remote shard holding other heads than ours is read whole, then the heads copied).
+    into: torch.Tensor | None = None
+
+
+def destination(read: BlockRead, caches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensor a read writes into: its staging tensor, or our shard it names."""
+    if read.into is not None:
+        return read.into
+    if not 0 <= read.local_shard < len(caches):
+        raise ValueError(f"local shard {read.local_shard} outside [0, {len(caches)})")
+    return caches[read.local_shard]
+
+
+def as_shards(kv_cache: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """What `register` was given, as a list of caches (one per shard)."""
+    shards = [kv_cache] if isinstance(kv_cache, torch.Tensor) else list(kv_cache)
+    if not shards:
+        raise ValueError("no KV cache to register")
+    return shards
 
 
 @dataclass
@@ -59,8 +86,9 @@ class KVTransport(ABC):
     name: str
 
     @abstractmethod
-    def register(self, kv_cache: torch.Tensor) -> None:
-        """Register the whole cache once at start-up ([num_blocks, ...], block-contiguous)."""
+    def register(self, kv_cache: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Register the whole cache once at start-up ([num_blocks, ...], block-contiguous), or
+        each of its shards (the same block ids in each)."""
 
     @abstractmethod
     def local_metadata(self) -> bytes:

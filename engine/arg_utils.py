@@ -21,7 +21,7 @@ from engine.config import (
 )
 from engine.models import ModelArchConfig
 from engine.models.catalog import TINY_MODEL, is_gguf_path, resolve_model
-from engine.parallel.layout import check_tensor_parallel
+from engine.parallel.layout import check_tensor_parallel, shares_kv_cache
 
 
 @dataclass
@@ -98,6 +98,10 @@ class EngineArgs:
     tensor_parallel_collectives: str = "auto"
     """how the ranks exchange: shm (shared memory, float32 on CPUs), torch (torch.distributed:
     gloo on CPUs, NCCL on GPUs) or auto (shm where it applies)"""
+    tensor_parallel_kv_cache: str = "auto"
+    """where the ranks keep KV: shared (one cache of every head in /dev/shm, each rank
+    attending over its own: CPUs), per_rank (a cache of its own heads each, rank 0 mapping
+    them all for KV transfer: always on GPUs) or auto (shared where it applies)"""
     kv_offloading_size: float = 0.0
     """GiB of a KV tier below the primary pool: blocks leaving the pool are copied there, and a
     prompt whose prefix is found there loads it back instead of computing it (0: no tier)"""
@@ -156,7 +160,11 @@ class EngineArgs:
         return config, arch
 
     def _parallel_config(self, arch: ModelArchConfig) -> ParallelConfig:
-        parallel = ParallelConfig(self.tensor_parallel_size, self.tensor_parallel_collectives)
+        parallel = ParallelConfig(
+            self.tensor_parallel_size,
+            self.tensor_parallel_collectives,
+            self.tensor_parallel_kv_cache,
+        )
         check_tensor_parallel(arch, parallel.tensor_parallel_size)
         return parallel
 
@@ -237,26 +245,18 @@ def _check_parallel_support(config: EngineConfig, arch: ModelArchConfig) -> None
     size = config.parallel.tensor_parallel_size
     if size == 1:
         return
-    if config.kv_transfer is not None:
-        # KV moves as whole blocks of every head: the ranks must keep one cache of every
-        # head, which ranks on one CPU host do where none holds a replicated head.
-        if config.model.device != "cpu":
-            raise ValueError(
-                "kv_transfer_config with tensor_parallel_size > 1 needs device cpu for now "
-                "(ranks on GPUs do not share one KV cache)"
-            )
-        if arch.num_key_value_heads % size:
-            raise ValueError(
-                f"kv_transfer_config with tensor_parallel_size={size} needs the model's "
-                f"{arch.num_key_value_heads} KV heads to split evenly between the ranks"
-            )
-    if config.cache.kv_offloading_size and (
-        config.model.device != "cpu" or arch.num_key_value_heads % size
-    ):
-        # The tier copies whole blocks of every head, as a KV transfer does.
+    shared = shares_kv_cache(arch, size, config.model.device, config.parallel.kv_cache)
+    if config.parallel.kv_cache == "shared" and not shared:
         raise ValueError(
-            f"kv_offloading_size with tensor_parallel_size={size} needs device cpu and the "
-            f"model's {arch.num_key_value_heads} KV heads split evenly between the ranks"
+            f"tensor_parallel_kv_cache='shared' needs device cpu and the model's "
+            f"{arch.num_key_value_heads} KV heads split evenly between {size} ranks"
+        )
+    if config.cache.kv_offloading_size and not shared:
+        # The tier copies whole blocks of every head from one cache.
+        raise ValueError(
+            f"kv_offloading_size with tensor_parallel_size={size} needs the ranks to share "
+            f"one KV cache: device cpu, the model's {arch.num_key_value_heads} KV heads split "
+            "evenly between the ranks, and tensor_parallel_kv_cache auto or shared"
         )
     if config.speculative is not None and config.speculative.uses_draft_model:
         raise ValueError(

@@ -393,6 +393,7 @@ class SpeculativeConfig:
 
 
 TP_COLLECTIVES = ("auto", "shm", "torch")
+TP_KV_CACHES = ("auto", "shared", "per_rank")
 
 
 @dataclass(frozen=True)
@@ -400,10 +401,13 @@ class ParallelConfig:
     """Tensor parallelism inside one engine (engine/parallel/): `tensor_parallel_size`
     processes, one per rank, each holding its share of every layer's heads and MLP width.
     `collectives`: shm (shared memory between ranks on one host, float32 on CPUs), torch
-    (torch.distributed: gloo on CPUs, NCCL on GPUs), auto (shm where it applies)."""
+    (torch.distributed: gloo on CPUs, NCCL on GPUs), auto (shm where it applies).
+    `kv_cache`: shared (one cache of every head on a CPU host), per_rank (each rank its own
+    heads' cache, every one mapped by rank 0), auto (shared where it applies)."""
 
     tensor_parallel_size: int = 1
     collectives: str = "auto"
+    kv_cache: str = "auto"
 
     def __post_init__(self) -> None:
         _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
@@ -411,6 +415,10 @@ class ParallelConfig:
             raise ValueError(
                 f"tensor-parallel collectives must be one of {TP_COLLECTIVES}, "
                 f"got {self.collectives!r}"
+            )
+        if self.kv_cache not in TP_KV_CACHES:
+            raise ValueError(
+                f"tensor_parallel_kv_cache must be one of {TP_KV_CACHES}, got {self.kv_cache!r}"
             )
 
 

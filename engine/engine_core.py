@@ -297,9 +297,12 @@ class EngineCore:
 
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes of one block, all layers, K and V: what a transfer moves per block."""
-        kv_cache = self.runner.kv_cache
-        return kv_cache[0].nbytes if kv_cache is not None else 0
+        """Bytes of one block, all layers, K and V: what a transfer moves per block (of each
+        head once, where ranks keep caches of their own)."""
+        per_heads: dict[tuple[int, int], int] = {}
+        for shard in self.runner.kv_shards:
+            per_heads.setdefault((shard.first_head, shard.num_heads), shard.cache[0].nbytes)
+        return sum(per_heads.values())
 
     def pin_prefix(self, block_hashes: list[bytes], lease_request_id: str) -> list[int]:
         """Lend the cached blocks of the hashes' leading run (the connector leases them under

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from engine.config import EngineConfig
     from engine.models import ModelArchConfig
+    from engine.worker.kv_cache import KVShard
 
 T = TypeVar("T")
 # The KV cache's block-contiguous layout (engine/worker/kv_cache.py), named in the transfer
@@ -102,8 +103,9 @@ class KVConnectorBase(ABC):
 
     # ------------------------------------------------------------------ worker side
 
-    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
-        """The engine's KV cache, once, before the first step."""
+    def register_kv_caches(self, kv_cache: torch.Tensor | Sequence[KVShard]) -> None:
+        """The engine's KV cache, once, before the first step: one tensor, or one shard per
+        tensor-parallel rank that keeps a cache of its own (engine/worker/kv_cache.py)."""
         return None
 
     def start_load_kv(self, metadata: Any) -> None:

@@ -74,12 +74,6 @@ class TPLayout:
     def vocab_start(self) -> int:
         return self.rank * self.vocab_rows
 
-    @property
-    def can_share_kv_cache(self) -> bool:
-        """Ranks on one host may keep one KV cache of every head, each attending over its own
-        (none of them holds a head another writes: no KV head is replicated)."""
-        return self.size > 1 and self.arch.num_key_value_heads % self.size == 0
-
     def own_heads(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """This rank's heads of a cache [blocks, layers, 2, block_size, heads, head_dim] that
         holds every head (a view; the cache itself where it holds only this rank's)."""
@@ -112,6 +106,19 @@ class TPLayout:
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return 0, self.vocab_start, self.vocab_start + self.vocab_rows
         return None  # norms: every rank holds them whole
+
+
+def shares_kv_cache(arch: ModelArchConfig, size: int, device: str, choice: str = "auto") -> bool:
+    """Whether the `size` ranks of one engine keep one KV cache of every head, each attending
+    over its own heads: on a CPU host (`device` "cpu"), where no KV head is replicated (no
+    rank writes a head another writes too), unless `choice` (tensor_parallel_kv_cache) asks
+    for a cache per rank."""
+    return (
+        size > 1
+        and device == "cpu"
+        and arch.num_key_value_heads % size == 0
+        and choice != "per_rank"
+    )
 
 
 def check_tensor_parallel(arch: ModelArchConfig, size: int) -> None:

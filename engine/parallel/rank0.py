@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -13,7 +14,7 @@ from engine.models.config import ModelArchConfig
 from engine.parallel.layout import TPLayout
 from engine.parallel.workers import Followers, Sampled, TensorParallelError
 from engine.tokenizer import Tokenizer
-from engine.worker.kv_cache import create_shared_kv_file, map_shared_kv_cache
+from engine.worker.kv_cache import KVShard, create_shared_kv_file, map_shared_kv_cache
 from engine.worker.model_runner import ModelRunner
 
 
@@ -35,15 +36,30 @@ class Rank0Runner(ModelRunner):
         super().load_model()
         self.followers.wait_loaded()  # they load theirs meanwhile
 
-    def initialize_kv_cache(self, num_blocks: int, kv_cache: torch.Tensor | None = None) -> None:
+    def initialize_kv_cache(
+        self,
+        num_blocks: int,
+        kv_cache: torch.Tensor | None = None,
+        other_shards: Sequence[KVShard] = (),
+    ) -> None:
         """Every rank allocates as many blocks. On one CPU host the ranks share one cache of
         every head, mapped from /dev/shm, each attending over its own heads: what a KV
         connector on rank 0 registers holds every head, so engines of any tensor-parallel
-        sizes exchange whole blocks as engines of one rank do."""
-        assert kv_cache is None, "rank 0 makes the cache its ranks share"
+        sizes exchange whole blocks as engines of one rank do. Elsewhere each rank has its
+        own (connector/kv_shards.py maps heads between engines)."""
+        assert kv_cache is None and not other_shards, "rank 0 makes the caches of its ranks"
         if not self.shares_kv_cache:
-            self.followers.initialize_kv_cache(num_blocks, None)
-            super().initialize_kv_cache(num_blocks)
+            # Each rank keeps its own heads' cache. A KV connector moves every head: the
+            # other ranks' caches come back mapped here (shared memory on CPUs, CUDA IPC
+            # on GPUs) and are registered beside rank 0's, one shard each.
+            wanted = self.config.kv_transfer is not None
+            caches = self.followers.initialize_kv_cache(num_blocks, None, share_back=wanted)
+            shards = [
+                KVShard(cache, TPLayout(self.arch, rank, self.followers.size).first_kv_head)
+                for rank, cache in enumerate(caches, start=1)
+                if cache is not None
+            ]
+            super().initialize_kv_cache(num_blocks, other_shards=shards)
             return
         spec = self.kv_cache_spec()
         path = create_shared_kv_file(spec, num_blocks)

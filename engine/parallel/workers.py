@@ -40,7 +40,7 @@ from engine.parallel.group import (
     rank_device,
 )
 from engine.parallel.layout import cores_by_rank
-from engine.worker.kv_cache import map_shared_kv_cache
+from engine.worker.kv_cache import allocate_kv_cache, map_shared_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -130,14 +130,20 @@ class Followers:
         """Every follower has built its runner and loaded its slice of the model."""
         self._expect("loaded")
 
-    def initialize_kv_cache(self, num_blocks: int, shared_path: str | None) -> None:
+    def initialize_kv_cache(
+        self, num_blocks: int, shared_path: str | None, share_back: bool = False
+    ) -> list[torch.Tensor | None]:
         """Rank 0 sized the cache: every rank allocates as many blocks of its own heads, or
-        maps the cache of every head rank 0 made at `shared_path`."""
+        maps the cache of every head rank 0 made at `shared_path`. `share_back`: each sends
+        its own cache back, mapped in this process (shared memory, or CUDA IPC): ranks 1..n-1's
+        caches, in rank order (None without `share_back`)."""
         for conn in self._conns:
-            conn.send((num_blocks, shared_path))
-        self._expect("kv_ready")
+            conn.send((num_blocks, shared_path, share_back))
+        return self._expect("kv_ready")
 
-    def _expect(self, what: str) -> None:
+    def _expect(self, what: str) -> list[Any]:
+        """Each follower's `what` message's detail, in rank order (an error: raised)."""
+        details = []
         for rank, conn in enumerate(self._conns, start=1):
             if not conn.poll(_JOIN_TIMEOUT_S):
                 raise TensorParallelError(f"tensor-parallel rank {rank} did not get {what} in time")
@@ -148,6 +154,8 @@ class Followers:
                 raise TensorParallelError(f"tensor-parallel rank {rank} exited{hint}") from None
             if kind != what:
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed: {detail}")
+            details.append(detail)
+        return details
 
     # ------------------------------------------------------------------ steps
 
@@ -243,12 +251,12 @@ def follower_main(conn: Connection, args: FollowerArgs) -> None:
         conn.send(("joined", None))
         runner = _build_runner(args, group)
         conn.send(("loaded", None))
-        num_blocks, shared_path = conn.recv()
-        shared = None
-        if shared_path is not None:
-            shared = map_shared_kv_cache(shared_path, runner.kv_cache_spec(), num_blocks)
-        runner.initialize_kv_cache(num_blocks, shared)
-        conn.send(("kv_ready", None))
+        num_blocks, shared_path, share_back = conn.recv()
+        cache = _follower_cache(runner, num_blocks, shared_path, share_back)
+        runner.initialize_kv_cache(num_blocks, cache)
+        # Pickled by torch's reductions: rank 0 maps the same memory (a CUDA IPC handle, or
+        # the shared memory's file descriptor).
+        conn.send(("kv_ready", cache if share_back else None))
         _run_steps(conn, runner)
     except (EOFError, BrokenPipeError):
         pass  # rank 0 is gone: nothing to report to
@@ -259,6 +267,20 @@ def follower_main(conn: Connection, args: FollowerArgs) -> None:
         if group is not None:
             group.abort()
         raise SystemExit(1) from None
+
+
+def _follower_cache(
+    runner: Any, num_blocks: int, shared_path: str | None, share_back: bool
+) -> torch.Tensor | None:
+    """The cache every rank shares (at `shared_path`), one rank 0 is to map too (in shared
+    memory on CPUs from the start: nothing holds its old address), or None: the runner's own."""
+    spec = runner.kv_cache_spec()
+    if shared_path is not None:
+        return map_shared_kv_cache(shared_path, spec, num_blocks)
+    if not share_back:
+        return None
+    cache = allocate_kv_cache(spec, num_blocks, runner.device)
+    return cache.share_memory_() if cache.device.type == "cpu" else cache
 
 
 def _one_line(exc: BaseException) -> str:

@@ -33,6 +33,21 @@ class KVCacheSpec:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element
 
 
+@dataclass(frozen=True)
+class KVShard:
+    """What a KV connector reads and writes of one rank's cache: blocks of the model's KV
+    heads [first_head, first_head + num_heads). An engine of one rank, or of ranks sharing one
+    cache, has one shard of every head; ranks with caches of their own (GPUs, replicated KV
+    heads, `tensor_parallel_kv_cache="per_rank"`) one each, all mapped in rank 0's process."""
+
+    cache: torch.Tensor  # [num_blocks, num_layers, 2, block_size, num_heads, head_dim]
+    first_head: int = 0
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.cache.shape[4])
+
+
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
     # Zeroed: slots that are read before written (padding inside a block) must not hold NaNs.
     shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)

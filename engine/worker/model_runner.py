@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -28,9 +29,9 @@ from engine.offload.stores import make_store
 from engine.offload.tier_worker import TierWorker
 from engine.outputs import TokenLogprobs
 from engine.parallel.group import SINGLE_RANK, TPGroup, rank_device
-from engine.parallel.layout import TPLayout
+from engine.parallel.layout import TPLayout, shares_kv_cache
 from engine.request import SamplingParams
-from engine.sample import LogprobsOutput, Sampler, SamplingMetadata
+from engine.sample import Sampler, SamplingMetadata
 from engine.sample.logits_processor import (
     LogitsProcessorConfig,
     build_logits_processors,
@@ -47,6 +48,7 @@ from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     KVCacheSpec,
+    KVShard,
     allocate_kv_cache,
     check_cuda_kv_budget,
     cuda_kv_cache_budget,
@@ -75,7 +77,9 @@ class ModelRunner:
         self.group = group
         self.device = rank_device(config.model.device, self.layout.rank)
         # Ranks on one CPU host share one KV cache of every head (engine/parallel/rank0.py).
-        self.shares_kv_cache = self.layout.can_share_kv_cache and self.device.type == "cpu"
+        self.shares_kv_cache = shares_kv_cache(
+            arch, self.layout.size, self.device.type, config.parallel.kv_cache
+        )
         self.dtype = _DTYPES[config.model.dtype]
         sched = config.scheduler
         self.max_model_len = sched.max_model_len
@@ -104,6 +108,7 @@ class ModelRunner:
         self.connector: KVConnectorBase | None = None
         self.tier: TierWorker | None = None  # the KV tier's copies (start_tier)
         self.kv_cache: torch.Tensor | None = None
+        self.kv_shards: list[KVShard] = []
         self.kv_layers: list[torch.Tensor] = []
         # Decode steps on CUDA replay captured graphs (set up with the KV cache).
         self.use_cuda_graphs = (
@@ -201,18 +206,28 @@ class ModelRunner:
             device=self.device,
         )
 
-    def initialize_kv_cache(self, num_blocks: int, kv_cache: torch.Tensor | None = None) -> None:
-        """`kv_cache`: one to use (shared by the tensor-parallel ranks) instead of a new one."""
+    def initialize_kv_cache(
+        self,
+        num_blocks: int,
+        kv_cache: torch.Tensor | None = None,
+        other_shards: Sequence[KVShard] = (),
+    ) -> None:
+        """`kv_cache`: one to use (shared by the tensor-parallel ranks, or shared with rank
+        0) instead of a new one; `other_shards`: the other ranks' caches, where each keeps
+        its own (rank 0's connector registers them too: engine/parallel/rank0.py)."""
         if kv_cache is None:
             kv_cache = allocate_kv_cache(self.kv_cache_spec(), num_blocks, self.device)
-        self.kv_cache = kv_cache  # what a connector registers: blocks of every head it holds
+        self.kv_cache = kv_cache
+        every_head = kv_cache.shape[4] == self.arch.num_key_value_heads
+        own = KVShard(kv_cache, 0 if every_head else self.layout.first_kv_head)
+        self.kv_shards = [own, *other_shards]  # what a connector registers
         self.kv_layers = layer_views(self.layout.own_heads(kv_cache))
         if self.use_cuda_graphs:
             self.graphs = self.build_decode_graphs(self.kv_layers)
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.config.cache.block_size, self.dtype)
         if self.connector is not None:
-            self.connector.register_kv_caches(self.kv_cache)
+            self.connector.register_kv_caches(self.kv_shards)
 
     # ------------------------------------------------------------------ one step
 
@@ -402,7 +417,9 @@ class ModelRunner:
         )
         sampled = self.sampler(logits, metadata)
         tokens = sampled.sampled_token_ids.tolist()
-        logprobs = _logprobs_rows(sampled.logprobs, states)
+        logprobs = None
+        if sampled.logprobs is not None:
+            logprobs = sampled.logprobs.rows([s.sampling_params.logprobs or 0 for s in states])
         req_ids: list[str] = []
         out_tokens: list[list[int]] = []
         out_logprobs: list[list[TokenLogprobs]] = []
@@ -423,22 +440,6 @@ class ModelRunner:
         return ModelRunnerOutput(
             req_ids, out_tokens, logprobs=out_logprobs if logprobs is not None else None
         )
-
-
-def _logprobs_rows(
-    logprobs: LogprobsOutput | None, states: list[CachedRequestState]
-) -> list[TokenLogprobs] | None:
-    """Per row: the sampled token then the request's own top-n (the batch computes the
-    largest n any row asked for)."""
-    if logprobs is None:
-        return None
-    ids, values = logprobs.token_ids.tolist(), logprobs.logprobs.tolist()
-    ranks = logprobs.ranks.tolist()
-    rows: list[TokenLogprobs] = []
-    for state, i, v, r in zip(states, ids, values, ranks, strict=True):
-        n = (state.sampling_params.logprobs or 0) + 1
-        rows.append((i[:n], v[:n], r))
-    return rows
 
 
 __all__ = ["ModelRunner"]

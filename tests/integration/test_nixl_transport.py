@@ -21,11 +21,8 @@ import pytest
 import torch
 
 from connector import testing
-from connector.nixl_transport import (
-    FAIL_AFTER_DESCRIPTORS_ENV,
-    NixlTransport,
-    PeerMetadata,
-)
+from connector.nixl_regions import PeerMetadata
+from connector.nixl_transport import FAIL_AFTER_DESCRIPTORS_ENV, NixlTransport
 from connector.testing import CacheSpec, PeerInfo, expect, holds_blocks, reap, wait_for
 from connector.transport import BlockRead, contiguous_runs
 from pdserve.bench import kv
@@ -236,7 +233,7 @@ def test_add_remote_is_idempotent_and_checks_layout(prefill: Prefill, decode: De
     decode.transport.start_read(read("after-readd", [9], [9]))
     assert wait_for(decode.transport, "after-readd", STEP_TIMEOUT_S) is None
     peer = PeerMetadata.from_bytes(metadata)
-    wider = replace(peer, region=replace(peer.region, block_bytes=2 * BLOCK_BYTES))
+    wider = replace(peer, regions=(replace(peer.regions[0], block_bytes=2 * BLOCK_BYTES),))
     with pytest.raises(ValueError, match="incompatible"):
         decode.transport.add_remote("wider", wider.to_bytes())
     with pytest.raises(ValueError, match="malformed"):

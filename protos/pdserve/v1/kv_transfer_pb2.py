@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\")\n\x11LendPrefixRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x95\x01\n\x12LendPrefixResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x04\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x1a\n\x12\x65xpires_in_seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x62lock_checksums\x18\x06 \x03(\x06\"p\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1a\n\x12\x63ompatibility_hash\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x1a\n\x12\x65xpected_engine_id\x18\x04 \x01(\t\"\x9a\x01\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1a\n\x12\x63ompatibility_hash\x18\x02 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x03 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x11\n\ttransport\x18\x06 \x01(\t\" \n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"=\n\rLeaseResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x1a\n\x12\x65xpires_in_seconds\x18\x02 \x01(\x01\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"8\n\x11ReadBlocksRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x04\"P\n\tBlockData\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x32\xee\x02\n\nKVTransfer\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x41\n\nRenewLease\x12\x18.pdserve.v1.LeaseRequest\x1a\x19.pdserve.v1.LeaseResponse\x12@\n\x07Release\x12\x18.pdserve.v1.LeaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12\x44\n\nReadBlocks\x12\x1d.pdserve.v1.ReadBlocksRequest\x1a\x15.pdserve.v1.BlockData0\x01\x12K\n\nLendPrefix\x12\x1d.pdserve.v1.LendPrefixRequest\x1a\x1e.pdserve.v1.LendPrefixResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\")\n\x11LendPrefixRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x95\x01\n\x12LendPrefixResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x04\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x1a\n\x12\x65xpires_in_seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x62lock_checksums\x18\x06 \x03(\x06\"p\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1a\n\x12\x63ompatibility_hash\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x1a\n\x12\x65xpected_engine_id\x18\x04 \x01(\t\"\xaf\x01\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1a\n\x12\x63ompatibility_hash\x18\x02 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x03 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x13\n\x0bshard_heads\x18\x07 \x03(\r\" \n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"=\n\rLeaseResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x1a\n\x12\x65xpires_in_seconds\x18\x02 \x01(\x01\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"G\n\x11ReadBlocksRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x04\x12\r\n\x05shard\x18\x03 \x01(\r\"P\n\tBlockData\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x32\xee\x02\n\nKVTransfer\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x41\n\nRenewLease\x12\x18.pdserve.v1.LeaseRequest\x1a\x19.pdserve.v1.LeaseResponse\x12@\n\x07Release\x12\x18.pdserve.v1.LeaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12\x44\n\nReadBlocks\x12\x1d.pdserve.v1.ReadBlocksRequest\x1a\x15.pdserve.v1.BlockData0\x01\x12K\n\nLendPrefix\x12\x1d.pdserve.v1.LendPrefixRequest\x1a\x1e.pdserve.v1.LendPrefixResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,17 +38,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREQUEST']._serialized_start=246
   _globals['_HANDSHAKEREQUEST']._serialized_end=358
   _globals['_HANDSHAKERESPONSE']._serialized_start=361
-  _globals['_HANDSHAKERESPONSE']._serialized_end=515
-  _globals['_LEASEREQUEST']._serialized_start=517
-  _globals['_LEASEREQUEST']._serialized_end=549
-  _globals['_LEASERESPONSE']._serialized_start=551
-  _globals['_LEASERESPONSE']._serialized_end=612
-  _globals['_RELEASERESPONSE']._serialized_start=614
-  _globals['_RELEASERESPONSE']._serialized_end=649
-  _globals['_READBLOCKSREQUEST']._serialized_start=651
-  _globals['_READBLOCKSREQUEST']._serialized_end=707
-  _globals['_BLOCKDATA']._serialized_start=709
-  _globals['_BLOCKDATA']._serialized_end=789
-  _globals['_KVTRANSFER']._serialized_start=792
-  _globals['_KVTRANSFER']._serialized_end=1158
+  _globals['_HANDSHAKERESPONSE']._serialized_end=536
+  _globals['_LEASEREQUEST']._serialized_start=538
+  _globals['_LEASEREQUEST']._serialized_end=570
+  _globals['_LEASERESPONSE']._serialized_start=572
+  _globals['_LEASERESPONSE']._serialized_end=633
+  _globals['_RELEASERESPONSE']._serialized_start=635
+  _globals['_RELEASERESPONSE']._serialized_end=670
+  _globals['_READBLOCKSREQUEST']._serialized_start=672
+  _globals['_READBLOCKSREQUEST']._serialized_end=743
+  _globals['_BLOCKDATA']._serialized_start=745
+  _globals['_BLOCKDATA']._serialized_end=825
+  _globals['_KVTRANSFER']._serialized_start=828
+  _globals['_KVTRANSFER']._serialized_end=1194
 # @@protoc_insertion_point(module_scope)

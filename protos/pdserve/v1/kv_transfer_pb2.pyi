@@ -41,20 +41,22 @@ class HandshakeRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., compatibility_hash: _Optional[str] = ..., transport: _Optional[str] = ..., expected_engine_id: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_id", "compatibility_hash", "transport_metadata", "num_blocks", "block_bytes", "transport")
+    __slots__ = ("engine_id", "compatibility_hash", "transport_metadata", "num_blocks", "block_bytes", "transport", "shard_heads")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_METADATA_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_HEADS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     compatibility_hash: str
     transport_metadata: bytes
     num_blocks: int
     block_bytes: int
     transport: str
-    def __init__(self, engine_id: _Optional[str] = ..., compatibility_hash: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+    shard_heads: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., compatibility_hash: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., shard_heads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -77,12 +79,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class ReadBlocksRequest(_message.Message):
-    __slots__ = ("lease_id", "block_ids")
+    __slots__ = ("lease_id", "block_ids", "shard")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    shard: int
+    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class BlockData(_message.Message):
     __slots__ = ("block_id", "offset", "data", "block_bytes")
