@@ -201,6 +201,10 @@ class ShardedLoad:
             heads = slice(piece.dst_head, piece.dst_head + piece.num_heads)
             taken = read.into[..., piece.src_head : piece.src_head + piece.num_heads, :]
             cache[ids, :, :, :, heads] = taken
+            if cache.device.type == "cuda":
+                # Another process (the shard's rank) reads these blocks at its next step: the
+                # copy must be done, not queued on this process's stream, before it is told.
+                torch.cuda.synchronize(cache.device)
 
     def bad_blocks(self) -> tuple[list[int], int]:
         """(local blocks whose checksum does not match, blocks checked), once every piece

@@ -29,6 +29,8 @@ _KV_HEALTH = (
     "faults_lost",
     "faults_died",
     "timed_out_reads",
+    "pieces_direct",
+    "pieces_staged",
 )
 
 

@@ -12,6 +12,12 @@ hand-off, the reader before it used them (engine/block_checksums.py; the engines
 counters,
 `checksum_us_produced` and `checksum_us_verified`) — and `checksum_share_of_ttft` its median
 over the hand-off's median TTFT. The first run of each length is a warm-up, not counted.
+
+Either engine may be split over tensor-parallel ranks (`prefill_tensor_parallel_size`,
+`decode_tensor_parallel_size`), sharing one KV cache of every head or keeping one per rank
+(`tensor_parallel_kv_cache`; connector/kv_shards.py): `pieces_direct` and `pieces_staged`
+say how the decode engine's reads went. Split, the default model is random weights in
+Qwen2.5-0.5B's shape (SmolLM2's 9 query heads do not split in 2).
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ _FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 
 @dataclass(frozen=True)
 class HandoffBenchConfig:
-    model: str = SMOLLM2_MODEL
-    """the model of both engines (the shipped GGUF by default)"""
+    model: str = ""
+    """the model of both engines (default: the shipped GGUF; random weights in Qwen2.5-0.5B's
+    shape where an engine is split)"""
     prompt_lens: tuple[int, ...] = (256, 1024)
     """prompt lengths in tokens, comma-separated"""
     transport: str = "nixl"
@@ -44,9 +51,17 @@ class HandoffBenchConfig:
     """hand-offs (and colocated runs) per length, after one warm-up"""
     seed: int = 0
     """the prompts' random tokens"""
+    prefill_tensor_parallel_size: int = 1
+    """ranks of the prefill engine"""
+    decode_tensor_parallel_size: int = 1
+    """ranks of the decode engine"""
+    tensor_parallel_kv_cache: str = "auto"
+    """where split engines keep KV: auto, shared or per_rank"""
 
     def __post_init__(self) -> None:
         check_transport(self.transport)
+        if min(self.prefill_tensor_parallel_size, self.decode_tensor_parallel_size) < 1:
+            raise ValueError("tensor-parallel sizes must be >= 1")
         if not self.prompt_lens or min(self.prompt_lens) < 2:
             raise ValueError(f"prompt_lens must be >= 2 tokens each, got {self.prompt_lens}")
         if self.repeats < 1:
@@ -59,8 +74,14 @@ FLAGS = {"prompt_lens": Flag(parse=int_list)}
 
 def run(config: HandoffBenchConfig) -> dict[str, Any]:
     kv = {"connector": config.transport, "secret": secrets.token_hex(16)}
-    args = {"max_model_len": max(config.prompt_lens) + 8, "kv_transfer_config": kv}
-    prefill, decode = LLM(config.model, **args), LLM(config.model, **args)
+    args = {
+        "max_model_len": max(config.prompt_lens) + 8,
+        "kv_transfer_config": kv,
+        "tensor_parallel_kv_cache": config.tensor_parallel_kv_cache,
+    }
+    model = _model(config)
+    prefill = LLM(model, tensor_parallel_size=config.prefill_tensor_parallel_size, **args)
+    decode = LLM(model, tensor_parallel_size=config.decode_tensor_parallel_size, **args)
     device = decode.engine.runner.device
     try:
         vocab = int(decode.engine.runner.arch.vocab_size)
@@ -76,10 +97,20 @@ def run(config: HandoffBenchConfig) -> dict[str, Any]:
         decode.close()
     return {
         "benchmark": "handoff",
-        "config": asdict(config),
+        "config": {**asdict(config), "model": config.model or model},
         "device": str(device),
         "prompt_lens": by_length,
     }
+
+
+def _model(config: HandoffBenchConfig) -> str:
+    if config.model:
+        return config.model
+    if max(config.prefill_tensor_parallel_size, config.decode_tensor_parallel_size) == 1:
+        return SMOLLM2_MODEL
+    from engine.testing.shaped_checkpoint import shaped_checkpoint
+
+    return str(shaped_checkpoint("qwen2.5-0.5b"))
 
 
 def _measure(prefill: LLM, decode: LLM, rng: random.Random, length: int, vocab: int) -> dict:
@@ -113,6 +144,8 @@ def _measure(prefill: LLM, decode: LLM, rng: random.Random, length: int, vocab: 
         "colocated_ttft_ms": (t4 - t3) * 1e3,
         "checksum_ms": checksum_us / 1e3,
         "blocks": blocks,
+        "pieces_direct": read.get("pieces_direct", 0),
+        "pieces_staged": read.get("pieces_staged", 0),
     }
 
 
@@ -136,4 +169,5 @@ def _summary(runs: list[dict]) -> dict[str, Any]:
     summary["handoff_over_colocated"] = round(ttft / summary["colocated_ttft_ms"]["p50"], 3)
     summary["checksum_share_of_ttft"] = round(summary["checksum_ms"]["p50"] / ttft, 5)
     summary["blocks"] = runs[0]["blocks"]
+    summary["pieces"] = {"direct": runs[0]["pieces_direct"], "staged": runs[0]["pieces_staged"]}
     return summary

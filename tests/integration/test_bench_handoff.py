@@ -27,6 +27,22 @@ def test_handoff_bench_times_the_hand_off_and_its_checksums(transport: str) -> N
         assert figures["colocated_ttft_ms"]["p50"] > 0
 
 
+def test_handoff_bench_between_engines_of_other_tensor_parallel_layouts() -> None:
+    # Prefill at two ranks, each with its own heads' cache; decode at one: each read is one
+    # piece per prefill rank, staged (the decode engine's cache holds every head).
+    config = HandoffBenchConfig(
+        model="tiny",
+        prompt_lens=(40,),
+        repeats=1,
+        prefill_tensor_parallel_size=2,
+        tensor_parallel_kv_cache="per_rank",
+    )
+    report = run(config)
+    figures = report["prompt_lens"]["40"]
+    assert figures["pieces"] == {"direct": 0, "staged": 2}
+    assert report["config"]["prefill_tensor_parallel_size"] == 2
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -34,6 +50,7 @@ def test_handoff_bench_times_the_hand_off_and_its_checksums(transport: str) -> N
         ({"prompt_lens": ()}, "prompt_lens must be >= 2"),
         ({"prompt_lens": (16, 1)}, "prompt_lens must be >= 2"),
         ({"repeats": 0}, "repeats must be >= 1"),
+        ({"decode_tensor_parallel_size": 0}, "tensor-parallel sizes must be >= 1"),
     ],
 )
 def test_handoff_bench_settings_are_checked(kwargs: dict, message: str) -> None:

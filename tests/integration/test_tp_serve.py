@@ -32,9 +32,18 @@ pytestmark = pytest.mark.integration
 ENGINE_ARGS = {"max_model_len": 256, "kv_cache_memory_bytes": 16 << 20}
 PREFILL_2_DECODE_1 = "p2d1"  # over NIXL
 PREFILL_1_DECODE_2 = "p1d2"  # over gRPC
-# The same two directions over the other transport.
+# The same two directions over the other transport, each rank keeping its own heads' KV
+# cache (as ranks on GPUs do; host memory stands in for their devices' here): rank 0 maps the
+# other's, and reads map heads between the engines (connector/kv_shards.py).
 PREFILL_2_DECODE_1_GRPC = "p2d1g"
 PREFILL_1_DECODE_2_NIXL = "p1d2n"
+PER_RANK = {
+    "engine_args": {
+        **ENGINE_ARGS,
+        "tensor_parallel_size": 2,
+        "tensor_parallel_kv_cache": "per_rank",
+    }
+}
 SETTINGS = AppSettings(
     app={
         "model": "tiny",
@@ -55,8 +64,13 @@ SETTINGS = AppSettings(
             "colocated": False,
             "decode_tensor_parallel_size": 1,
             "transport": "grpc",
+            **PER_RANK,
         },
-        PREFILL_1_DECODE_2_NIXL: {"colocated": False, "prefill_tensor_parallel_size": 1},
+        PREFILL_1_DECODE_2_NIXL: {
+            "colocated": False,
+            "prefill_tensor_parallel_size": 1,
+            **PER_RANK,
+        },
     },
 )
 DEPLOYMENT = "EngineServer"  # the colocated deployment
@@ -175,6 +189,12 @@ def test_prefill_and_decode_of_other_sizes_answer_as_one_rank(served, offline, a
             assert reply.route == "disaggregated"  # the KV came from the prefill replica
             assert list(reply.token_ids) == tokens, text
     assert wait_until(lambda: served.engines_idle(app), 30), "blocks held after the requests"
+    # How the decode engine read: whole blocks of every head where both keep one cache of
+    # every head; per rank, through staging (prefill and decode ranks hold other heads).
+    [decode] = [e for e in client.health().engines if e.role == "decode"]
+    assert decode.kv_pieces_direct + decode.kv_pieces_staged >= 6
+    per_rank = app in (PREFILL_2_DECODE_1_GRPC, PREFILL_1_DECODE_2_NIXL)
+    assert (decode.kv_pieces_staged > 0) == per_rank
 
 
 def test_bench_serve_reports_the_split_roles_time_in_collectives(served) -> None:

@@ -198,7 +198,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("role", "replica_id", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_held_requests", "kv_cache_usage", "state", "kv_checksum_failures", "kv_faults_injected", "kv_reads_failed", "kv_fenced_reads", "kv_unanswered_reads", "kv_faults_lost", "kv_faults_died", "kv_timed_out_reads", "tensor_parallel_size", "tp_collective_seconds", "role_epoch", "moved_requests")
+    __slots__ = ("role", "replica_id", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "num_held_requests", "kv_cache_usage", "state", "kv_checksum_failures", "kv_faults_injected", "kv_reads_failed", "kv_fenced_reads", "kv_unanswered_reads", "kv_faults_lost", "kv_faults_died", "kv_timed_out_reads", "tensor_parallel_size", "tp_collective_seconds", "role_epoch", "moved_requests", "kv_pieces_direct", "kv_pieces_staged")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,8 @@ class EngineStats(_message.Message):
     TP_COLLECTIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MOVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_PIECES_DIRECT_FIELD_NUMBER: _ClassVar[int]
+    KV_PIECES_STAGED_FIELD_NUMBER: _ClassVar[int]
     role: str
     replica_id: str
     num_blocks: int
@@ -241,7 +243,9 @@ class EngineStats(_message.Message):
     tp_collective_seconds: float
     role_epoch: int
     moved_requests: int
-    def __init__(self, role: _Optional[str] = ..., replica_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[str] = ..., kv_checksum_failures: _Optional[int] = ..., kv_faults_injected: _Optional[int] = ..., kv_reads_failed: _Optional[int] = ..., kv_fenced_reads: _Optional[int] = ..., kv_unanswered_reads: _Optional[int] = ..., kv_faults_lost: _Optional[int] = ..., kv_faults_died: _Optional[int] = ..., kv_timed_out_reads: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tp_collective_seconds: _Optional[float] = ..., role_epoch: _Optional[int] = ..., moved_requests: _Optional[int] = ...) -> None: ...
+    kv_pieces_direct: int
+    kv_pieces_staged: int
+    def __init__(self, role: _Optional[str] = ..., replica_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[str] = ..., kv_checksum_failures: _Optional[int] = ..., kv_faults_injected: _Optional[int] = ..., kv_reads_failed: _Optional[int] = ..., kv_fenced_reads: _Optional[int] = ..., kv_unanswered_reads: _Optional[int] = ..., kv_faults_lost: _Optional[int] = ..., kv_faults_died: _Optional[int] = ..., kv_timed_out_reads: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tp_collective_seconds: _Optional[float] = ..., role_epoch: _Optional[int] = ..., moved_requests: _Optional[int] = ..., kv_pieces_direct: _Optional[int] = ..., kv_pieces_staged: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
     __slots__ = ("status", "engines")

@@ -102,19 +102,24 @@ def test_a_follow_up_turn_the_decode_replica_holds_skips_the_prefill_leg(servers
 
 
 @pytest.mark.parametrize(
-    ("min_loan", "lender_ranks"), [(32, 1), (0, 1), (32, 2)], ids=["loan", "off", "loan-tp2"]
+    ("min_loan", "lender_ranks", "kv_cache"),
+    [(32, 1, "auto"), (0, 1, "auto"), (32, 2, "auto"), (32, 2, "per_rank")],
+    ids=["loan", "off", "loan-tp2", "loan-tp2-per-rank"],
 )
 def test_a_prefill_engine_borrows_the_prefix_a_decode_engine_holds(
-    servers, offline, min_loan, lender_ranks
+    servers, offline, min_loan, lender_ranks, kv_cache
 ):
     """Prefix loans: turn two goes to a prefill engine that never saw turn one. The decode
     engine that wrote turn one's answer holds its prompt and answer; it lends those blocks
     (LendPrefix, under a lease), the prefill engine reads them over the side channel's
     transport and computes only the rest, and the answer is the one offline generation
     gives. Afterwards no engine holds a block. A lender of two tensor-parallel ranks lends
-    blocks of the cache its ranks share (every head)."""
+    blocks of the cache its ranks share (every head), or, each rank keeping its own heads'
+    cache (as on GPUs), one shard per rank: the borrower reads each shard's heads staged into
+    its cache of every head."""
     kv = {"connector": "grpc", "secret": SECRET, "lease_seconds": 30}
-    decode = EngineServer("tiny", {**ENGINE_ARGS, "tensor_parallel_size": lender_ranks}, kv)
+    split = {"tensor_parallel_size": lender_ranks, "tensor_parallel_kv_cache": kv_cache}
+    decode = EngineServer("tiny", {**ENGINE_ARGS, **split}, kv)
     fresh = EngineServer("tiny", ENGINE_ARGS, kv)  # the second turn's prefill engine
     params = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
     try:
@@ -137,6 +142,7 @@ def test_a_prefill_engine_borrows_the_prefix_a_decode_engine_holds(
             # Turn one's KV but its last answer token: 63 tokens, 3 whole blocks, read, and
             # each checked against the checksum its lender computed.
             assert stats["blocks_read"] == stats["blocks_verified"] == 3
+            assert stats["pieces_staged"] == (lender_ranks if kv_cache == "per_rank" else 0)
         else:
             assert stats["blocks_read"] == 0
         assert stats["checksum_failures"] == 0
