@@ -34,8 +34,6 @@ _RETIRED_CLIENTS = 8
 # A read's deadline grows with its bytes at a slow link's pace (config.read_timeout_base_s
 # plus the bytes at this rate): a lost completion, a stuck transfer costs about a second.
 READ_MIN_BYTES_PER_S = 100e6
-# How long a load whose later pieces could not start waits for its started ones to stop.
-_STOP_WAIT_S = 10.0
 
 
 @dataclass
@@ -151,7 +149,7 @@ class KVReads:
             renewing = True
             client.renew_lease(load.remote.lease_id, self.config.heartbeat_timeout_s)
             renewing = False
-            self._start_pieces(sharded)
+            failure = self._start_pieces(sharded)
             staged = sum(not piece.direct for piece in sharded.pieces)
             self.stats["pieces_staged"] += staged
             self.stats["pieces_direct"] += len(sharded.pieces) - staged
@@ -173,26 +171,30 @@ class KVReads:
         budget = (
             self.config.read_timeout_base_s + (ahead + sharded.num_bytes) / READ_MIN_BYTES_PER_S
         )
-        self._active[load.request_id] = _ActiveRead(
-            load, client, time.monotonic() + budget, sharded
-        )
-        for transfer_id in sharded.reads:
+        active = _ActiveRead(load, client, time.monotonic() + budget, sharded)
+        active.failure, active.cancelled = failure, failure is not None
+        self._active[load.request_id] = active
+        for transfer_id in sharded.pending:
             self._pieces[transfer_id] = load.request_id
         self._watch.add(load.request_id, client, load.remote.lease_id)
 
-    def _start_pieces(self, sharded: ShardedLoad) -> None:
-        """Start every piece's read; where one cannot start, those started are stopped and
-        the error raised once they have (nothing writes into the blocks after it)."""
-        started: list[str] = []
-        try:
-            for transfer_id, (_, read) in sharded.reads.items():
+    def _start_pieces(self, sharded: ShardedLoad) -> str | None:
+        """Start every piece's read. Where a later one cannot start, those started are
+        cancelled and why is returned: the load then fails once they have stopped (nothing
+        writes into its blocks after that). Where the first cannot, the error is raised."""
+        started: set[str] = set()
+        for transfer_id, (_, read) in sharded.reads.items():
+            try:
                 self.transport.start_read(read)
-                started.append(transfer_id)
-        except (ValueError, RuntimeError):
-            for transfer_id in started:
-                self.transport.cancel(transfer_id)
-            _wait_stopped(self.transport, set(started))
-            raise
+            except (ValueError, RuntimeError) as exc:
+                if not started:
+                    raise
+                for piece in started:
+                    self.transport.cancel(piece)
+                sharded.pending = started
+                return f"a piece could not start: {exc}"
+            started.add(transfer_id)
+        return None
 
     def _client(self, remote: RemoteKV) -> SideChannelClient:
         key = (remote.host, remote.port)
@@ -402,16 +404,6 @@ class KVReads:
         self._watch.close()
         for client in [*self._clients.values(), *self._retired]:
             client.close()
-
-
-def _wait_stopped(transport: KVTransport, transfer_ids: set[str]) -> None:
-    """Poll until every read of `transfer_ids` has been reported (each stops at its cancel)."""
-    deadline = time.monotonic() + _STOP_WAIT_S
-    while transfer_ids and time.monotonic() < deadline:
-        results = transport.poll()
-        transfer_ids -= results.done | set(results.failed)
-        if transfer_ids:
-            time.sleep(0.001)
 
 
 def _unreachable(exc: Exception) -> bool:

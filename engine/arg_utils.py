@@ -258,10 +258,6 @@ def _check_parallel_support(config: EngineConfig, arch: ModelArchConfig) -> None
             f"one KV cache: device cpu, the model's {arch.num_key_value_heads} KV heads split "
             "evenly between the ranks, and tensor_parallel_kv_cache auto or shared"
         )
-    if config.speculative is not None and config.speculative.uses_draft_model:
-        raise ValueError(
-            "speculative method 'draft_model' is not supported with tensor_parallel_size > 1"
-        )
 
 
 def _resolve_device(device: str) -> str:

@@ -122,7 +122,9 @@ class ModelRunner:
     def load_model(self) -> None:
         self.model = self._build_model(self.config.model.model, self.arch, draft=False)
         speculative = self.config.speculative
-        if speculative is not None and speculative.uses_draft_model:
+        # Drafts are rank 0's alone (the scheduler sends them to every rank to verify): the
+        # draft model runs there whole, the other ranks hold none of it.
+        if speculative is not None and speculative.uses_draft_model and self.layout.rank == 0:
             assert speculative.model is not None  # checked by SpeculativeConfig
             arch = ModelArchConfig.from_pretrained(speculative.model)
             self.drafter = DraftModelProposer(
@@ -140,14 +142,16 @@ class ModelRunner:
         # +1 position: the token sampled at max_model_len - 1 is never fed back, but the
         # rotary table is indexed by every position the runner may see.
         backend = self.config.model.linear_backend
+        # A draft model is not split (rank 0 runs it whole): no slice, no collectives.
+        layout, group = (TPLayout(arch), SINGLE_RANK) if draft else (self.layout, self.group)
         model = load_model(
             path,
             arch,
             self.dtype,
             self.device,
             self.max_model_len + 1,
-            self.layout,
-            self.group,
+            layout,
+            group,
             # A draft model keeps its blocks like the target where it can, never insists.
             block_kernels(path, backend, self.device, self.dtype, insist=not draft),
             load_format="auto" if draft else self.config.model.load_format,

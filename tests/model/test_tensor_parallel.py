@@ -245,9 +245,12 @@ def test_async_scheduling_speculation_and_grammars_at_two_ranks(hf_refs):
     # Every rank runs the same runner code: steps scheduled ahead, drafts verified, grammars
     # masking the logits (each rank compiles its own) give one rank's tokens.
     ref = hf_refs["llama_gqa"]
+    # A draft model (another architecture, one vocabulary) runs whole on rank 0 alone.
+    draft = {"method": "draft_model", "model": str(hf_refs["qwen2_bias"].path)}
     for extra in (
         {"async_scheduling": True},
         {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+        {"speculative_config": {**draft, "num_speculative_tokens": 3}},
     ):
         llm = make_llm(ref, tensor_parallel_size=2, **extra)
         try:

@@ -7,9 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from connector.grpc_transport import GrpcTransport
+from connector.kv_reads import KVReads
 from connector.kv_shards import Piece, ShardSet, combine, plan_pieces, shard_weight, wire_shards
+from connector.metadata import ConnectorMetadata, LoadSpec
+from connector.pd_connector import PDConnector
+from connector.transport import BlockRead
 from engine.block_checksums import block_checksums, block_sums
+from engine.config import KVTransferConfig
 from engine.worker.kv_cache import KVShard
+from tests.waiting import wait_until
 
 
 def test_engines_of_one_layout_read_every_piece_in_place():
@@ -87,3 +94,72 @@ def test_a_flipped_bit_in_any_shard_changes_the_combination():
         assert split.checksums([0]) != before
         words[17] ^= 1 << 9
         assert split.checksums([0]) == before
+
+
+# -- reads between engines of other layouts, over a real side channel (gRPC) ----------------
+
+SECRET = "s3cret"
+
+
+class _SecondPieceRefused(GrpcTransport):
+    """gRPC reads, but a load's second piece cannot start (its first has by then)."""
+
+    def start_read(self, read: BlockRead) -> None:
+        if read.transfer_id.endswith("#1"):
+            raise ValueError("no room for the second piece")
+        super().start_read(read)
+
+
+@pytest.fixture
+def producer():
+    """A two-shard producer (heads 0-1, 2-3), as rank 0 of two ranks with caches of their own."""
+    conn = PDConnector(KVTransferConfig(connector="grpc", secret=SECRET), "p-0", "h", 4)
+    conn.register_kv_caches([KVShard(_cache(8, 2, seed=4), 0), KVShard(_cache(8, 2, seed=5), 2)])
+    yield conn
+    conn.close()
+
+
+def _reader(transport: GrpcTransport) -> KVReads:
+    shards = ShardSet(torch.zeros(8, 2, 2, 4, 4, 8))  # one rank: every head
+    transport.register(shards.caches)
+    reads = KVReads(KVTransferConfig(connector="grpc", secret=SECRET), "d-0", "h", transport)
+    reads.register(shards)
+    return reads
+
+
+def _finished(reads: KVReads, request_id: str) -> bool:
+    return wait_until(lambda: request_id in reads.get_finished(), timeout_s=10)
+
+
+def test_a_read_of_every_producer_shard_lands_each_ones_heads_in_place(producer):
+    remote = producer.worker.lease_blocks("req", [1, 2], list(range(8)))
+    reads = _reader(GrpcTransport())
+    try:
+        reads.start(
+            ConnectorMetadata(loads=[LoadSpec("r", remote, [3, 5], [1, 2], remote.block_checksums)])
+        )
+        assert _finished(reads, "r")
+        assert reads.take_load_problems() == {} and reads.take_invalid_block_ids() == set()
+        assert reads.stats["pieces_staged"] == 2 and reads.stats["blocks_verified"] == 2
+        shards = producer.worker._shards.caches
+        got = reads._shards.caches[0]
+        assert torch.equal(got[[3, 5]], torch.cat([shards[0][[1, 2]], shards[1][[1, 2]]], dim=4))
+    finally:
+        reads.close()
+
+
+def test_a_piece_that_cannot_start_fails_the_load_once_the_others_stopped(producer):
+    remote = producer.worker.lease_blocks("req", [1, 2], list(range(8)))
+    reads = _reader(_SecondPieceRefused())
+    try:
+        reads.start(
+            ConnectorMetadata(loads=[LoadSpec("r", remote, [3, 5], [1, 2], remote.block_checksums)])
+        )
+        assert reads.in_flight == {"r"}  # its first piece is stopping
+        assert _finished(reads, "r")
+        assert reads.take_load_problems() == {"r": "failed"}
+        assert reads.take_invalid_block_ids() == {3, 5}
+        assert not reads.has_pending()
+        assert producer.get_finished()[0] == {"req"}  # its lease handed back
+    finally:
+        reads.close()
