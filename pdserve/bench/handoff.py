@@ -28,6 +28,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from engine.config import check_transport
 from engine.llm import LLM
 from engine.models.catalog import SMOLLM2_MODEL
@@ -80,11 +82,18 @@ def run(config: HandoffBenchConfig) -> dict[str, Any]:
         "tensor_parallel_kv_cache": config.tensor_parallel_kv_cache,
     }
     model = _model(config)
-    prefill = LLM(model, tensor_parallel_size=config.prefill_tensor_parallel_size, **args)
-    decode = LLM(model, tensor_parallel_size=config.decode_tensor_parallel_size, **args)
-    device = decode.engine.runner.device
+    # Both engines live in this process, whose torch threads a split engine's rank 0 sets
+    # to its share: each engine computes with its own (all of them at one rank).
+    threads = torch.get_num_threads()
+    prefill = _Engine(
+        LLM(model, tensor_parallel_size=config.prefill_tensor_parallel_size, **args), threads
+    )
+    decode = _Engine(
+        LLM(model, tensor_parallel_size=config.decode_tensor_parallel_size, **args), threads
+    )
+    device = decode.llm.engine.runner.device
     try:
-        vocab = int(decode.engine.runner.arch.vocab_size)
+        vocab = int(decode.llm.engine.runner.arch.vocab_size)
         rng = random.Random(config.seed)
         by_length = {}
         for length in config.prompt_lens:
@@ -93,8 +102,9 @@ def run(config: HandoffBenchConfig) -> dict[str, Any]:
             ]
             by_length[str(length)] = _summary(runs[1:])
     finally:
-        prefill.close()
-        decode.close()
+        torch.set_num_threads(threads)
+        prefill.llm.close()
+        decode.llm.close()
     return {
         "benchmark": "handoff",
         "config": {**asdict(config), "model": config.model or model},
@@ -113,7 +123,21 @@ def _model(config: HandoffBenchConfig) -> str:
     return str(shaped_checkpoint("qwen2.5-0.5b"))
 
 
-def _measure(prefill: LLM, decode: LLM, rng: random.Random, length: int, vocab: int) -> dict:
+class _Engine:
+    """An engine of this process and the torch threads it computes with."""
+
+    def __init__(self, llm: LLM, threads: int) -> None:
+        self.llm = llm
+        self.threads = max(1, threads // llm.engine.runner.group.size)
+
+    def generate(self, *args: Any) -> Any:
+        torch.set_num_threads(self.threads)
+        return self.llm.generate(*args)
+
+
+def _measure(
+    prefill: _Engine, decode: _Engine, rng: random.Random, length: int, vocab: int
+) -> dict:
     """One hand-off and one colocated run, each on a fresh prompt (no prefix-cache hit)."""
     prompt = [rng.randrange(vocab) for _ in range(length)]
     produced, read = _counters(prefill), _counters(decode)
@@ -149,13 +173,13 @@ def _measure(prefill: LLM, decode: LLM, rng: random.Random, length: int, vocab: 
     }
 
 
-def _counters(llm: LLM) -> dict[str, int]:
+def _counters(engine: _Engine) -> dict[str, int]:
     """The engine's KV connector counters (engine/stats.py)."""
-    return dict(llm.engine.refresh_stats().kv_transfer)
+    return dict(engine.llm.engine.refresh_stats().kv_transfer)
 
 
-def _since(llm: LLM, before: dict[str, int]) -> dict[str, int]:
-    return {name: value - before.get(name, 0) for name, value in _counters(llm).items()}
+def _since(engine: _Engine, before: dict[str, int]) -> dict[str, int]:
+    return {name: value - before.get(name, 0) for name, value in _counters(engine).items()}
 
 
 def _summary(runs: list[dict]) -> dict[str, Any]:
