@@ -251,11 +251,14 @@ class KVReads:
         for transfer_id in results.done:
             active = self._piece_ended(transfer_id, ended)
             if active is not None and active.failure is None:
-                active.sharded.landed(transfer_id)
+                try:
+                    active.sharded.landed(transfer_id)
+                except (ValueError, RuntimeError, IndexError) as exc:  # shapes that do not fit
+                    self._piece_failed(active, f"its blocks could not be placed: {exc}")
         for transfer_id, reason in results.failed.items():
             active = self._piece_ended(transfer_id, ended)
             if active is not None:
-                active.failure = active.failure or reason
+                self._piece_failed(active, reason)
                 active.refused_by_remote |= transfer_id in results.fenced
         for active in ended:
             request_id = active.load.request_id
@@ -283,6 +286,15 @@ class KVReads:
         if not active.sharded.pending:
             ended.append(active)
         return active
+
+    def _piece_failed(self, active: _ActiveRead, reason: str) -> None:
+        """A piece failed: the load fails, so its other pieces stop (cancelled, not left to
+        run out their deadline); it ends once they have."""
+        if active.failure is None:
+            active.failure = reason
+            if not active.cancelled:
+                active.cancelled = True
+                self._cancel_pieces(active)
 
     def _cancel_pieces(self, active: _ActiveRead) -> None:
         for transfer_id in active.sharded.pending:

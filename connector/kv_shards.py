@@ -81,6 +81,12 @@ class ShardSet:
             [(s.first_head, s.num_heads) for s in self.shards] if len(self.shards) > 1 else []
         )
         self.wire = wire_shards(self.ranges) if self.ranges else [0]
+        # What a read is planned over: the ranges, or one shard of every head where its
+        # shape says how many (a bare tensor of another shape: one shard, heads unknown).
+        cache = self.caches[0]
+        self.layout: list[HeadRange] = self.ranges or (
+            [(0, int(cache.shape[4]))] if cache.dim() == 6 else []
+        )
 
     def checksums(self, block_ids: Sequence[int]) -> list[str]:
         """Of our blocks as they are now: what a reader of them verifies."""
@@ -114,21 +120,23 @@ def plan_pieces(local: Sequence[HeadRange], remote: Sequence[HeadRange]) -> list
         )
     pieces = []
     for index, (first, count) in enumerate(local):
-        covered = 0
+        covered: set[int] = set()
         for source in wire_shards(remote):
             remote_first, remote_count = remote[source]
             low = max(first, remote_first)
             high = min(first + count, remote_first + remote_count)
             if low < high:
+                if covered & set(range(low, high)):
+                    raise ValueError(f"cannot map KV heads: the remote's shards {remote} overlap")
                 direct = (remote_first, remote_count) == (first, count)
                 pieces.append(
                     Piece(index, source, direct, low - remote_first, low - first, high - low)
                 )
-                covered += high - low
-        if covered != count:
+                covered.update(range(low, high))
+        if len(covered) != count:
             raise ValueError(
                 f"cannot map KV heads {first}..{first + count - 1} onto the remote's shards "
-                f"{remote}: they cover {covered} of {count}"
+                f"{remote}: they cover {len(covered)} of {count}"
             )
     return pieces
 
@@ -149,8 +157,8 @@ class ShardedLoad:
 
     @classmethod
     def plan(cls, load: LoadSpec, local: ShardSet, remote: Sequence[HeadRange]) -> ShardedLoad:
-        pieces = plan_pieces(local.ranges, remote)
-        ranges = list(remote) or [(0, total_heads(local.ranges))]
+        pieces = plan_pieces(local.layout, remote)
+        ranges = list(remote) or [(0, total_heads(local.layout))]
         planned = cls(load, pieces, local, ranges)
         for index, piece in enumerate(pieces):
             transfer_id = load.request_id if len(pieces) == 1 else f"{load.request_id}#{index}"

@@ -7,10 +7,11 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-METADATA_VERSION = 2  # 2: a region per shard
+METADATA_VERSION = 2  # 2: a region per shard (1: one region, still written for one)
 
 
 @dataclass(frozen=True)
@@ -69,29 +70,27 @@ class PeerMetadata:
     regions: tuple[CacheRegion, ...]
 
     def to_bytes(self) -> bytes:
-        record = {
-            "version": METADATA_VERSION,
+        """Version 1 (the region's fields at the top) for one region, so engines of one
+        shard read each other across a rolling upgrade; version 2 (a list) for several."""
+        regions = [_region_record(region) for region in self.regions]
+        record: dict[str, Any] = {
             "agent_name": self.agent_name,
             "agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii"),
-            "regions": [
-                {
-                    "base_addr": region.base_addr,
-                    "block_bytes": region.block_bytes,
-                    "num_blocks": region.num_blocks,
-                    "mem_type": region.mem_type,
-                    "device_id": region.device_id,
-                }
-                for region in self.regions
-            ],
         }
+        if len(regions) == 1:
+            record.update(version=1, **regions[0])
+        else:
+            record.update(version=METADATA_VERSION, regions=regions)
         return json.dumps(record, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PeerMetadata:
         try:
             record = json.loads(data)
-            if record.get("version") != METADATA_VERSION:
-                raise ValueError(f"version {record.get('version')!r} != {METADATA_VERSION}")
+            version = record.get("version")
+            if version not in (1, METADATA_VERSION):
+                raise ValueError(f"version {version!r} is neither 1 nor {METADATA_VERSION}")
+            records = [record] if version == 1 else record["regions"]
             regions = tuple(
                 CacheRegion(
                     base_addr=int(region["base_addr"]),
@@ -100,7 +99,7 @@ class PeerMetadata:
                     mem_type=str(region["mem_type"]),
                     device_id=int(region["device_id"]),
                 )
-                for region in record["regions"]
+                for region in records
             )
             if not regions:
                 raise ValueError("no regions")
@@ -113,3 +112,13 @@ class PeerMetadata:
         if not 0 <= shard < len(self.regions):
             raise ValueError(f"remote shard {shard} outside [0, {len(self.regions)})")
         return self.regions[shard]
+
+
+def _region_record(region: CacheRegion) -> dict[str, Any]:
+    return {
+        "base_addr": region.base_addr,
+        "block_bytes": region.block_bytes,
+        "num_blocks": region.num_blocks,
+        "mem_type": region.mem_type,
+        "device_id": region.device_id,
+    }

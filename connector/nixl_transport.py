@@ -249,8 +249,16 @@ class NixlTransport(KVTransport):
                 failure = f"injected failure after {len(runs)} descriptor(s)"
                 self._fail_after = None
             # A staging tensor is registered for this read only (a few blocks, read once).
-            staging = agent.register_memory(read.into) if read.into is not None else None
-            posted = self._post(runs, region, peer.agent_name, remote, deadline, failure)
+            # NIXL's errors share no base class below Exception: a RuntimeError here, with
+            # nothing left registered, as every other refusal to start.
+            staging = None
+            try:
+                staging = agent.register_memory(read.into) if read.into is not None else None
+                posted = self._post(runs, region, peer.agent_name, remote, deadline, failure)
+            except Exception as exc:
+                if staging is not None:
+                    self._best_effort(agent.deregister_memory, staging)
+                raise RuntimeError(f"NIXL could not start the read: {exc}") from exc
             posted.staging = staging
             self._reads[read.transfer_id] = posted
 

@@ -297,8 +297,9 @@ class EngineCore:
 
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes of one block, all layers, K and V: what a transfer moves per block (of each
-        head once, where ranks keep caches of their own)."""
+        """Bytes of one block, all layers, K and V, of each head once (where ranks keep caches
+        of their own, summed over them): what a transfer between engines of one layout moves
+        per block (a staged read of a larger remote shard moves more)."""
         per_heads: dict[tuple[int, int], int] = {}
         for shard in self.runner.kv_shards:
             per_heads.setdefault((shard.first_head, shard.num_heads), shard.cache[0].nbytes)

@@ -53,11 +53,12 @@ class Rank0Runner(ModelRunner):
             # other ranks' caches come back mapped here (shared memory on CPUs, CUDA IPC
             # on GPUs) and are registered beside rank 0's, one shard each.
             wanted = self.config.kv_transfer is not None
-            caches = self.followers.initialize_kv_cache(num_blocks, None, share_back=wanted)
+            sent = self.followers.initialize_kv_cache(num_blocks, None, share_back=wanted)
             shards = [
-                KVShard(cache, TPLayout(self.arch, rank, self.followers.size).first_kv_head)
-                for rank, cache in enumerate(caches, start=1)
+                KVShard(self._mapped(cache, num_blocks), layout.first_kv_head)
+                for rank, cache in enumerate(sent, start=1)
                 if cache is not None
+                for layout in [TPLayout(self.arch, rank, self.followers.size)]
             ]
             super().initialize_kv_cache(num_blocks, other_shards=shards)
             return
@@ -69,6 +70,16 @@ class Rank0Runner(ModelRunner):
         finally:
             os.unlink(path)
         super().initialize_kv_cache(num_blocks, shared)
+
+    def _mapped(self, sent: torch.Tensor | str, num_blocks: int) -> torch.Tensor:
+        """A follower's own cache, mapped here: from its /dev/shm file (unlinked once mapped:
+        the mappings keep it), or the tensor its CUDA IPC handle gave."""
+        if isinstance(sent, torch.Tensor):
+            return sent
+        try:
+            return map_shared_kv_cache(sent, self.kv_cache_spec(), num_blocks)
+        finally:
+            os.unlink(sent)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         # The other ranks write into the cache they share as soon as they get the step: a

@@ -40,7 +40,7 @@ from engine.parallel.group import (
     rank_device,
 )
 from engine.parallel.layout import cores_by_rank
-from engine.worker.kv_cache import allocate_kv_cache, map_shared_kv_cache
+from engine.worker.kv_cache import allocate_kv_cache, create_shared_kv_file, map_shared_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +132,11 @@ class Followers:
 
     def initialize_kv_cache(
         self, num_blocks: int, shared_path: str | None, share_back: bool = False
-    ) -> list[torch.Tensor | None]:
+    ) -> list[torch.Tensor | str | None]:
         """Rank 0 sized the cache: every rank allocates as many blocks of its own heads, or
         maps the cache of every head rank 0 made at `shared_path`. `share_back`: each sends
-        its own cache back, mapped in this process (shared memory, or CUDA IPC): ranks 1..n-1's
-        caches, in rank order (None without `share_back`)."""
+        its own cache back, for this process to map (a /dev/shm file's path on CPUs, a CUDA
+        IPC handle on GPUs): what each of ranks 1..n-1 sent, in rank order (None without)."""
         for conn in self._conns:
             conn.send((num_blocks, shared_path, share_back))
         return self._expect("kv_ready")
@@ -252,11 +252,9 @@ def follower_main(conn: Connection, args: FollowerArgs) -> None:
         runner = _build_runner(args, group)
         conn.send(("loaded", None))
         num_blocks, shared_path, share_back = conn.recv()
-        cache = _follower_cache(runner, num_blocks, shared_path, share_back)
+        cache, shared_back = _follower_cache(runner, num_blocks, shared_path, share_back)
         runner.initialize_kv_cache(num_blocks, cache)
-        # Pickled by torch's reductions: rank 0 maps the same memory (a CUDA IPC handle, or
-        # the shared memory's file descriptor).
-        conn.send(("kv_ready", cache if share_back else None))
+        conn.send(("kv_ready", shared_back))
         _run_steps(conn, runner)
     except (EOFError, BrokenPipeError):
         pass  # rank 0 is gone: nothing to report to
@@ -271,16 +269,22 @@ def follower_main(conn: Connection, args: FollowerArgs) -> None:
 
 def _follower_cache(
     runner: Any, num_blocks: int, shared_path: str | None, share_back: bool
-) -> torch.Tensor | None:
-    """The cache every rank shares (at `shared_path`), one rank 0 is to map too (in shared
-    memory on CPUs from the start: nothing holds its old address), or None: the runner's own."""
+) -> tuple[torch.Tensor | None, Any]:
+    """(the cache this rank uses — None: the runner makes its own —, what rank 0 maps it
+    by). The cache every rank shares is at `shared_path`. One rank 0 is to map too: on CPUs
+    a /dev/shm file of its own, its pages reserved now (a full /dev/shm is a ValueError at
+    start, not a SIGBUS mid-step), sent as its path; on GPUs the tensor, sent as a CUDA IPC
+    handle by torch's reductions."""
     spec = runner.kv_cache_spec()
     if shared_path is not None:
-        return map_shared_kv_cache(shared_path, spec, num_blocks)
+        return map_shared_kv_cache(shared_path, spec, num_blocks), None
     if not share_back:
-        return None
+        return None, None
+    if runner.device.type == "cpu":
+        path = create_shared_kv_file(spec, num_blocks)
+        return map_shared_kv_cache(path, spec, num_blocks), path
     cache = allocate_kv_cache(spec, num_blocks, runner.device)
-    return cache.share_memory_() if cache.device.type == "cpu" else cache
+    return cache, cache
 
 
 def _one_line(exc: BaseException) -> str:

@@ -12,7 +12,7 @@ from connector.kv_reads import KVReads
 from connector.kv_shards import Piece, ShardSet, combine, plan_pieces, shard_weight, wire_shards
 from connector.metadata import ConnectorMetadata, LoadSpec
 from connector.pd_connector import PDConnector
-from connector.transport import BlockRead
+from connector.transport import BlockRead, KVTransport, TransferResults
 from engine.block_checksums import block_checksums, block_sums
 from engine.config import KVTransferConfig
 from engine.worker.kv_cache import KVShard
@@ -62,6 +62,13 @@ def test_layouts_that_do_not_map_are_refused_by_name():
         plan_pieces([(0, 2), (2, 2)], [(0, 4), (4, 4)])
     with pytest.raises(ValueError, match=r"cannot map KV heads 0\.\.2"):
         plan_pieces([(0, 3), (3, 1)], [(0, 1), (2, 2)])  # head 1 held by nobody
+    with pytest.raises(ValueError, match="overlap"):
+        plan_pieces([(0, 4)], [(0, 3), (2, 2)])  # head 2 twice, head 3 held
+    # One shard of every head knows how many from its shape: another count is refused.
+    one = ShardSet(torch.zeros(8, 2, 2, 4, 4, 8))
+    assert one.layout == [(0, 4)] and one.ranges == []  # nothing announced for one shard
+    with pytest.raises(ValueError, match="we hold 4, the remote 8"):
+        plan_pieces(one.layout, [(0, 4), (4, 4)])
 
 
 def _cache(num_blocks: int, heads: int, seed: int) -> torch.Tensor:
@@ -161,5 +168,54 @@ def test_a_piece_that_cannot_start_fails_the_load_once_the_others_stopped(produc
         assert reads.take_invalid_block_ids() == {3, 5}
         assert not reads.has_pending()
         assert producer.get_finished()[0] == {"req"}  # its lease handed back
+    finally:
+        reads.close()
+
+
+class _FirstPieceFails(KVTransport):
+    """Piece #0 fails at once; piece #1 runs until cancelled (a stuck read)."""
+
+    name = "grpc"
+
+    def __init__(self) -> None:
+        self.results = TransferResults()
+        self.cancelled: list[str] = []
+
+    def register(self, kv_cache) -> None:
+        return None
+
+    def local_metadata(self) -> bytes:
+        return b""
+
+    def add_remote(self, engine_id: str, metadata: bytes) -> None:
+        return None
+
+    def start_read(self, read: BlockRead) -> None:
+        if read.transfer_id.endswith("#0"):
+            self.results.failed[read.transfer_id] = "the link broke"
+
+    def poll(self) -> TransferResults:
+        results, self.results = self.results, TransferResults()
+        return results
+
+    def cancel(self, transfer_id: str) -> None:
+        self.cancelled.append(transfer_id)
+        self.results.failed[transfer_id] = "cancelled"
+
+
+def test_a_failed_piece_stops_its_siblings_and_fails_the_load(producer):
+    remote = producer.worker.lease_blocks("req", [1, 2], list(range(8)))
+    transport = _FirstPieceFails()
+    reads = _reader(transport)
+    try:
+        reads.start(
+            ConnectorMetadata(loads=[LoadSpec("r", remote, [3, 5], [1, 2], remote.block_checksums)])
+        )
+        assert reads.get_finished() == set()  # #0 failed: #1 is cancelled, not yet stopped
+        assert transport.cancelled == ["r#1"]
+        assert reads.get_finished() == {"r"}
+        assert reads.take_load_problems() == {"r": "failed"}  # not timed out: it was the link
+        assert reads.take_invalid_block_ids() == {3, 5}
+        assert reads.stats["timed_out_reads"] == 0
     finally:
         reads.close()
