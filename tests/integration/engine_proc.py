@@ -102,8 +102,8 @@ def _hold_side_channel_reads(connector: Any, gate: threading.Event, held: list[i
     server = connector.worker.server
     original = server.block_chunks
 
-    def holding(block_ids: list[int]) -> Any:
-        for chunk in original(block_ids):
+    def holding(block_ids: list[int], shard: int = 0) -> Any:
+        for chunk in original(block_ids, shard):
             held.append(chunk[0])
             gate.wait(_HOLD_TIMEOUT_S)
             held.remove(chunk[0])

@@ -82,8 +82,10 @@ class GatedServer(SideChannelServer):
     def _generation(self, block_id: int) -> int:
         return self.generations.get(block_id, 0)
 
-    def block_chunks(self, block_ids: list[int]) -> Iterator[tuple[int, int, memoryview]]:
-        for sent, item in enumerate(super().block_chunks(block_ids)):
+    def block_chunks(
+        self, block_ids: list[int], shard: int = 0
+    ) -> Iterator[tuple[int, int, memoryview]]:
+        for sent, item in enumerate(super().block_chunks(block_ids, shard)):
             if self.hold_after is not None and sent >= self.hold_after:
                 self.gate.wait(GATE_TIMEOUT_S)
             yield item

@@ -33,7 +33,7 @@ def test_grpc_transport_reads_runs_exactly(server: ServerProcess) -> None:
     transport = transport_for(server.port, shape=(40, *SHAPE[1:]))
     transport.start_read(BlockRead("t-1", ENGINE_ID, local, remote, lease_id))
     assert finish(transport, "t-1") is None
-    cache, expected = transport._cache, make_cache()
+    cache, expected = transport._caches[0], make_cache()
     assert cache is not None
     for loc, rem in zip(local, remote, strict=True):
         assert bytes(cache[loc].numpy()) == block(expected, rem)
@@ -73,7 +73,7 @@ def test_grpc_transport_cancel(gated_server: tuple[GatedServer, int]) -> None:
     lease = server.leases.add("req-cancel", blocks, 30.0)
     transport = transport_for(port)
     transport.start_read(BlockRead("t-cancel", ENGINE_ID, blocks, blocks, lease.lease_id))
-    cache = transport._cache
+    cache = transport._caches[0]
     assert cache is not None
     # The stream is under way: the first block is in, the next waits at the gate.
     assert wait_until(lambda: bool(cache[0].any()), 5.0)
@@ -128,7 +128,7 @@ def _read_held_at_the_gate(proc: ServerProcess, name: str, read_timeout_s: float
     lease_id = proc.lease(f"req-{name}", blocks)
     transport = transport_for(proc.port, read_timeout_s=read_timeout_s)
     transport.start_read(BlockRead(f"t-{name}", ENGINE_ID, blocks, blocks, lease_id))
-    cache = transport._cache
+    cache = transport._caches[0]
     assert cache is not None
     assert wait_until(lambda: bool(cache[0].any()), 10.0)  # the rest held at the gate
     return transport

@@ -132,7 +132,7 @@ def test_large_blocks_travel_in_chunks() -> None:
         transport = transport_for(port)
         transport.start_read(BlockRead("t-chunks", ENGINE_ID, [1, 2], [5, 6], lease.lease_id))
         assert finish(transport, "t-chunks") is None
-        local = transport._cache
+        local = transport._caches[0]
         assert local is not None and bytes(local[1].numpy()) == block(make_cache(), 5)
         transport.close()
         client.close()
