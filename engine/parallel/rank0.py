@@ -50,16 +50,15 @@ class Rank0Runner(ModelRunner):
         assert kv_cache is None and not other_shards, "rank 0 makes the caches of its ranks"
         if not self.shares_kv_cache:
             # Each rank keeps its own heads' cache. A KV connector moves every head: the
-            # other ranks' caches come back mapped here (shared memory on CPUs, CUDA IPC
-            # on GPUs) and are registered beside rank 0's, one shard each.
+            # other ranks' caches are mapped here too (a /dev/shm file of each on CPUs, CUDA
+            # IPC on GPUs) and registered beside rank 0's, one shard each.
             wanted = self.config.kv_transfer is not None
             sent = self.followers.initialize_kv_cache(num_blocks, None, share_back=wanted)
-            shards = [
-                KVShard(self._mapped(cache, num_blocks), layout.first_kv_head)
-                for rank, cache in enumerate(sent, start=1)
-                if cache is not None
-                for layout in [TPLayout(self.arch, rank, self.followers.size)]
-            ]
+            shards = []
+            for rank, cache in enumerate(sent, start=1):
+                if cache is not None:
+                    first = TPLayout(self.arch, rank, self.followers.size).first_kv_head
+                    shards.append(KVShard(self._mapped(cache, num_blocks), first))
             super().initialize_kv_cache(num_blocks, other_shards=shards)
             return
         spec = self.kv_cache_spec()
