@@ -4,6 +4,9 @@ tests/model/test_tp_disaggregation.py)."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,6 +14,7 @@ from connector.grpc_transport import GrpcTransport
 from connector.kv_reads import KVReads
 from connector.kv_shards import Piece, ShardSet, combine, plan_pieces, shard_weight, wire_shards
 from connector.metadata import ConnectorMetadata, LoadSpec
+from connector.nixl_regions import CacheRegion, PeerMetadata
 from connector.pd_connector import PDConnector
 from connector.transport import BlockRead, KVTransport, TransferResults
 from engine.block_checksums import block_checksums, block_sums
@@ -219,3 +223,20 @@ def test_a_failed_piece_stops_its_siblings_and_fails_the_load(producer):
         assert reads.stats["timed_out_reads"] == 0
     finally:
         reads.close()
+
+
+def test_nixl_metadata_of_one_region_stays_version_1_and_several_are_version_2():
+    # One shard's metadata is what engines before shards wrote and read: a rolling upgrade
+    # of one-rank engines keeps reading. Several regions need version 2; others are refused.
+    region = CacheRegion(
+        base_addr=4096, block_bytes=512, num_blocks=8, mem_type="DRAM", device_id=0
+    )
+    one = PeerMetadata("agent-a", b"keys", (region,))
+    record = json.loads(one.to_bytes())
+    assert record["version"] == 1 and record["block_bytes"] == 512 and "regions" not in record
+    assert PeerMetadata.from_bytes(one.to_bytes()) == one
+    two = PeerMetadata("agent-a", b"keys", (region, replace(region, base_addr=8192)))
+    assert json.loads(two.to_bytes())["version"] == 2
+    assert PeerMetadata.from_bytes(two.to_bytes()) == two
+    with pytest.raises(ValueError, match="neither 1 nor 2"):
+        PeerMetadata.from_bytes(json.dumps({**record, "version": 3}).encode())
