@@ -74,11 +74,10 @@ class ShardSet:
             shards = [KVShard(shards)]
         if not shards:
             raise ValueError("no KV cache to register")
-        self.shards = list(shards)
-        self.caches = [shard.cache for shard in self.shards]
+        self.caches = [shard.cache for shard in shards]
         # Announced to peers where there are several (one shard of every head: nothing).
         self.ranges: list[HeadRange] = (
-            [(s.first_head, s.num_heads) for s in self.shards] if len(self.shards) > 1 else []
+            [(s.first_head, s.num_heads) for s in shards] if len(shards) > 1 else []
         )
         self.wire = wire_shards(self.ranges) if self.ranges else [0]
         # What a read is planned over: the ranges, or one shard of every head where its
@@ -155,6 +154,12 @@ class ShardedLoad:
     # Per remote shard, per piece that read it: each checked block's checksum as landed.
     _sums: dict[int, list[list[int]]] = field(default_factory=dict)
 
+    @property
+    def checked(self) -> list[int]:
+        """Positions of the load's blocks that are checked: a remote null block stands for
+        positions its attention never reads (left of a sliding window), anyone's scratch."""
+        return [i for i, b in enumerate(self.load.remote_block_ids) if b != NULL_BLOCK_ID]
+
     @classmethod
     def plan(cls, load: LoadSpec, local: ShardSet, remote: Sequence[HeadRange]) -> ShardedLoad:
         pieces = plan_pieces(local.layout, remote)
@@ -197,10 +202,9 @@ class ShardedLoad:
     def landed(self, transfer_id: str) -> None:
         """A piece's read ended well: sum what it brought, then copy staged heads in place."""
         piece, read = self.reads[transfer_id]
-        checked = [i for i, b in enumerate(self.load.remote_block_ids) if b != NULL_BLOCK_ID]
         target = read.into if read.into is not None else self.local.caches[piece.local]
         started = time.perf_counter()
-        sums = block_sums(target, [read.local_block_ids[i] for i in checked])
+        sums = block_sums(target, [read.local_block_ids[i] for i in self.checked])
         self.checksum_us += round((time.perf_counter() - started) * 1e6)
         self._sums.setdefault(piece.remote, []).append(sums)
         if read.into is not None:
@@ -217,22 +221,14 @@ class ShardedLoad:
     def bad_blocks(self) -> tuple[list[int], int]:
         """(local blocks whose checksum does not match, blocks checked), once every piece
         landed."""
-        checked = [
-            (local, wanted)
-            for local, remote, wanted in zip(
-                self.load.local_block_ids,
-                self.load.remote_block_ids,
-                self.load.checksums,
-                strict=True,
-            )
-            if remote != NULL_BLOCK_ID
-        ]
-        bad = []
-        for i, (local, wanted) in enumerate(checked):
+        load, bad = self.load, []
+        checked, wire = self.checked, wire_shards(self.remote)
+        for i, position in enumerate(checked):
             per_shard = []
-            for shard in wire_shards(self.remote):
+            for shard in wire:
                 copies = {sums[i] for sums in self._sums.get(shard, [])}
                 per_shard.append(copies.pop() if len(copies) == 1 else None)
+            wanted = load.checksums[position]
             if None in per_shard or to_hex(combine(per_shard)) != wanted:  # type: ignore[arg-type]
-                bad.append(local)
+                bad.append(load.local_block_ids[position])
         return bad, len(checked)

@@ -43,6 +43,7 @@ import grpc
 from connector.block_data import encode_block_data
 from connector.file_watch import FileWatch
 from connector.leases import Lease, LeaseError, LeaseTable, no_generations
+from connector.transport import as_shards
 from engine.block_checksums import from_hex
 from engine.config import KVTransferConfig, SideChannelTLS
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
@@ -180,10 +181,7 @@ class SideChannelServer:
         self.config = config
         self.engine_id = engine_id
         self.compat_hash = compat_hash
-        shards: list[torch.Tensor] = (
-            list(kv_cache) if isinstance(kv_cache, (list, tuple)) else [kv_cache]  # type: ignore[list-item]
-        )
-        self.caches = [block_bytes_view(shard) for shard in shards]
+        self.caches = [block_bytes_view(shard) for shard in as_shards(kv_cache)]
         self.shard_heads = [head for pair in shard_heads for head in pair]
         self.num_blocks, self.block_bytes = self.caches[0].shape
         self.transport_metadata = transport_metadata

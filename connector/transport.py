@@ -14,8 +14,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the side channel (and so the router's client) shares as_shards, no torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,10 @@ def destination(read: BlockRead, caches: Sequence[torch.Tensor]) -> torch.Tensor
 
 def as_shards(kv_cache: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """What `register` was given, as a list of caches (one per shard)."""
-    shards = [kv_cache] if isinstance(kv_cache, torch.Tensor) else list(kv_cache)
+    shards = list(kv_cache) if isinstance(kv_cache, (list, tuple)) else [kv_cache]
     if not shards:
         raise ValueError("no KV cache to register")
-    return shards
+    return shards  # type: ignore[return-value]
 
 
 @dataclass
