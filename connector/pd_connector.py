@@ -89,8 +89,9 @@ class PDConnector(KVConnectorBase):
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         remote = RemoteKV.from_params(params)
-        # The last prompt token is computed here, for the logits of the first sample.
-        num_external = min(remote.num_tokens, request.num_tokens - 1) - num_computed_tokens
+        # All the remote has of the prompt: the scheduler keeps the last token to compute
+        # unless the request adopts its first token with the whole prompt's KV.
+        num_external = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
         self._matched[request.request_id] = (remote, num_computed_tokens, max(num_external, 0))
         return max(num_external, 0), num_external > 0
 

@@ -245,6 +245,8 @@ class RequestTiming:
     kv_load_outcome: str | None = None  # "ok", "recovered" (recomputed) or "failed"
     kv_load_problem: str | None = None  # why not "ok" (KVConnectorBase.take_load_problems)
     kv_load_tier: str | None = None  # loaded from this engine's own KV tier ("cpu", "disk")
+    # The whole prompt's KV came with its first token, taken as sampled (nothing recomputed).
+    kv_load_adopted_first_token: bool = False
     pin_ttl_s: float | None = None  # its KV was pinned this long for its session's next turn
     pin_refused: bool = False  # a pin was asked or predicted, and over the engine's budget
 

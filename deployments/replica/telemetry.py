@@ -86,6 +86,8 @@ def _record_kv_transfer(
             "pdserve.kv.outcome": outcome,
         }
     )
+    if timing.kv_load_adopted_first_token:  # the decode engine computed no prompt token
+        span.set_attribute("pdserve.kv.first_token_adopted", True)
     if timing.kv_load_problem is not None:  # why not all of it was used, in a word
         span.set_attribute("pdserve.kv.problem", timing.kv_load_problem)
     if outcome != "ok":

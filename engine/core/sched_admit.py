@@ -9,6 +9,7 @@ list, which admitted requests join in the order they were admitted.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from engine.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
@@ -17,7 +18,9 @@ from engine.core.kv_transfer_state import KVTransferState
 from engine.core.queued_prompts import QueuedPromptTokens
 from engine.core.request_queue import RequestQueue
 from engine.core.sched_step import Step
+from engine.core.stop import adoptable_first_token, append_sampled
 from engine.kv_connector import KVConnectorBase
+from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
 from engine.spec_decode.scheduling import Speculator, lookahead_tokens
 
@@ -36,6 +39,7 @@ class Admitter:
         connector: KVConnectorBase | None,
         speculator: Speculator | None,
         queued_prompts: QueuedPromptTokens,
+        emit: Callable[[EngineCoreOutput], None],
     ) -> None:
         self.config = config
         # Requests that could not be considered (blocked on a remote load, or the connector
@@ -46,6 +50,7 @@ class Admitter:
         self.connector = connector
         self.speculator = speculator
         self.queued_prompts = queued_prompts
+        self.emit = emit  # an output made outside a step, sent with the next step's
 
     def schedule(self, step: Step, running: list[Request]) -> None:
         """Admit queue heads while the budget and `max_num_seqs` allow."""
@@ -55,10 +60,13 @@ class Admitter:
                 break
             queue = self._select_queue()
             request = queue.peek_request()
-            if request.status == _WAITING_FOR_REMOTE_KVS and not self.kv_transfers.promote(request):
-                queue.pop_request()
-                step.skipped.append(request)
-                continue
+            if request.status == _WAITING_FOR_REMOTE_KVS:
+                if not self.kv_transfers.promote(request):
+                    queue.pop_request()
+                    step.skipped.append(request)
+                    continue
+                if request.num_computed_tokens == request.num_tokens:
+                    self._adopt_first_token(request)
             if self._try_admit(request, queue, step, running) is None:
                 break
         if step.skipped:
@@ -90,8 +98,11 @@ class Admitter:
                     queue.pop_request()
                     step.skipped.append(request)
                     return False
-                # At least one token is always computed here, for its logits.
-                num_external = max(0, min(matched, request.num_tokens - 1 - num_local))
+                # At least one token is computed here, for its logits, unless the whole
+                # prompt's KV arrives with its first token (adoptable_first_token).
+                adopts = load_async and self._adoptable(request)
+                room = request.num_tokens - (0 if adopts else 1) - num_local
+                num_external = max(0, min(matched, room))
                 load_async = load_async and num_external > 0
             if num_external == 0 and kv.tier is not None:
                 tier_slots = self._tier_hits(request, num_local)
@@ -133,6 +144,20 @@ class Admitter:
             self.kv_transfers.note_sync_load(request)
         _start_running(request, num_computed, num_new_tokens, step, running)
         return True
+
+    def _adoptable(self, request: Request) -> bool:
+        return adoptable_first_token(request, self.config.max_model_len) is not None
+
+    def _adopt_first_token(self, request: Request) -> None:
+        """The whole prompt's KV has landed: the request takes its forced first token as
+        sampled, and computes that token next, as a colocated engine would after its prefill."""
+        token = adoptable_first_token(request, self.config.max_model_len)
+        assert token is not None, "only an adoptable request loads its whole prompt"
+        append_sampled(request, token, self.config.max_model_len)  # it cannot stop it
+        if request.timing.first_token is None:
+            request.timing.first_token = time.time()
+        request.timing.kv_load_adopted_first_token = True
+        self.emit(EngineCoreOutput(request.request_id, [token]))
 
     def _tier_hits(self, request: Request, num_local: int) -> list[int]:
         """The tier's slots of the prompt's blocks after its `num_local` cached tokens: whole

@@ -4,11 +4,10 @@ There is no prefill phase and no decode phase. A request has `num_computed_token
 `num_tokens`; each step hands out `{request_id: num_new_tokens}` so that the former catches up
 with the latter. A decode is a request one token behind; a prefill chunk is one further behind.
 
-Running requests are scheduled here (making room by preemption.Preemption), then waiting ones
-are admitted (sched_admit.Admitter); the step is described for the worker in sched_step.
-Settling a step's outputs is here too. A decode step of a full batch touches every running
-request three times (schedule, describe, settle), so those loops keep to plain attributes and
-leave the rare cases to helpers.
+Running requests are scheduled here (room made by preemption.Preemption), then waiting ones
+admitted (sched_admit.Admitter); sched_step describes the step for the worker. Settling a
+step's outputs is here too. A full batch's decode step touches every running request three
+times (schedule, describe, settle): those loops keep to plain attributes, rare cases to helpers.
 """
 
 from __future__ import annotations
@@ -79,6 +78,7 @@ class Scheduler:
             connector,
             self.speculator,
             self.queued_prompts,
+            emit=lambda output: self._pending_outputs.append(output),
         )
         self.preemption = Preemption(
             scheduler_config.policy,

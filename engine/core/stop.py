@@ -54,6 +54,30 @@ def append_until_stop(
     return len(token_ids), None
 
 
+def adoptable_first_token(request: Request, max_model_len: int) -> int | None:
+    """The first output token another engine sampled and sent with the prompt's KV (forced
+    here), if this engine may take it as sampled rather than compute the last prompt token
+    again for it; None where it may not.
+
+    Computing that token again as a one-row step gives its KV other last bits than the
+    prefill's many-row chunk wherever a kernel's result depends on the rows beside it (the
+    int8 dot products), and the continuation can then fork at a near-tie. Adopting the token
+    with the whole prompt's KV leaves this engine where a colocated one stands after its
+    prefill, and saves it a step. Not where that row is needed after all: for the token's
+    logprobs, or to end the request (a stop token, a length limit) as the step would.
+    """
+    params = request.sampling_params
+    forced = params.forced_output_token_ids
+    if not forced or request.output_token_ids or request.num_output_placeholders:
+        return None
+    if params.logprobs is not None or forced[0] in request.stop_token_set:
+        return None
+    num_tokens = len(request.all_token_ids) + 1
+    if num_tokens >= request.max_num_tokens or num_tokens >= max_model_len:
+        return None
+    return forced[0]
+
+
 def reaches_length_limit(request: Request, max_model_len: int, pending: int = 0) -> bool:
     """max_tokens outputs, or a full context, counting `pending` samples not yet appended
     (async scheduling's placeholders)."""

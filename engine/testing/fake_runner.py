@@ -66,8 +66,9 @@ class FakeModelRunner:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.reqs.pop(req_id, None)
         for new in so.scheduled_new_reqs:
+            tokens = [*new.prompt_token_ids, *new.output_token_ids]
             self.reqs[new.req_id] = _WorkerRequest(
-                list(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens
+                tokens, list(new.block_ids), new.num_computed_tokens
             )
             self._hashes[new.req_id] = hash(new.req_id) & 0xFFFF
         cached = so.scheduled_cached_reqs

@@ -24,6 +24,7 @@ def _summary(output: Any) -> dict[str, Any]:
         "kv_transfer_params": output.kv_transfer_params,
         "error": output.error,
         "num_cached_tokens": output.num_cached_tokens,
+        "adopted_first_token": bool(output.timing and output.timing.kv_load_adopted_first_token),
     }
 
 

@@ -115,6 +115,32 @@ def test_disaggregated_is_token_identical_to_colocated(pair, colocated):
     assert_idle_and_clean(prefill, decode)
 
 
+def test_the_apps_decode_leg_takes_the_whole_prompts_kv_with_its_first_token(pair, colocated):
+    """The app's decode leg has the prefill engine's first token forced: the decode engine
+    reads the KV of every prompt token, the last one's block too, takes that token as sampled
+    and computes from the next position on, as a colocated engine does after its prefill."""
+    _, prefill, decode = pair
+    prompts = [[rng.randrange(10, 2000) for _ in range(n)] for n in (33, 20, 41, 9)]
+    params = [GREEDY, SEEDED, replace(SEEDED, seed=12), GREEDY]
+    expected = reference(colocated, prompts, params)
+    before = decode.drain()["stats"]
+    one = [replace(p, max_tokens=1) for p in params]
+    firsts = prefill.generate(prompts, one, {"do_remote_decode": True})
+    legs = [
+        replace(p, forced_output_token_ids=f["token_ids"])
+        for p, f in zip(params, firsts, strict=True)
+    ]
+    outs = decode.generate(prompts, legs, [f["kv_transfer_params"] for f in firsts])
+    for out, want in zip(outs, expected, strict=True):
+        assert out["token_ids"] == want
+        assert out["adopted_first_token"]
+    after = decode.drain()["stats"]
+    read = after["blocks_read"] - before["blocks_read"]
+    assert read == sum(cdiv(len(p), BLOCK) for p in prompts)  # 33 and 41: one block more
+    assert after["blocks_verified"] - before["blocks_verified"] == read
+    assert_idle_and_clean(prefill, decode)
+
+
 def corrupted_hand_off(prefill, decode, how: str) -> tuple[list[int], dict]:
     """A fresh prompt prefilled, then its second block changed in the prefill engine's memory
     (`how`: see engine_proc._corrupt_blocks; "reused while read": reused just after the

@@ -114,6 +114,8 @@ def test_one_trace_per_request_across_router_prefill_kv_transfer_decode(served: 
     assert 1 <= kv["attributes"]["pdserve.kv.descriptors"] <= kv["attributes"]["pdserve.kv.blocks"]
     assert kv["attributes"]["pdserve.kv.outcome"] == "ok" and kv["status"] != STATUS_ERROR
     assert "pdserve.kv.problem" not in kv["attributes"]
+    # The decode engine took the prompt's KV with the prefill's token and computed none of it.
+    assert kv["attributes"]["pdserve.kv.first_token_adopted"] is True
 
 
 def test_a_prompt_the_decode_replica_holds_skips_the_prefill_leg_in_the_trace(
@@ -211,6 +213,7 @@ def test_injected_transfer_failure_is_recovered_and_traced(served: Served) -> No
     kv = served.receiver.trace(trace_id)["kv_transfer"]
     assert kv["attributes"]["pdserve.kv.outcome"] == "recovered"
     assert kv["attributes"]["pdserve.kv.problem"] == "failed"  # the transport's (injected)
+    assert "pdserve.kv.first_token_adopted" not in kv["attributes"]  # recomputed here instead
     assert kv["status"] == STATUS_ERROR
 
 

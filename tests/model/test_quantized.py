@@ -8,6 +8,8 @@ path's perplexity within 1%, and the rest to what must hold whatever the roundin
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -233,3 +235,39 @@ def test_bench_perplexity_scores_the_same_tokens_on_each_backend(tmp_path):
     assert report["ratio_to_blocked"] == 1.0
     agreement = report["greedy_agreement_with_blocked"]
     assert agreement["agreement"] == 1.0 and agreement["identical"] == len(ppl.GREEDY_TEXTS)
+
+
+def test_a_hand_off_on_blocks_continues_as_colocated(tmp_path):
+    """The int8 dot products' results depend on the rows beside them, so the KV of a prompt
+    token computed in a one-row step differs in its last bits from the prefill chunk's, and a
+    near-tie later forks the text (10 of 24 random prompts agreed before). The app's decode
+    leg, the prefill engine's first token forced, takes the whole prompt's KV with that token
+    and computes from the next position on, as colocated does: every answer is colocated's.
+    Both engines in this process, over gRPC."""
+    path = str(resolve_model("smollm2"))
+    args = dict(device="cpu", max_model_len=128, linear_backend="quantized")
+    kv = {"connector": "grpc", "secret": "s3cret"}
+    prefill, decode = (
+        LLM(path, kv_transfer_config=kv, **args),
+        LLM(path, kv_transfer_config=kv, **args),
+    )
+    colocated = LLM(path, **args)
+    rng = random.Random(1)
+    vocab = int(decode.engine.runner.arch.vocab_size)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    try:
+        for length in (16, 40, 100, 16, 40, 100, 16, 40):
+            prompt = [rng.randrange(vocab) for _ in range(length)]
+            (want,) = _greedy(colocated, [prompt], params)
+            first = prefill.generate(
+                [prompt], replace(params, max_tokens=1), {"do_remote_decode": True}
+            )[0]
+            leg = replace(params, forced_output_token_ids=first.outputs[0].token_ids)
+            (out,) = decode.generate([prompt], leg, first.kv_transfer_params)
+            assert list(out.outputs[0].token_ids) == want, length
+            assert out.timing is not None and out.timing.kv_load_adopted_first_token
+        stats = decode.engine.kv_transfer_stats()
+        assert stats["blocks_verified"] == stats["blocks_requested"] > 0
+    finally:
+        for llm in (prefill, decode, colocated):
+            llm.close()

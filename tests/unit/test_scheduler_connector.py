@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.core.sched_output import KVConnectorOutput, ModelRunnerOutput
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from tests.unit.fake_connector import FakeConnector
@@ -224,3 +226,77 @@ def test_the_step_trace_counts_a_loaded_requests_hits_once():
     assert "d" not in admitted["prefix_hits"]
     counted = [r for r in records if "d" in r["prefix_hits"]]
     assert counted == [first]
+
+
+def adopting_request(req_id: str = "d", first_token: int = 7, **params) -> Request:
+    """A decode leg whose remote holds the whole prompt (17 tokens) and whose first token
+    came from that engine (forced)."""
+    sampling = SamplingParams(max_tokens=3, forced_output_token_ids=[first_token], **params)
+    remote = {"remote_num_tokens": len(PROMPT), "async": True}
+    return Request(req_id, PROMPT, sampling, kv_transfer_params=remote)
+
+
+def test_the_whole_prompt_loaded_with_its_first_token_computes_no_prompt_token():
+    scheduler, connector, runner = setup()
+    scheduler.add_request(adopting_request())
+    step(scheduler, runner)
+    assert connector.allocations["d"] == ([1, 2, 3, 4, 5], 17)  # every prompt token
+    runner.load_blocks(PROMPT, [1, 2, 3, 4, 5], 17)
+    connector.loads_in_flight.discard("d")
+    report(scheduler, runner, finished_recving={"d"})
+    so, outputs = step(scheduler, runner)
+    (new,) = so.scheduled_new_reqs
+    # The forced token is taken as sampled: the step computes the position after the prompt,
+    # as a colocated engine's first decode step does, over KV the runner checks is the prompt's.
+    assert (new.num_computed_tokens, new.output_token_ids) == (17, [7])
+    assert so.num_scheduled_tokens == {"d": 1} and new.block_ids[:5] == [1, 2, 3, 4, 5]
+    assert [o.new_token_ids for o in outputs] == [[7], [runner.reqs["d"].token_ids[18]]]
+    request = scheduler.requests["d"]
+    assert request.output_token_ids == [7, runner.reqs["d"].token_ids[18]]
+    assert request.timing.kv_load_adopted_first_token
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, why",
+    [
+        ({"logprobs": 2}, "its logprobs come from the last prompt row"),
+        ({"first_token": 2}, "a stop token (eos 2) ends the request in a step"),
+        ({"max_tokens": 1}, "max_tokens reached: the step ends it"),
+    ],
+)
+def test_a_first_token_the_step_must_compute_keeps_the_last_prompt_token(request_kwargs, why):
+    scheduler, connector, runner = setup()
+    first_token = request_kwargs.pop("first_token", 7)
+    max_tokens = request_kwargs.pop("max_tokens", 3)
+    sampling = SamplingParams(
+        max_tokens=max_tokens, forced_output_token_ids=[first_token], **request_kwargs
+    )
+    remote = {"remote_num_tokens": len(PROMPT), "async": True}
+    request = Request("d", PROMPT, sampling, kv_transfer_params=remote, eos_token_id=2)
+    scheduler.add_request(request)
+    step(scheduler, runner)
+    assert connector.allocations["d"] == ([1, 2, 3, 4], 16), why
+    land_load(scheduler, runner, "d")
+    connector.loads_in_flight.discard("d")
+    report(scheduler, runner, finished_recving={"d"})
+    so, _ = step(scheduler, runner)
+    assert so.num_scheduled_tokens == {"d": 1}
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 16
+    assert not request.timing.kv_load_adopted_first_token
+
+
+def test_a_broken_block_in_an_adopting_load_recomputes_and_adopts_nothing():
+    scheduler, connector, runner = setup("recompute")
+    scheduler.add_request(adopting_request())
+    step(scheduler, runner)
+    runner.load_blocks(PROMPT, [1, 2, 3, 4, 5], 17)
+    runner.invalidate_blocks({5})  # the last block, with the last prompt token
+    connector.loads_in_flight.discard("d")
+    report(scheduler, runner, finished_recving={"d"}, invalid_block_ids={5})
+    so, outputs = step(scheduler, runner)
+    (new,) = so.scheduled_new_reqs
+    assert (new.num_computed_tokens, new.output_token_ids) == (16, [])
+    assert so.num_scheduled_tokens == {"d": 1}  # the last prompt token, here
+    request = scheduler.requests["d"]
+    assert not request.timing.kv_load_adopted_first_token
+    assert [len(o.new_token_ids) for o in outputs] == [1]  # sampled by the step (forced)
