@@ -241,7 +241,7 @@ class EngineArgs:
 
 
 def _check_parallel_support(config: EngineConfig, arch: ModelArchConfig) -> None:
-    """What tensor parallelism does not combine with yet, refused by name."""
+    """A KV cache layout the ranks cannot have, refused by name."""
     size = config.parallel.tensor_parallel_size
     if size == 1:
         return
@@ -250,13 +250,6 @@ def _check_parallel_support(config: EngineConfig, arch: ModelArchConfig) -> None
         raise ValueError(
             f"tensor_parallel_kv_cache='shared' needs device cpu and the model's "
             f"{arch.num_key_value_heads} KV heads split evenly between {size} ranks"
-        )
-    if config.cache.kv_offloading_size and not shared:
-        # The tier copies whole blocks of every head from one cache.
-        raise ValueError(
-            f"kv_offloading_size with tensor_parallel_size={size} needs the ranks to share "
-            f"one KV cache: device cpu, the model's {arch.num_key_value_heads} KV heads split "
-            "evenly between the ranks, and tensor_parallel_kv_cache auto or shared"
         )
 
 

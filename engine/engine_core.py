@@ -76,6 +76,8 @@ class EngineCore:
         num_blocks = self.runner.determine_num_blocks()
         cache = replace(config.cache, num_blocks=num_blocks)
         block_bytes = self.runner.kv_cache_spec().bytes_per_block
+        if not self.runner.shares_kv_cache:  # a tier slot holds a block of every rank's cache
+            block_bytes *= self.runner.layout.size
         if cache.kv_offloading_size:
             slots = num_tier_slots(cache, block_bytes, "kv_offloading_size")
             cache = replace(cache, num_tier_blocks=slots)

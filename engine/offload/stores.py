@@ -1,7 +1,9 @@
 """Where a KV tier keeps its blocks: slots of one block each, in host memory or in a file.
 
 A slot holds a block's bytes exactly (every layer, K and V: the primary pool's block layout),
-so a block comes back bit for bit and its checksum is the one it left with.
+so a block comes back bit for bit and its checksum is the one it left with. Where the
+tensor-parallel ranks keep a cache each, a slot holds the block of every rank's cache, one
+after another (`offset`).
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ GIB = 1 << 30
 
 
 class TierStore(Protocol):
-    """Slots of `block_bytes` each; `write` and `read` copy one whole block (a uint8 view of
-    the primary pool's block, on its device)."""
+    """Slots of `block_bytes` each; `write` and `read` copy a block (a uint8 view of the
+    primary pool's block, on its device), or one rank's part of it at `offset` in the slot."""
 
     name: str
 
-    def write(self, slot: int, block: torch.Tensor) -> None: ...
+    def write(self, slot: int, block: torch.Tensor, offset: int = 0) -> None: ...
 
-    def read(self, slot: int, block: torch.Tensor) -> None: ...
+    def read(self, slot: int, block: torch.Tensor, offset: int = 0) -> None: ...
 
     def close(self) -> None: ...
 
@@ -67,13 +69,13 @@ class StackedStore:
             return self._upper, slot
         return self._lower, slot - self._upper_slots
 
-    def write(self, slot: int, block: torch.Tensor) -> None:
+    def write(self, slot: int, block: torch.Tensor, offset: int = 0) -> None:
         store, local = self._at(slot)
-        store.write(local, block)
+        store.write(local, block, offset)
 
-    def read(self, slot: int, block: torch.Tensor) -> None:
+    def read(self, slot: int, block: torch.Tensor, offset: int = 0) -> None:
         store, local = self._at(slot)
-        store.read(local, block)
+        store.read(local, block, offset)
 
     def close(self) -> None:
         self._upper.close()
@@ -91,17 +93,19 @@ class HostStore:
 
     # Host to host through numpy: one thread's memcpy, where torch's copy would start
     # OpenMP workers beside the ones computing the step.
-    def write(self, slot: int, block: torch.Tensor) -> None:
+    def write(self, slot: int, block: torch.Tensor, offset: int = 0) -> None:
+        end = offset + block.numel()
         if block.device.type == "cpu":
-            np.copyto(self._array[slot], block.numpy())
+            np.copyto(self._array[slot, offset:end], block.numpy())
         else:
-            self.slots[slot].copy_(block)
+            self.slots[slot, offset:end].copy_(block)
 
-    def read(self, slot: int, block: torch.Tensor) -> None:
+    def read(self, slot: int, block: torch.Tensor, offset: int = 0) -> None:
+        end = offset + block.numel()
         if block.device.type == "cpu":
-            np.copyto(block.numpy(), self._array[slot])
+            np.copyto(block.numpy(), self._array[slot, offset:end])
         else:
-            block.copy_(self.slots[slot])
+            block.copy_(self.slots[slot, offset:end])
 
     def close(self) -> None:
         return None
@@ -128,17 +132,19 @@ class DiskStore:
         self._fd = fd
         self._staging = torch.empty(block_bytes, dtype=torch.uint8)  # for blocks on a GPU
 
-    def write(self, slot: int, block: torch.Tensor) -> None:
-        host = block if block.device.type == "cpu" else self._staging.copy_(block)
-        written = os.pwrite(self._fd, host.numpy().data, slot * self.block_bytes)
-        if written != self.block_bytes:
-            raise OSError(f"short write to the KV tier ({written} of {self.block_bytes} bytes)")
+    def write(self, slot: int, block: torch.Tensor, offset: int = 0) -> None:
+        size = block.numel()
+        host = block if block.device.type == "cpu" else self._staging[:size].copy_(block)
+        written = os.pwrite(self._fd, host.numpy().data, slot * self.block_bytes + offset)
+        if written != size:
+            raise OSError(f"short write to the KV tier ({written} of {size} bytes)")
 
-    def read(self, slot: int, block: torch.Tensor) -> None:
-        host = block if block.device.type == "cpu" else self._staging
-        got = os.preadv(self._fd, [host.numpy().data], slot * self.block_bytes)
-        if got != self.block_bytes:
-            raise OSError(f"short read from the KV tier ({got} of {self.block_bytes} bytes)")
+    def read(self, slot: int, block: torch.Tensor, offset: int = 0) -> None:
+        size = block.numel()
+        host = block if block.device.type == "cpu" else self._staging[:size]
+        got = os.preadv(self._fd, [host.numpy().data], slot * self.block_bytes + offset)
+        if got != size:
+            raise OSError(f"short read from the KV tier ({got} of {size} bytes)")
         if host is not block:
             block.copy_(host)
 

@@ -5,6 +5,10 @@ each load sums it again once it is back in the pool, and a block whose sum diffe
 reported invalid (the scheduler recomputes from it on). So bytes that went wrong anywhere on
 the way — in the tier's memory, on disk, in a copy — are caught before a token is computed
 from them.
+
+Where the tensor-parallel ranks keep a cache each, rank 0 maps them all (engine/parallel/
+rank0.py) and this worker copies a block of every one, each to its part of the slot, and
+sums each: every rank's part comes back checked.
 """
 
 from __future__ import annotations
@@ -25,21 +29,35 @@ logger = logging.getLogger(__name__)
 
 
 class TierWorker:
-    def __init__(self, store: TierStore, kv_cache: torch.Tensor, num_slots: int) -> None:
+    def __init__(
+        self, store: TierStore, kv_caches: torch.Tensor | Sequence[torch.Tensor], num_slots: int
+    ) -> None:
+        """`kv_caches`: the engine's cache, or every rank's where each keeps its own (rank
+        0's first); a slot holds a block of each, in this order."""
         self.store = store
-        self._kv_cache = kv_cache
-        self._blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+        caches = [kv_caches] if isinstance(kv_caches, torch.Tensor) else kv_caches
+        self._caches: list[torch.Tensor] = list(caches)
+        # Per cache: its blocks as bytes, and where its part starts in a slot.
+        self._blocks = [c.view(c.shape[0], -1).view(torch.uint8) for c in self._caches]
+        self._offsets = [0]
+        for blocks in self._blocks[:-1]:
+            self._offsets.append(self._offsets[-1] + blocks.shape[1])
+        self.slot_bytes = self._offsets[-1] + self._blocks[-1].shape[1]
         # A block on its way between two tiers (demotions), in host memory.
-        self._staging = torch.empty(self._blocks.shape[1], dtype=torch.uint8)
-        # Per slot: the version it was written at and its block's sum as it left the pool. A
-        # load checks both: a slot read after its reuse fails, whatever the copies' order.
-        self._sums: list[tuple[int, int] | None] = [None] * num_slots
+        self._staging = torch.empty(self.slot_bytes, dtype=torch.uint8)
+        # Per slot: the version it was written at and its block's sums (one per cache) as it
+        # left the pool. A load checks both: a slot read after its reuse fails, whatever the
+        # copies' order.
+        self._sums: list[tuple[int, tuple[int, ...]] | None] = [None] * num_slots
         self._queue: queue.SimpleQueue[tuple[list[TierCopy], threading.Event | None] | None] = (
             queue.SimpleQueue()
         )
         self._lock = threading.Lock()
         self._report = TierReport()
-        self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
+        first = self._caches[0]
+        self._stream = torch.cuda.Stream(first.device) if first.is_cuda else None
+        # Other ranks' GPUs (CUDA IPC) too: a batch's copies are waited for on every device.
+        self._devices = {c.device for c in self._caches if c.is_cuda}
         self._failure: str | None = None  # why the thread stopped, if it failed
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-tier", daemon=True)
         self._thread.start()
@@ -63,12 +81,13 @@ class TierWorker:
             report, self._report = self._report, TierReport()
         return report
 
-    def corrupt_slot(self, slot: int) -> None:
-        """Tests: flip a bit of what slot `slot` holds (its recorded sum stays)."""
-        block = self._blocks[0].clone()
-        self.store.read(slot, block)
+    def corrupt_slot(self, slot: int, part: int = 0) -> None:
+        """Tests: flip a bit of what slot `slot` holds, in cache `part`'s block (its recorded
+        sum stays)."""
+        block, offset = self._blocks[part][0].clone(), self._offsets[part]
+        self.store.read(slot, block, offset)
         block[0] ^= 1
-        self.store.write(slot, block)
+        self.store.write(slot, block, offset)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -116,16 +135,20 @@ class TierWorker:
                 self._demote(copy)
             else:
                 self._store(copy, done)
-        if self._stream is not None:
-            self._stream.synchronize()
+        for device in self._devices:
+            torch.cuda.synchronize(device)
         done.copy_us = round((time.perf_counter() - started) * 1e6)
-        done.bytes_copied = len(copies) * self._blocks.shape[1]
+        done.bytes_copied = len(copies) * self.slot_bytes
         self._add(done)
+
+    def _block_sums(self, block_id: int) -> tuple[int, ...]:
+        return tuple(block_sums(cache, [block_id])[0] for cache in self._caches)
 
     def _store(self, copy: TierCopy, done: TierReport) -> None:
         try:
-            self.store.write(copy.slot, self._blocks[copy.block_id])
-            self._sums[copy.slot] = (copy.version, block_sums(self._kv_cache, [copy.block_id])[0])
+            for blocks, offset in zip(self._blocks, self._offsets, strict=True):
+                self.store.write(copy.slot, blocks[copy.block_id], offset)
+            self._sums[copy.slot] = (copy.version, self._block_sums(copy.block_id))
         except Exception:  # an I/O error: the slot reads as bad, the engine goes on
             logger.exception("storing a KV block in the %s tier failed", self.store.name)
             self._sums[copy.slot] = None
@@ -148,9 +171,9 @@ class TierWorker:
     def _load(self, copy: TierCopy, done: TierReport) -> None:
         expected = self._sums[copy.slot]
         try:
-            self.store.read(copy.slot, self._blocks[copy.block_id])
-            found = block_sums(self._kv_cache, [copy.block_id])[0]
-            good = expected == (copy.version, found)
+            for blocks, offset in zip(self._blocks, self._offsets, strict=True):
+                self.store.read(copy.slot, blocks[copy.block_id], offset)
+            good = expected == (copy.version, self._block_sums(copy.block_id))
         except Exception:
             logger.exception("loading a KV block from the %s tier failed", self.store.name)
             good = False

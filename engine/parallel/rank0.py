@@ -49,10 +49,12 @@ class Rank0Runner(ModelRunner):
         own (connector/kv_shards.py maps heads between engines)."""
         assert kv_cache is None and not other_shards, "rank 0 makes the caches of its ranks"
         if not self.shares_kv_cache:
-            # Each rank keeps its own heads' cache. A KV connector moves every head: the
-            # other ranks' caches are mapped here too (a /dev/shm file of each on CPUs, CUDA
-            # IPC on GPUs) and registered beside rank 0's, one shard each.
-            wanted = self.config.kv_transfer is not None
+            # Each rank keeps its own heads' cache. A KV connector and the KV tier move every
+            # head: the other ranks' caches are mapped here too (a /dev/shm file of each on
+            # CPUs, CUDA IPC on GPUs) beside rank 0's, one shard each.
+            wanted = self.config.kv_transfer is not None or bool(
+                self.config.cache.kv_offloading_size
+            )
             sent = self.followers.initialize_kv_cache(num_blocks, None, share_back=wanted)
             shards = []
             for rank, cache in enumerate(sent, start=1):

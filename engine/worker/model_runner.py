@@ -239,10 +239,11 @@ class ModelRunner:
         """The KV tier's worker over this runner's cache (engine/offload/), its slots as
         `cache` counts them (num_tier_blocks, and num_disk_tier_blocks below them): host
         memory or a file, and a file below host memory."""
-        assert self.kv_cache is not None, "initialize_kv_cache() first"
-        store = make_store(cache, self.kv_cache[0].nbytes)
+        caches = [shard.cache for shard in self.kv_shards]  # each rank's, where rank 0 maps them
+        assert caches, "initialize_kv_cache() first"
         num_slots = (cache.num_tier_blocks or 0) + (cache.num_disk_tier_blocks or 0)
-        self.tier = TierWorker(store, self.kv_cache, num_slots)
+        store = make_store(cache, sum(c[0].nbytes for c in caches))
+        self.tier = TierWorker(store, caches, num_slots)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -212,23 +212,56 @@ def test_a_prefix_loan_lends_the_tier_s_blocks_loaded_back_and_verified(hf_refs)
     llm.close()
 
 
-def test_swap_under_tensor_parallelism_is_made_before_any_rank_writes(hf_refs):
-    # The ranks share one cache of every head: a preempted request's blocks must be in the
-    # tier before the step goes to the other ranks, which may reuse them at once.
+@pytest.mark.parametrize("kv_cache", ["auto", "per_rank"])
+def test_swap_under_tensor_parallelism_is_made_before_any_rank_writes(hf_refs, kv_cache):
+    """auto: the ranks share one cache of every head, so a preempted request's blocks must be
+    in the tier before the step goes to the other ranks, which may reuse them at once.
+    per_rank (what GPUs have, host memory standing in for each rank's device): a slot holds
+    a block of every rank's cache, which rank 0 maps, each part summed."""
     ref = hf_refs["llama_gqa"]
-    if ref.engine_args.get("device", "cpu") != "cpu":  # GPU ranks do not share a cache
-        with pytest.raises(ValueError, match="share one KV cache"):
-            engine(ref, 40, kv_offloading_size=0.002, tensor_parallel_size=2)
-        return
     rng = random.Random(11)
     prompts = [[rng.randrange(1, 300) for _ in range(rng.randrange(20, 40))] for _ in range(6)]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    llm = engine(ref, 40, kv_offloading_size=0.002, tensor_parallel_size=2)
+    args = dict(tensor_parallel_size=2, tensor_parallel_kv_cache=kv_cache)
+    llm = engine(ref, 40, kv_offloading_size=0.002, **args)
     try:
+        runner = llm.engine.runner  # (on GPUs "auto" keeps a cache per rank too)
+        parts = 1 if runner.shares_kv_cache else 2
+        assert runner.tier.slot_bytes == parts * runner.kv_cache[0].nbytes
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
         assert [list(o.outputs[0].token_ids) for o in outs] == [ref.greedy(p, 40) for p in prompts]
         tier = llm.engine.stats.kv_tier
         assert tier["swap_preemptions"] > 0 and tier["swapped_in"] > 0 and tier["failed"] == 0
+        assert_nothing_held(llm)
+    finally:
+        llm.close()
+
+
+def test_every_ranks_part_of_a_tier_slot_is_checked(hf_refs):
+    """Ranks with a cache each: a bit flipped in the second rank's part of every slot is
+    caught when the blocks come back, and recomputed."""
+    ref = hf_refs["llama_gqa"]
+    llm = engine(
+        ref,
+        31,
+        kv_offloading_size=0.002,
+        tensor_parallel_size=2,
+        tensor_parallel_kv_cache="per_rank",
+    )
+    try:
+        first = conversations(3, count=2)
+        rng = random.Random(4)
+        contexts = [c + [rng.randrange(1, 300) for _ in range(8)] for c in first]
+        llm.generate([{"prompt_token_ids": c} for c in first], GREEDY)
+        evict_pool(llm)
+        worker, tier = llm.engine.runner.tier, llm.engine.scheduler.tier
+        for slot in range(tier.num_used_slots):
+            worker.corrupt_slot(slot, part=1)
+        outs = llm.generate([{"prompt_token_ids": c} for c in contexts], GREEDY)
+        assert llm.drain()
+        assert [list(o.outputs[0].token_ids) for o in outs] == [ref.greedy(c, 6) for c in contexts]
+        stats = llm.engine.stats.kv_tier
+        assert stats["hit_tokens"] > 0 and stats["failed"] > 0 and stats["loaded"] == 0
         assert_nothing_held(llm)
     finally:
         llm.close()

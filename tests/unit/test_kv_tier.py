@@ -229,6 +229,43 @@ def test_the_worker_brings_blocks_back_bit_for_bit_and_catches_corrupted_ones(me
         worker.close()
 
 
+@pytest.mark.parametrize("medium", ["cpu", "disk", "cpu+disk"])
+def test_a_slot_holds_a_block_of_every_ranks_cache_each_part_checked(medium, tmp_path):
+    """Ranks with a cache each (here of 2 and 1 heads: the parts need not be alike): a slot
+    holds a block of each, one after the other, moved down a level whole; a bit flipped in
+    any part is caught."""
+    caches = [torch.randn(6, 2, 2, 4, 2, 8), torch.randn(6, 2, 2, 4, 1, 8)]
+    block_bytes = sum(c[0].nbytes for c in caches)
+    stores = {
+        "cpu": lambda: HostStore(3, block_bytes),
+        "disk": lambda: DiskStore(3, block_bytes, tmp_path),
+        "cpu+disk": lambda: StackedStore(
+            HostStore(1, block_bytes), 1, DiskStore(2, block_bytes, tmp_path)
+        ),
+    }
+    worker = TierWorker(stores[medium](), caches, 3)
+    try:
+        assert worker.slot_bytes == block_bytes
+        original = [c[1].clone() for c in caches]
+        moved = [TierCopy(-1, 1, 1, from_slot=0, from_version=1)] if medium == "cpu+disk" else []
+        worker.submit([TierCopy(1, 0, 1), *moved], wait=True)
+        assert worker.report().num_done == 1 + len(moved)
+        slot = 1 if moved else 0
+        for cache in caches:
+            cache[1] = 0.0
+        worker.submit([TierCopy(4, slot, 1, "r", True)])
+        assert collect(worker, 1).num_loaded == 1
+        assert all(torch.equal(c[4], o) for c, o in zip(caches, original, strict=True))
+        for part, request in ((0, "s"), (1, "t")):
+            worker.submit([TierCopy(1, 2, 2)], wait=True)  # a fresh slot of block 1's bytes
+            assert worker.report().stored == [1]
+            worker.corrupt_slot(2, part)
+            worker.submit([TierCopy(5, 2, 2, request, True)])
+            assert collect(worker, 1).invalid_block_ids == {5}, part
+    finally:
+        worker.close()
+
+
 def collect(worker: TierWorker, num_copies: int) -> TierReport:
     """The worker's reports until `num_copies` copies are done, merged."""
     merged = TierReport()

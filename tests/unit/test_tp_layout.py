@@ -84,7 +84,7 @@ def test_sizes_that_do_not_divide_the_model_are_refused(size, words):
         check_tensor_parallel(replace(SMOLLM2, num_attention_heads=12), 2)
 
 
-def test_engine_args_refuse_what_tensor_parallelism_does_not_combine_with_yet():
+def test_engine_args_refuse_the_kv_cache_layouts_the_ranks_cannot_have():
     # tiny: 4 KV heads. At 8 ranks they replicate: no cache of every head to share, but KV
     # transfer works (a cache per rank, connector/kv_shards.py).
     config, _ = EngineArgs(
@@ -93,10 +93,11 @@ def test_engine_args_refuse_what_tensor_parallelism_does_not_combine_with_yet():
     assert config.kv_transfer is not None
     with pytest.raises(ValueError, match="'shared' needs device cpu and the model's 4 KV"):
         EngineArgs(tensor_parallel_size=8, tensor_parallel_kv_cache="shared").create_engine_config()
-    with pytest.raises(ValueError, match=r"kv_offloading_size .* share one KV cache"):
-        EngineArgs(
-            tensor_parallel_size=2, tensor_parallel_kv_cache="per_rank", kv_offloading_size=0.01
-        ).create_engine_config()
+    # The KV tier takes a block of every rank's cache (rank 0 maps them).
+    config, _ = EngineArgs(
+        tensor_parallel_size=2, tensor_parallel_kv_cache="per_rank", kv_offloading_size=0.01
+    ).create_engine_config()
+    assert config.parallel.kv_cache == "per_rank" and config.cache.kv_offloading_size == 0.01
     with pytest.raises(ValueError, match="tensor_parallel_kv_cache must be one of"):
         EngineArgs(tensor_parallel_kv_cache="mirrored").create_engine_config()
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
