@@ -93,17 +93,12 @@ class Admitter:
         if request.num_computed_tokens == 0:
             new_computed_blocks, num_local = kv.get_computed_blocks(request)
             if self.connector is not None:
-                matched, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
-                if matched is None:  # the connector cannot tell yet
+                remote = self._remote_hits(request, num_local)
+                if remote is None:  # the connector cannot tell yet
                     queue.pop_request()
                     step.skipped.append(request)
                     return False
-                # At least one token is computed here, for its logits, unless the whole
-                # prompt's KV arrives with its first token (adoptable_first_token).
-                adopts = load_async and self._adoptable(request)
-                room = request.num_tokens - (0 if adopts else 1) - num_local
-                num_external = max(0, min(matched, room))
-                load_async = load_async and num_external > 0
+                num_external, load_async = remote
             if num_external == 0 and kv.tier is not None:
                 tier_slots = self._tier_hits(request, num_local)
                 num_external = len(tier_slots) * kv.block_size
@@ -145,8 +140,20 @@ class Admitter:
         _start_running(request, num_computed, num_new_tokens, step, running)
         return True
 
-    def _adoptable(self, request: Request) -> bool:
-        return adoptable_first_token(request, self.config.max_model_len) is not None
+    def _remote_hits(self, request: Request, num_local: int) -> tuple[int, bool] | None:
+        """Prompt tokens after the `num_local` hits whose KV the connector loads, and whether
+        asynchronously; None while it cannot tell. At least one token is computed here, for
+        its logits, unless the whole prompt's KV arrives with its first token
+        (adoptable_first_token)."""
+        assert self.connector is not None
+        matched, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+        if matched is None:
+            return None
+        max_model_len = self.config.max_model_len
+        adopts = load_async and adoptable_first_token(request, max_model_len) is not None
+        room = request.num_tokens - num_local - (0 if adopts else 1)
+        num_external = max(0, min(matched, room))
+        return num_external, load_async and num_external > 0
 
     def _adopt_first_token(self, request: Request) -> None:
         """The whole prompt's KV has landed: the request takes its forced first token as
