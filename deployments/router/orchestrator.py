@@ -265,10 +265,10 @@ class Orchestrator:
                 yield chunk
             if stream.finished or handed_off is None:
                 return
-            # The decode engine recomputes the last prompt token and samples the first token
-            # again. Its logits may differ in the last bits from the prefill's (other batch,
-            # other kernels), so the token already sent is forced: the decode continues it
-            # exactly, and the repeat is dropped from the decode stream.
+            # The token already sent is forced: the decode engine takes it with the whole
+            # prompt's KV and continues from there, as colocated would (where it must compute
+            # the last prompt token again, its sample is still that token: the legs never
+            # fork). The decode stream repeats it first; the repeat is dropped.
             sent = list(first.new_token_ids)
             params = dataclasses.replace(prepared.params, forced_output_token_ids=sent)
             request = self._engine_request(prepared, params, handed_off)

@@ -107,22 +107,8 @@ class Admitter:
         num_new_tokens = 0 if load_async else self._num_new_tokens(request, num_computed, step)
         if num_new_tokens is None:
             return None
-        while True:
-            new_blocks = kv.allocate_slots(
-                request,
-                num_new_tokens,
-                num_local,
-                new_computed_blocks,
-                num_lookahead_tokens=lookahead_tokens(self.speculator, request),
-                num_external_computed_tokens=num_external,
-                # KV that arrives from elsewhere is not cached until it has arrived intact.
-                delay_cache_blocks=num_external > 0,
-            )
-            # With nothing running, no block would come free but a pin's: pins give way
-            # (oldest first) rather than hold the queue until their TTL.
-            if new_blocks is not None or running or not kv.release_oldest_pin():
-                break
-        if new_blocks is None:
+        hits = (num_local, new_computed_blocks, num_external)
+        if self._allocate(request, num_new_tokens, hits, load_async, bool(running)) is None:
             return None
         queue.pop_request()
         self._note_admitted(request, num_local, num_external, bool(tier_slots))
@@ -139,6 +125,37 @@ class Admitter:
             self.kv_transfers.note_sync_load(request)
         _start_running(request, num_computed, num_new_tokens, step, running)
         return True
+
+    def _allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hits: tuple[int, list[KVCacheBlock], int],
+        load_async: bool,
+        running: bool,
+    ) -> list[KVCacheBlock] | None:
+        """Slots for an admitted request (`hits`: local hit tokens, their blocks, external
+        tokens); None where the pool has no room."""
+        num_local, new_computed_blocks, num_external = hits
+        kv = self.kv_cache_manager
+        # A load also takes the slot of the token computed once it lands: requests waiting
+        # for their KV could otherwise hold the whole pool, none able to run.
+        lookahead = lookahead_tokens(self.speculator, request) + (1 if load_async else 0)
+        while True:
+            new_blocks = kv.allocate_slots(
+                request,
+                num_new_tokens,
+                num_local,
+                new_computed_blocks,
+                num_lookahead_tokens=lookahead,
+                num_external_computed_tokens=num_external,
+                # KV that arrives from elsewhere is not cached until it has arrived intact.
+                delay_cache_blocks=num_external > 0,
+            )
+            # With nothing running, no block would come free but a pin's: pins give way
+            # (oldest first) rather than hold the queue until their TTL.
+            if new_blocks is not None or running or not kv.release_oldest_pin():
+                return new_blocks
 
     def _remote_hits(self, request: Request, num_local: int) -> tuple[int, bool] | None:
         """Prompt tokens after the `num_local` hits whose KV the connector loads, and whether

@@ -83,7 +83,7 @@ class SchedulerOutput:
 
     def for_workers(self) -> SchedulerOutput:
         """What the other tensor-parallel ranks' runners read each step: not the scheduler's
-        own, nor the tier's copies (rank 0 makes them in the cache the ranks share)."""
+        own, nor the tier's copies (rank 0 makes them, in every rank's cache)."""
         return replace(self, scheduled_requests=[], num_released_requests=0, tier_copies=[])
 
 

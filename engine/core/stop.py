@@ -21,24 +21,27 @@ def append_sampled(request: Request, token_id: int, max_model_len: int) -> Reque
     """
     num_tokens = request.append_output_token_ids(token_id)
     if token_id in request.stop_token_set:
-        status = _stop_token_status(request, token_id)
-        if status is not None:
-            return status
+        stops, reason = _stop_of(request, token_id, len(request.output_token_ids))
+        if stops:
+            if reason is not None:
+                request.stop_reason = reason
+            return _STOPPED
     if num_tokens >= request.max_num_tokens or num_tokens >= max_model_len:
         return _LENGTH_CAPPED
     return None
 
 
-def _stop_token_status(request: Request, token_id: int) -> RequestStatus | None:
+def _stop_of(request: Request, token_id: int, num_outputs: int) -> tuple[bool, int | None]:
+    """Whether a stop token as output number `num_outputs` stops the request, and its stop
+    reason (None for EOS)."""
     params = request.sampling_params
-    if len(request.output_token_ids) < params.min_tokens:
-        return None
+    if num_outputs < params.min_tokens:
+        return False, None
     if token_id == request.eos_token_id and not params.ignore_eos:
-        return _STOPPED
+        return True, None
     if token_id in params.stop_token_ids:
-        request.stop_reason = token_id
-        return _STOPPED
-    return None
+        return True, token_id
+    return False, None
 
 
 def append_until_stop(
@@ -70,7 +73,7 @@ def adoptable_first_token(request: Request, max_model_len: int) -> int | None:
     forced = params.forced_output_token_ids
     if not forced or request.output_token_ids or request.num_output_placeholders:
         return None
-    if params.logprobs is not None or forced[0] in request.stop_token_set:
+    if params.logprobs is not None or _stop_of(request, forced[0], 1)[0]:
         return None
     num_tokens = len(request.all_token_ids) + 1
     if num_tokens >= request.max_num_tokens or num_tokens >= max_model_len:

@@ -54,10 +54,9 @@ class TierWorker:
         )
         self._lock = threading.Lock()
         self._report = TierReport()
-        first = self._caches[0]
-        self._stream = torch.cuda.Stream(first.device) if first.is_cuda else None
-        # Other ranks' GPUs (CUDA IPC) too: a batch's copies are waited for on every device.
-        self._devices = {c.device for c in self._caches if c.is_cuda}
+        # A stream of its own on each GPU holding a cache (the other ranks' through CUDA
+        # IPC): copies run beside the steps' kernels, and a batch waits for its own only.
+        self._streams = {c.device: torch.cuda.Stream(c.device) for c in self._caches if c.is_cuda}
         self._failure: str | None = None  # why the thread stopped, if it failed
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-tier", daemon=True)
         self._thread.start()
@@ -103,8 +102,8 @@ class TierWorker:
 
     def _run(self) -> None:
         try:
-            if self._stream is not None:
-                torch.cuda.set_stream(self._stream)  # beside the steps' kernels
+            for stream in self._streams.values():
+                torch.cuda.set_stream(stream)  # the current stream of its device, here
             while (batch := self._queue.get()) is not None:
                 copies, finished = batch
                 try:
@@ -135,8 +134,8 @@ class TierWorker:
                 self._demote(copy)
             else:
                 self._store(copy, done)
-        for device in self._devices:
-            torch.cuda.synchronize(device)
+        for stream in self._streams.values():
+            stream.synchronize()
         done.copy_us = round((time.perf_counter() - started) * 1e6)
         done.bytes_copied = len(copies) * self.slot_bytes
         self._add(done)

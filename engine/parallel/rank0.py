@@ -83,8 +83,8 @@ class Rank0Runner(ModelRunner):
             os.unlink(sent)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        # The other ranks write into the cache they share as soon as they get the step: a
-        # preemption's blocks must be in the tier before then.
+        # The other ranks write into their cache (the shared one, or their own that rank 0
+        # maps) as soon as they get the step: a preemption's blocks must be in the tier first.
         self.submit_tier_copies(so)
         self.followers.send_step(so, self._last_sampled)
         try:

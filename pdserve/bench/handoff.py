@@ -40,7 +40,7 @@ from engine.request import SamplingParams
 from pdserve.bench.stats import summarize
 from pdserve.flags import Flag, int_list
 
-_FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
+_FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 _TWO_TOKENS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
 
@@ -162,6 +162,8 @@ def _measure(
         raise RuntimeError(f"the hand-off did not go through the transport: {read}")
     if len(out.outputs[0].token_ids) != 2:
         raise RuntimeError(f"the decode leg ended early: {out.outputs[0].finish_reason}")
+    if out.outputs[0].token_ids[0] != sent[0]:
+        raise RuntimeError("the decode leg did not continue the prefill engine's token")
     other = [rng.randrange(vocab) for _ in range(length)]
     t3 = time.perf_counter()
     decode.generate([other], _TWO_TOKENS)

@@ -112,15 +112,20 @@ def corrupted_hand_off(prefill, decode, how: str) -> tuple[list[int], dict]:
     """A fresh prompt prefilled, then its second block changed in the prefill engine's memory
     (`how`: see engine_proc._corrupt_blocks; "reused while read": reused just after the
     reader's lease check, while it reads) after its kv_transfer_params were handed out; the
-    decode engine reads it. (The prompt, the decode engine's output.)"""
-    prompt = [rng.randrange(10, 2000) for _ in range(33)]  # 4 blocks read, the last computed
+    decode engine reads it, the prefill's token forced as in the app: every prompt token's
+    block (5), to adopt that token, which a failed load never does. (The prompt, the decode
+    engine's output.)"""
+    prompt = [rng.randrange(10, 2000) for _ in range(33)]
     firsts = prefill.generate([prompt], [replace(GREEDY, max_tokens=1)], {"do_remote_decode": True})
     kv = firsts[0]["kv_transfer_params"]
     if how == "reused while read":
         prefill.call("reuse_after_next_renewal", kv["remote_block_ids"][1:2])
     else:
         prefill.call("corrupt_blocks", kv["remote_block_ids"][1:2], how)
-    return prompt, decode.generate([prompt], [GREEDY], [kv])[0]
+    leg = replace(GREEDY, forced_output_token_ids=firsts[0]["token_ids"])
+    out = decode.generate([prompt], [leg], [kv])[0]
+    assert not out["adopted_first_token"]  # recomputed from the bad block on
+    return prompt, out
 
 
 def test_kv_changed_after_the_hand_off_is_caught_before_any_token(pair, colocated):
@@ -138,7 +143,7 @@ def test_kv_changed_after_the_hand_off_is_caught_before_any_token(pair, colocate
             assert out["token_ids"] == reference(colocated, [prompt], [GREEDY])[0], how
             assert after["checksum_failures"] - before["checksum_failures"] == 1, how
             assert after["blocks_corrupted"] - before["blocks_corrupted"] == 1, how
-            assert after["blocks_verified"] - before["blocks_verified"] == 3, how
+            assert after["blocks_verified"] - before["blocks_verified"] == 4, how
             _, out = corrupted_hand_off(prefill, decode_fail, how)
             assert out["finish_reason"] == "error", how
             assert "loading remote KV failed" in out["error"], how

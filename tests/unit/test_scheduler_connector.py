@@ -7,7 +7,7 @@ import pytest
 from engine.core.sched_output import KVConnectorOutput, ModelRunnerOutput
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from tests.unit.fake_connector import FakeConnector
-from tests.unit.sched_utils import make_scheduler, runner_for, step
+from tests.unit.sched_utils import make_request, make_scheduler, runner_for, step
 
 BLOCK = 4
 PROMPT = list(range(500, 517))  # 17 tokens: 4 full blocks + 1
@@ -48,7 +48,8 @@ def test_async_load_waits_then_computes_only_the_rest():
     request = scheduler.requests["d"]
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert so.num_scheduled_tokens == {}
-    assert connector.allocations["d"] == ([1, 2, 3, 4], 16)
+    # 16 tokens to load, and the slot of the 17th, computed once they landed (block 5).
+    assert connector.allocations["d"] == ([1, 2, 3, 4, 5], 16)
     assert so.kv_connector_metadata == {"loads": ["d"]}
     # Blocks that are still being written are not in the prefix cache.
     assert all(scheduler.kv_cache_manager.block_pool.blocks[i].block_hash is None for i in (1, 4))
@@ -174,7 +175,7 @@ def test_abort_during_a_load_frees_only_after_the_read_stopped():
     step(scheduler, runner)
     scheduler.finish_requests("d", RequestStatus.FINISHED_ABORTED)
     pool = scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == 63 - 4  # the read may still be writing into them
+    assert pool.get_num_free_blocks() == 63 - 5  # the read may still be writing into them
     assert scheduler.get_num_unfinished_requests() == 0
     report(scheduler, runner, finished_recving={"d"})
     assert pool.get_num_free_blocks() == 63
@@ -275,7 +276,7 @@ def test_a_first_token_the_step_must_compute_keeps_the_last_prompt_token(request
     request = Request("d", PROMPT, sampling, kv_transfer_params=remote, eos_token_id=2)
     scheduler.add_request(request)
     step(scheduler, runner)
-    assert connector.allocations["d"] == ([1, 2, 3, 4], 16), why
+    assert connector.allocations["d"] == ([1, 2, 3, 4, 5], 16), why
     land_load(scheduler, runner, "d")
     connector.loads_in_flight.discard("d")
     report(scheduler, runner, finished_recving={"d"})
@@ -300,3 +301,90 @@ def test_a_broken_block_in_an_adopting_load_recomputes_and_adopts_nothing():
     request = scheduler.requests["d"]
     assert not request.timing.kv_load_adopted_first_token
     assert [len(o.new_token_ids) for o in outputs] == [1]  # sampled by the step (forced)
+
+
+def test_a_forced_eos_the_request_ignores_is_adopted():
+    scheduler, connector, runner = setup()
+    sampling = SamplingParams(max_tokens=3, forced_output_token_ids=[2], ignore_eos=True)
+    remote = {"remote_num_tokens": len(PROMPT), "async": True}
+    request = Request("d", PROMPT, sampling, kv_transfer_params=remote, eos_token_id=2)
+    scheduler.add_request(request)
+    step(scheduler, runner)
+    assert connector.allocations["d"][1] == 17
+    runner.load_blocks(PROMPT, scheduler.kv_cache_manager.get_block_ids("d"), 17)
+    connector.loads_in_flight.discard("d")
+    report(scheduler, runner, finished_recving={"d"})
+    _, outputs = step(scheduler, runner)
+    assert outputs[0].new_token_ids == [2] and request.timing.kv_load_adopted_first_token
+
+
+def test_an_adopted_request_preempted_one_step_ahead_resumes_with_its_tokens():
+    """Steps scheduled one ahead of their outputs (async scheduling), a pool small enough
+    that the adopted request is preempted and resumed: it emits the forced token first, then
+    the runner's samples, and every position's KV stays its own (the runner checks)."""
+    connector = FakeConnector()
+    scheduler = make_scheduler(
+        block_size=BLOCK, connector=connector, num_blocks=12, max_model_len=40
+    )
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("x", 7, max_tokens=30))
+    prompt = PROMPT[:16]
+    sampling = SamplingParams(max_tokens=12, forced_output_token_ids=[7])
+    request = Request("d", prompt, sampling, kv_transfer_params={"remote_num_tokens": 16})
+    scheduler.add_request(request)
+    emitted: dict[str, list[int]] = {}
+
+    def settle(so, out, **kv_output):
+        if kv_output:
+            out.kv_connector_output = KVConnectorOutput(**kv_output)
+        for output in scheduler.update_from_output(so, out):
+            emitted.setdefault(output.request_id, []).extend(output.new_token_ids)
+        scheduler.kv_cache_manager.check_integrity()
+
+    so = scheduler.schedule()
+    settle(so, runner.execute(so))
+    runner.load_blocks(prompt, scheduler.kv_cache_manager.get_block_ids("d"), 16)
+    connector.loads_in_flight.discard("d")
+    request.kv_transfer_params = None  # read: resumed, it computes locally (as PDConnector)
+    so = scheduler.schedule()
+    settle(so, runner.execute(so), finished_recving={"d"})
+    pending = None
+    for _ in range(200):  # one step always in flight
+        so = scheduler.schedule()
+        out = runner.execute(so)
+        if pending is not None:
+            settle(*pending)
+        pending = (so, out)
+        if not scheduler.has_unfinished_requests():
+            break
+    settle(*pending)
+    assert request.num_preemptions >= 1 and request.timing.kv_load_adopted_first_token
+    assert emitted["d"][0] == 7 and emitted["d"] == request.output_token_ids
+    assert len(emitted["d"]) == 12 and len(emitted["x"]) == 30
+
+
+def test_loads_waiting_for_their_kv_never_hold_the_pool_from_every_one_of_them():
+    """Each load also takes the slot of the token computed once it lands: a pool of 7 usable
+    blocks held by two loading requests still lets them run, one after the other."""
+    connector = FakeConnector()
+    scheduler = make_scheduler(
+        block_size=BLOCK, connector=connector, num_blocks=8, max_model_len=28
+    )
+    runner = runner_for(scheduler)
+    for req_id, n in (("a", 16), ("b", 12)):
+        prompt = [1000 * ord(req_id) + i for i in range(n)]
+        sampling = SamplingParams(max_tokens=4, forced_output_token_ids=[7])
+        remote = {"remote_num_tokens": n}
+        scheduler.add_request(Request(req_id, prompt, sampling, kv_transfer_params=remote))
+    finished = set()
+    for _ in range(40):
+        for req_id in list(connector.loads_in_flight):  # each load lands a step after it starts
+            req = scheduler.requests[req_id]
+            block_ids = scheduler.kv_cache_manager.get_block_ids(req_id)
+            runner.load_blocks(req.all_token_ids, block_ids, connector.allocations[req_id][1])
+        landed, connector.loads_in_flight = set(connector.loads_in_flight), set()
+        _, outputs = report(scheduler, runner, finished_recving=landed)
+        finished |= {o.request_id for o in outputs if o.finish_reason is not None}
+        if finished == {"a", "b"}:
+            break
+    assert finished == {"a", "b"}
