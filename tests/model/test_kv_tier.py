@@ -101,9 +101,14 @@ def test_evicted_prefixes_come_back_from_the_tier_token_exact(hf_refs, backend, 
     llm.close()
 
 
-def test_a_corrupted_tier_read_is_caught_and_recomputed(hf_refs):
+# One cache; and ranks with a cache each, the bit flipped in the second rank's part of a slot.
+PER_RANK = {"tensor_parallel_size": 2, "tensor_parallel_kv_cache": "per_rank"}
+
+
+@pytest.mark.parametrize(("args", "part"), [({}, 0), (PER_RANK, 1)], ids=["one", "per_rank"])
+def test_a_corrupted_tier_read_is_caught_and_recomputed(hf_refs, args, part):
     ref = hf_refs["llama_gqa"]
-    llm = engine(ref, 31, kv_offloading_size=0.002)
+    llm = engine(ref, 31, kv_offloading_size=0.002, **args)
     first = conversations(3, count=2)
     rng = random.Random(4)
     contexts = [c + [rng.randrange(1, 300) for _ in range(8)] for c in first]
@@ -111,7 +116,7 @@ def test_a_corrupted_tier_read_is_caught_and_recomputed(hf_refs):
     evict_pool(llm)  # the first turns' blocks are in the tier only
     worker, tier = llm.engine.runner.tier, llm.engine.scheduler.tier
     for slot in range(tier.num_used_slots):  # one flipped bit in every block it holds
-        worker.corrupt_slot(slot)
+        worker.corrupt_slot(slot, part)
     outs = llm.generate([{"prompt_token_ids": c} for c in contexts], GREEDY)
     assert llm.drain()
     assert [list(o.outputs[0].token_ids) for o in outs] == [ref.greedy(c, 6) for c in contexts]
@@ -232,36 +237,6 @@ def test_swap_under_tensor_parallelism_is_made_before_any_rank_writes(hf_refs, k
         assert [list(o.outputs[0].token_ids) for o in outs] == [ref.greedy(p, 40) for p in prompts]
         tier = llm.engine.stats.kv_tier
         assert tier["swap_preemptions"] > 0 and tier["swapped_in"] > 0 and tier["failed"] == 0
-        assert_nothing_held(llm)
-    finally:
-        llm.close()
-
-
-def test_every_ranks_part_of_a_tier_slot_is_checked(hf_refs):
-    """Ranks with a cache each: a bit flipped in the second rank's part of every slot is
-    caught when the blocks come back, and recomputed."""
-    ref = hf_refs["llama_gqa"]
-    llm = engine(
-        ref,
-        31,
-        kv_offloading_size=0.002,
-        tensor_parallel_size=2,
-        tensor_parallel_kv_cache="per_rank",
-    )
-    try:
-        first = conversations(3, count=2)
-        rng = random.Random(4)
-        contexts = [c + [rng.randrange(1, 300) for _ in range(8)] for c in first]
-        llm.generate([{"prompt_token_ids": c} for c in first], GREEDY)
-        evict_pool(llm)
-        worker, tier = llm.engine.runner.tier, llm.engine.scheduler.tier
-        for slot in range(tier.num_used_slots):
-            worker.corrupt_slot(slot, part=1)
-        outs = llm.generate([{"prompt_token_ids": c} for c in contexts], GREEDY)
-        assert llm.drain()
-        assert [list(o.outputs[0].token_ids) for o in outs] == [ref.greedy(c, 6) for c in contexts]
-        stats = llm.engine.stats.kv_tier
-        assert stats["hit_tokens"] > 0 and stats["failed"] > 0 and stats["loaded"] == 0
         assert_nothing_held(llm)
     finally:
         llm.close()
