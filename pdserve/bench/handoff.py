@@ -16,6 +16,10 @@ counters, `checksum_us_produced` and `checksum_us_verified`) — and `checksum_s
 median over the hand-off's median `second_token_ms`. The first run of each length is a
 warm-up, not counted.
 
+`agreement_prompts` N adds a third engine, colocated, and compares N greedy answers of
+`agreement_tokens` through the hand-off with its own (`agreement`: how many are identical,
+where the others first differ).
+
 Either engine may be split over tensor-parallel ranks (`prefill_tensor_parallel_size`,
 `decode_tensor_parallel_size`), sharing one KV cache of every head or keeping one per rank
 (`tensor_parallel_kv_cache`; connector/kv_shards.py): `pieces_direct` and `pieces_staged`
@@ -63,6 +67,11 @@ class HandoffBenchConfig:
     """ranks of the decode engine"""
     tensor_parallel_kv_cache: str = "auto"
     """where split engines keep KV: auto, shared or per_rank"""
+    agreement_prompts: int = 0
+    """random prompts (of the prompt lengths in turn) whose greedy answer through a hand-off
+    is compared with a third, colocated engine's (0: none)"""
+    agreement_tokens: int = 24
+    """tokens of each answer compared"""
 
     def __post_init__(self) -> None:
         check_transport(self.transport)
@@ -72,6 +81,8 @@ class HandoffBenchConfig:
             raise ValueError(f"prompt_lens must be >= 2 tokens each, got {self.prompt_lens}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.agreement_prompts < 0 or self.agreement_tokens < 2:
+            raise ValueError("agreement_prompts must be >= 0 and agreement_tokens >= 2")
 
 
 CONFIG = HandoffBenchConfig
@@ -81,7 +92,7 @@ FLAGS = {"prompt_lens": Flag(parse=int_list)}
 def run(config: HandoffBenchConfig) -> dict[str, Any]:
     kv = {"connector": config.transport, "secret": secrets.token_hex(16)}
     args = {
-        "max_model_len": max(config.prompt_lens) + 8,
+        "max_model_len": max(config.prompt_lens) + max(8, config.agreement_tokens),
         "kv_transfer_config": kv,
         "tensor_parallel_kv_cache": config.tensor_parallel_kv_cache,
     }
@@ -105,16 +116,26 @@ def run(config: HandoffBenchConfig) -> dict[str, Any]:
                 _measure(prefill, decode, rng, length, vocab) for _ in range(config.repeats + 1)
             ]
             by_length[str(length)] = _summary(runs[1:])
+        agreement = None
+        if config.agreement_prompts:
+            colocated_args = {**args, "kv_transfer_config": None}
+            size = config.decode_tensor_parallel_size
+            colocated = _Engine(LLM(model, tensor_parallel_size=size, **colocated_args), threads)
+            try:
+                agreement = _agreement(prefill, decode, colocated, rng, config, vocab)
+            finally:
+                colocated.llm.close()
     finally:
         torch.set_num_threads(threads)
         prefill.llm.close()
         decode.llm.close()
-    return {
+    report = {
         "benchmark": "handoff",
         "config": {**asdict(config), "model": config.model or model},
         "device": str(device),
         "prompt_lens": by_length,
     }
+    return report if agreement is None else {**report, "agreement": agreement}
 
 
 def _model(config: HandoffBenchConfig) -> str:
@@ -180,6 +201,48 @@ def _measure(
         "pieces_direct": read.get("pieces_direct", 0),
         "pieces_staged": read.get("pieces_staged", 0),
     }
+
+
+def _agreement(
+    prefill: _Engine,
+    decode: _Engine,
+    colocated: _Engine,
+    rng: random.Random,
+    config: HandoffBenchConfig,
+    vocab: int,
+) -> dict[str, Any]:
+    """Greedy answers through the app's hand-off against a colocated engine's, on fresh
+    random prompts: identical ones, and where the others first differ. Random tokens make
+    near-ties common, where kernels whose results depend on the batch show."""
+    greedy = replace(_TWO_TOKENS, max_tokens=config.agreement_tokens)
+    identical, adopted, first_difference = 0, 0, []
+    for i in range(config.agreement_prompts):
+        length = config.prompt_lens[i % len(config.prompt_lens)]
+        prompt = [rng.randrange(vocab) for _ in range(length)]
+        want = list(colocated.generate([prompt], greedy)[0].outputs[0].token_ids)
+        first = prefill.generate([prompt], _FIRST_TOKEN, {"do_remote_decode": True})[0]
+        leg = replace(greedy, forced_output_token_ids=first.outputs[0].token_ids)
+        out = decode.generate([prompt], leg, first.kv_transfer_params)[0]
+        got = list(out.outputs[0].token_ids)
+        adopted += bool(out.timing and out.timing.kv_load_adopted_first_token)
+        if got == want:
+            identical += 1
+        else:
+            first_difference.append(_first_difference(got, want))
+    return {
+        "prompts": config.agreement_prompts,
+        "tokens": config.agreement_tokens,
+        "identical": identical,
+        "first_difference_at": first_difference,
+        "adopted": adopted,
+    }
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    for j, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return j
+    return min(len(a), len(b))
 
 
 def _counters(engine: _Engine) -> dict[str, int]:

@@ -30,6 +30,21 @@ def test_handoff_bench_times_the_hand_off_and_its_checksums(transport: str) -> N
         assert figures["adopted"] == config.repeats, length
 
 
+def test_handoff_bench_compares_answers_through_the_hand_off_with_colocated() -> None:
+    config = HandoffBenchConfig(
+        model="tiny", prompt_lens=(16, 40), repeats=1, agreement_prompts=3, agreement_tokens=6
+    )
+    agreement = run(config)["agreement"]
+    # float32 kernels: every answer is colocated's, and every decode leg adopted its token.
+    assert agreement == {
+        "prompts": 3,
+        "tokens": 6,
+        "identical": 3,
+        "first_difference_at": [],
+        "adopted": 3,
+    }
+
+
 def test_handoff_bench_between_engines_of_other_tensor_parallel_layouts() -> None:
     # Prefill at two ranks, each with its own heads' cache; decode at one: each read is one
     # piece per prefill rank, staged (the decode engine's cache holds every head).
@@ -54,6 +69,8 @@ def test_handoff_bench_between_engines_of_other_tensor_parallel_layouts() -> Non
         ({"prompt_lens": (16, 1)}, "prompt_lens must be >= 2"),
         ({"repeats": 0}, "repeats must be >= 1"),
         ({"decode_tensor_parallel_size": 0}, "tensor-parallel sizes must be >= 1"),
+        ({"agreement_prompts": -1}, "agreement_prompts must be >= 0"),
+        ({"agreement_tokens": 1}, "agreement_tokens >= 2"),
     ],
 )
 def test_handoff_bench_settings_are_checked(kwargs: dict, message: str) -> None:
