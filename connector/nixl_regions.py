@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -72,7 +72,7 @@ class PeerMetadata:
     def to_bytes(self) -> bytes:
         """Version 1 (the region's fields at the top) for one region, so engines of one
         shard read each other across a rolling upgrade; version 2 (a list) for several."""
-        regions = [_region_record(region) for region in self.regions]
+        regions = [asdict(region) for region in self.regions]
         record: dict[str, Any] = {
             "agent_name": self.agent_name,
             "agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii"),
@@ -112,13 +112,3 @@ class PeerMetadata:
         if not 0 <= shard < len(self.regions):
             raise ValueError(f"remote shard {shard} outside [0, {len(self.regions)})")
         return self.regions[shard]
-
-
-def _region_record(region: CacheRegion) -> dict[str, Any]:
-    return {
-        "base_addr": region.base_addr,
-        "block_bytes": region.block_bytes,
-        "num_blocks": region.num_blocks,
-        "mem_type": region.mem_type,
-        "device_id": region.device_id,
-    }

@@ -29,14 +29,11 @@ logger = logging.getLogger(__name__)
 
 
 class TierWorker:
-    def __init__(
-        self, store: TierStore, kv_caches: torch.Tensor | Sequence[torch.Tensor], num_slots: int
-    ) -> None:
+    def __init__(self, store: TierStore, kv_caches: Sequence[torch.Tensor], num_slots: int) -> None:
         """`kv_caches`: the engine's cache, or every rank's where each keeps its own (rank
         0's first); a slot holds a block of each, in this order."""
         self.store = store
-        caches = [kv_caches] if isinstance(kv_caches, torch.Tensor) else kv_caches
-        self._caches: list[torch.Tensor] = list(caches)
+        self._caches = list(kv_caches)
         # Per cache: its blocks as bytes, and where its part starts in a slot.
         self._blocks = [c.view(c.shape[0], -1).view(torch.uint8) for c in self._caches]
         self._offsets = [0]

@@ -174,7 +174,7 @@ def test_the_worker_carries_a_block_s_sum_down_a_level(tmp_path):
     cache = torch.randn(6, 2, 2, 4, 2, 8)
     block_bytes = cache[0].nbytes
     store = StackedStore(HostStore(1, block_bytes), 1, DiskStore(2, block_bytes, tmp_path))
-    worker = TierWorker(store, cache, 3)
+    worker = TierWorker(store, [cache], 3)
     try:
         original = cache[1].clone()
         worker.submit([TierCopy(1, 0, 1), TierCopy(-1, 1, 1, from_slot=0, from_version=1)])
@@ -201,7 +201,7 @@ def test_the_worker_brings_blocks_back_bit_for_bit_and_catches_corrupted_ones(me
     cache = torch.randn(6, 2, 2, 4, 2, 8)  # [blocks, layers, K/V, tokens, heads, dim]
     block_bytes = cache[0].nbytes
     store = HostStore(3, block_bytes) if medium == "cpu" else DiskStore(3, block_bytes, tmp_path)
-    worker = TierWorker(store, cache, 3)
+    worker = TierWorker(store, [cache], 3)
     try:
         original = cache[1].clone(), cache[2].clone()
         worker.submit([TierCopy(1, 0, 1), TierCopy(2, 2, 1, held=False)], wait=True)
@@ -352,7 +352,7 @@ def test_the_tier_reports_what_it_holds_so_an_index_counts_it_held():
 
 def test_a_worker_whose_thread_failed_says_so_instead_of_hanging():
     cache = torch.zeros(2, 1, 2, 4, 1, 8)
-    worker = TierWorker(HostStore(1, cache[0].nbytes), cache, 1)
+    worker = TierWorker(HostStore(1, cache[0].nbytes), [cache], 1)
 
     def lost(copies: list[TierCopy]) -> None:
         raise RuntimeError("device lost")
