@@ -1,221 +1,40 @@
-"""The cluster's KV index: which engine replica holds which prefix-cache blocks.
+"""The cluster's KV index: which engine replica holds which prefix-cache blocks, and how
+loaded each is, for the request routers of both legs (`KVIndexServer`, a Ray actor).
 
 Engines number their prefix cache's events in batches (engine/core/kv_events.py:
-`KVEventStream`), one numbering per engine start (an epoch). The index applies them per
-replica into a count of blocks per block hash (events are per block: two blocks may hold one
-hash), and keeps per hash the replicas holding it. Block hashes are chained — each covers
-every token before it — so the blocks of a prompt that a replica can reuse are the leading run
-of the prompt's hashes it holds, which is what the engine's own lookup finds (`match`): one
-walk of the prompt's hashes, narrowing the replicas still holding every block so far, done
-where none holds the next (not one walk per replica: at 128 replicas and 1,000-block prompts
-that was about 7x slower, `pdserve bench index`; `tests/unit/test_kv_index.py` keeps the two
-equal).
-
-Lost or late events never corrupt it silently. A batch numbered out of turn (events were
-lost) or from an epoch the index has not seen (the replica restarted) makes the replica stale:
-its entries are dropped, it matches nothing, and `apply` says a snapshot is needed. A snapshot
-(every hash the engine holds, and the number of the first batch it does not cover) makes the
-replica current again; batches it covers are ignored when they arrive late. A replica that is
-no longer running is forgotten (`forget`: a replica that stops says so; a request router that sees
-a replica gone from its set says so for it).
+`KVEventStream`), one numbering per engine start (an epoch), and publish them with their load
+(`KVEventPublisher`); the prefix index (prefix_index.py) applies them and asks for a snapshot
+where events were lost. A lookup answers every replica's holding of a prompt with what lets
+the routers' searches skip most replicas (kv_scoring.Holdings): the holders grouped by how much
+they hold, and every replica by load (`LoadBoard`, kept sorted as loads arrive). A replica
+that is no longer running is forgotten (`forget`: a replica that stops says so; a request
+router that sees a replica gone from its set says so for it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
 import logging
 import time
-from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from deployments.cluster.kv_scoring import NOTHING_HELD, CacheSurvey, Holding, survey
-from deployments.cluster.role_balance import ReplicaState, RoleOrders
-from engine.core.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EngineLoad,
-    KVEventBatch,
-    KVSnapshot,
+from deployments.cluster.kv_scoring import (
+    NOTHING_HELD,
+    SMALL_GROUP,
+    CacheSurvey,
+    Holding,
+    Holdings,
+    load_key,
+    survey,
 )
+from deployments.cluster.prefix_index import PrefixIndex
+from deployments.cluster.role_balance import ReplicaState, RoleOrders
+from engine.core.kv_events import EngineLoad, KVEventBatch, KVSnapshot
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Replica:
-    epoch: str = ""
-    next_seq: int = 0
-    stale: bool = True  # nothing trusted until a snapshot, or batches from number 0
-    blocks: Counter[bytes] = field(default_factory=Counter)  # every medium's
-    tier: Counter[bytes] = field(default_factory=Counter)  # those in a tier below the pool
-
-
-class PrefixIndex:
-    """Per replica its blocks (a count per hash), and per hash the replicas holding it: a
-    lookup walks the prompt's hashes once, whatever the number of replicas, and stops where
-    no replica holds the next block."""
-
-    def __init__(self) -> None:
-        self._replicas: dict[str, _Replica] = {}
-        self._holders: dict[bytes, set[str]] = {}  # current replicas only
-        # Per hash the replicas that hold it in a tier only (not in their pool): a hit
-        # there is loaded back before use, and routing credits it less (kv_scoring).
-        self._tier_only: dict[bytes, set[str]] = {}
-
-    @property
-    def replicas(self) -> list[str]:
-        return list(self._replicas)
-
-    def is_current(self, replica: str) -> bool:
-        state = self._replicas.get(replica)
-        return state is not None and not state.stale
-
-    def apply(self, replica: str, batch: KVEventBatch) -> bool:
-        """Apply one batch of `replica`'s events. False: the replica is stale (a gap, or a new
-        epoch that does not start at batch 0) and needs `load_snapshot`."""
-        state = self._replicas.setdefault(replica, _Replica())
-        if batch.epoch == state.epoch and batch.seq < state.next_seq:
-            return not state.stale  # already covered (by a snapshot, or seen before)
-        if batch.epoch != state.epoch and batch.seq == 0:
-            # A fresh start whose first batch arrived: nothing before it to miss.
-            self._clear(replica, state)
-            state.epoch, state.next_seq, state.stale = batch.epoch, 0, False
-        if batch.epoch != state.epoch or batch.seq != state.next_seq or state.stale:
-            self._clear(replica, state)
-            state.epoch, state.stale = batch.epoch, True
-            return False
-        self._apply_events(replica, state, batch)
-        state.next_seq += 1
-        return True
-
-    def load_snapshot(self, replica: str, snapshot: KVSnapshot) -> None:
-        state = self._replicas.setdefault(replica, _Replica())
-        self._clear(replica, state)
-        state.epoch, state.next_seq, state.stale = snapshot.epoch, snapshot.next_seq, False
-        self._store(replica, state, snapshot.block_hashes)
-        for block_hash in snapshot.tier_block_hashes:
-            state.tier[block_hash] += 1
-            self._mark_tier_only(replica, state, block_hash)
-
-    def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
-        """Per replica: how many leading blocks of a prompt (its chained hashes) it holds;
-        stale replicas count 0."""
-        return {**dict.fromkeys(self._replicas, 0), **self.match_held(block_hashes)}
-
-    def match_held(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
-        """`match`, for the replicas holding at least the prompt's first block only."""
-        out: dict[str, int] = {}
-        alive: set[str] | None = None  # the replicas holding every block so far
-        depth = 0
-        for block_hash in block_hashes:
-            holders = self._holders.get(block_hash)
-            if not holders:
-                break
-            if alive is None:
-                alive = set(holders)
-            elif not alive <= holders:
-                for replica in alive - holders:
-                    out[replica] = depth
-                alive &= holders
-                if not alive:
-                    return out
-            depth += 1
-        for replica in alive or ():
-            out[replica] = depth
-        return out
-
-    def tier_only_blocks(self, replica: str, block_hashes: Sequence[bytes]) -> int:
-        """How many of `block_hashes` `replica` holds in a tier only (the leading run that
-        `match` counted for it: the blocks it would load back rather than find in its pool)."""
-        tier_only = self._tier_only
-        if not tier_only:  # no tier anywhere: nothing to look up
-            return 0
-        return sum(1 for h in block_hashes if replica in tier_only.get(h, ()))
-
-    def forget(self, replica: str) -> None:
-        state = self._replicas.pop(replica, None)
-        if state is not None:
-            self._clear(replica, state)
-
-    def num_entries(self) -> int:
-        """(hash, replica) pairs held: what the index's memory grows with."""
-        return sum(len(holders) for holders in self._holders.values())
-
-    def _apply_events(self, replica: str, state: _Replica, batch: KVEventBatch) -> None:
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                self._store(replica, state, event.block_hashes, event.medium != "primary")
-            elif isinstance(event, BlockRemoved):
-                self._remove(replica, state, event.block_hashes, event.medium != "primary")
-            elif isinstance(event, AllBlocksCleared):
-                self._clear(replica, state)
-
-    def _store(
-        self, replica: str, state: _Replica, block_hashes: Iterable[bytes], in_tier: bool = False
-    ) -> None:
-        holders, blocks, tier = self._holders, state.blocks, state.tier
-        for block_hash in block_hashes:
-            count = blocks[block_hash]
-            blocks[block_hash] = count + 1
-            if not count:
-                holders.setdefault(block_hash, set()).add(replica)
-            if in_tier:
-                tier[block_hash] += 1
-            if tier:  # a pool without a tier skips this
-                self._mark_tier_only(replica, state, block_hash)
-
-    def _remove(
-        self, replica: str, state: _Replica, block_hashes: Iterable[bytes], in_tier: bool
-    ) -> None:
-        blocks, tier = state.blocks, state.tier
-        for block_hash in block_hashes:
-            if _count_down(blocks, block_hash):
-                self._unhold(replica, block_hash)
-            if in_tier:
-                _count_down(tier, block_hash)
-            if tier or in_tier:
-                self._mark_tier_only(replica, state, block_hash)
-
-    def _mark_tier_only(self, replica: str, state: _Replica, block_hash: bytes) -> None:
-        """Note whether `replica` now holds `block_hash` in a tier and not in its pool."""
-        held = state.blocks.get(block_hash, 0)
-        if held and state.tier.get(block_hash, 0) >= held:
-            self._tier_only.setdefault(block_hash, set()).add(replica)
-            return
-        replicas = self._tier_only.get(block_hash)
-        if replicas is not None:
-            replicas.discard(replica)
-            if not replicas:
-                del self._tier_only[block_hash]
-
-    def _unhold(self, replica: str, block_hash: bytes) -> None:
-        holders = self._holders.get(block_hash)
-        if holders is not None:
-            holders.discard(replica)
-            if not holders:
-                del self._holders[block_hash]
-
-    def _clear(self, replica: str, state: _Replica) -> None:
-        for block_hash in state.blocks:
-            self._unhold(replica, block_hash)
-        tier = state.tier
-        state.blocks.clear()
-        for block_hash in list(tier):
-            tier.pop(block_hash)
-            self._mark_tier_only(replica, state, block_hash)
-
-
-def _count_down(counts: Counter[bytes], block_hash: bytes) -> bool:
-    """One block fewer holds `block_hash`: True when that was the last one."""
-    left = counts[block_hash] - 1
-    if left > 0:
-        counts[block_hash] = left
-        return False
-    return counts.pop(block_hash, None) is not None
 
 
 @dataclass(frozen=True)
@@ -236,6 +55,41 @@ class _Announced:
 _UNANNOUNCED = _Announced()
 
 
+class LoadBoard:
+    """Every replica the index knows by `load_key`, least first, kept sorted as loads change
+    (a lookup hands out a copy: `Holdings.by_load`)."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, float] = {}
+        self._sorted: list[tuple[float, str]] = []
+
+    def place(self, replica: str, load: EngineLoad | None) -> None:
+        key = load_key(load)
+        old = self._keys.get(replica)
+        if old == key:
+            return
+        if old is not None:
+            del self._sorted[bisect.bisect_left(self._sorted, (old, replica))]
+        bisect.insort(self._sorted, (key, replica))
+        self._keys[replica] = key
+
+    def remove(self, replica: str) -> None:
+        old = self._keys.pop(replica, None)
+        if old is not None:
+            del self._sorted[bisect.bisect_left(self._sorted, (old, replica))]
+
+    def in_order(self, replicas: list[str]) -> tuple[str, ...]:
+        """A holder group's `replicas` as searches walk them: a big group least loaded first
+        (as the board orders them; those it lacks first), a small one as it is."""
+        if len(replicas) <= SMALL_GROUP:
+            return tuple(replicas)
+        keys = self._keys
+        return tuple(sorted(replicas, key=lambda r: (keys.get(r, 0.0), r)))
+
+    def snapshot(self) -> tuple[tuple[float, str], ...]:
+        return tuple(self._sorted)
+
+
 class KVIndexServer:
     """The app's one KV index, as a Ray actor: engine replicas push their batches, snapshots
     and load (`KVEventPublisher`), the request routers of both legs ask it per request.
@@ -253,6 +107,7 @@ class KVIndexServer:
         # Per role ("": all) each replica's holding of a prompt it holds nothing of, kept as
         # loads change: a lookup copies these and replaces the few replicas that hold blocks.
         self._idle: dict[str, dict[str, Holding]] = {"": {}}
+        self._board = LoadBoard()  # the replicas of `_idle[""]` by load
         self.roles = RoleOrders()  # role switching: orders, and the balancer deciding them
 
     def apply(
@@ -267,8 +122,10 @@ class KVIndexServer:
         ok = announced is not None
         for batch in batches:
             ok = self.index.apply(replica, batch) and ok
-        if announced is None and replica in self.index.replicas:
-            self._idle[""].setdefault(replica, NOTHING_HELD)
+        idle = self._idle[""]
+        if announced is None and replica in self.index.replicas and replica not in idle:
+            idle[replica] = NOTHING_HELD
+            self._board.place(replica, None)
         return ok and self.index.is_current(replica)
 
     def load_snapshot(
@@ -298,16 +155,21 @@ class KVIndexServer:
         self.replicas[replica] = announced
         self._announce(replica, announced)
 
-    def lookup(self, block_hashes: list[bytes], role: str = "") -> dict[str, Holding]:
+    def lookup(self, block_hashes: list[bytes], role: str = "") -> Holdings:
         """Per replica (of `role`, or all): the prompt's leading blocks it holds, its load."""
-        holdings = dict(self._idle.get(role, {}))
-        for replica, count in self.index.match_held(block_hashes).items():
-            announced = self.replicas.get(replica, _UNANNOUNCED)
-            if not role or announced.role == role:
-                in_tier = self.index.tier_only_blocks(replica, block_hashes[:count])
-                holdings[replica] = Holding(
-                    count, announced.load, announced.role, announced.side_channel, in_tier
-                )
+        holdings = Holdings(self._idle.get(role, {}), (), self._board.snapshot())
+        groups: list[list[str]] = []
+        index, replicas = self.index, self.replicas
+        tiers = index.has_tiers
+        for count, members in index.match_groups(block_hashes):
+            if role:
+                members = [r for r in members if replicas.get(r, _UNANNOUNCED).role == role]
+            for replica in members:
+                a = replicas.get(replica, _UNANNOUNCED)
+                in_tier = index.tier_only_blocks(replica, block_hashes, count) if tiers else 0
+                holdings[replica] = Holding(count, a.load, a.role, a.side_channel, in_tier)
+            groups.extend(_by_tier(holdings, members) if tiers else [members])
+        holdings.groups = tuple(self._board.in_order(g) for g in groups if g)
         return holdings
 
     def publish(
@@ -347,6 +209,7 @@ class KVIndexServer:
             self.index.forget(replica)
             announced = self.replicas.pop(replica, None)
             self._idle[""].pop(replica, None)
+            self._board.remove(replica)
             if announced is not None:
                 self._idle.get(announced.role, {}).pop(replica, None)
 
@@ -354,9 +217,18 @@ class KVIndexServer:
         idle = Holding(0, announced.load, announced.role, announced.side_channel)
         self._idle[""][replica] = idle
         self._idle.setdefault(announced.role, {})[replica] = idle
+        self._board.place(replica, announced.load)
 
     def current(self) -> dict[str, bool]:
         return {replica: self.index.is_current(replica) for replica in self.index.replicas}
+
+
+def _by_tier(holdings: Holdings, group: list[str]) -> list[list[str]]:
+    """Holders of equal blocks, by their blocks in a tier only (they cost alike)."""
+    alike: dict[int, list[str]] = {}
+    for replica in group:
+        alike.setdefault(holdings[replica].tier_blocks, []).append(replica)
+    return list(alike.values())
 
 
 class IndexedClusterCache:

@@ -20,9 +20,11 @@ power of two choices, which balances by queue length (`rank_by_cost` returns Non
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from engine.core.kv_events import EngineLoad
 
@@ -42,9 +44,12 @@ class RoutingWeights:
     tier_token_cost: float = 0.1
 
 
-@dataclass(frozen=True)
-class Holding:
-    """What the index knows of one replica for one prompt."""
+DEFAULT_WEIGHTS = RoutingWeights()
+
+
+class Holding(NamedTuple):
+    """What the index knows of one replica for one prompt (a tuple: a lookup builds one per
+    holder, and a frozen dataclass takes twice as long to build)."""
 
     cached_blocks: int  # the prompt's leading blocks it holds, in its pool or a tier
     load: EngineLoad | None  # None until the replica has reported
@@ -54,6 +59,31 @@ class Holding:
 
 
 NOTHING_HELD = Holding(0, None)  # a replica the index does not know
+
+
+def cache_term(
+    prompt_tokens: int,
+    block_size: int,
+    holding: Holding,
+    weights: RoutingWeights,
+    lent_blocks: int = 0,
+) -> float:
+    """The cost's prompt part: what the replica would compute, and copy back from a tier."""
+    cached, tier_blocks = holding.cached_blocks, holding.tier_blocks
+    if lent_blocks > cached:
+        cached, tier_blocks = lent_blocks, 0
+    uncached = max(0, prompt_tokens - cached * block_size)
+    return uncached + weights.tier_token_cost * min(prompt_tokens, tier_blocks * block_size)
+
+
+def load_key(load: EngineLoad | None, weights: RoutingWeights = DEFAULT_WEIGHTS) -> float:
+    """The cost's load part as the replica reported it. The router's own count of requests
+    in flight and a nearly full pool only add to it: `cache_term + load_key` is a replica's
+    least possible cost (searches stop on it)."""
+    if load is None:
+        return 0.0
+    busy = load.num_running + load.num_waiting
+    return load.queued_prompt_tokens + weights.request_tokens * busy
 
 
 def replica_cost(
@@ -67,18 +97,171 @@ def replica_cost(
     """The cost above; `ongoing` is the router's own count of requests in flight there;
     `lent_blocks`, the prompt's leading blocks a prefix loan brings (read, not computed,
     wherever the request goes)."""
-    cached, tier_blocks = holding.cached_blocks, holding.tier_blocks
-    if lent_blocks > cached:
-        cached, tier_blocks = lent_blocks, 0
-    uncached = max(0, prompt_tokens - cached * block_size)
-    in_tier = min(prompt_tokens, tier_blocks * block_size)
+    term = cache_term(prompt_tokens, block_size, holding, weights, lent_blocks)
     load = holding.load
-    queued = load.queued_prompt_tokens if load is not None else 0
-    busy = max(ongoing, (load.num_running + load.num_waiting) if load is not None else 0)
-    cost = uncached + weights.tier_token_cost * in_tier + queued + weights.request_tokens * busy
-    if load is not None and load.kv_cache_usage >= weights.hot_kv_usage:
+    if load is None:
+        return term + weights.request_tokens * max(ongoing, 0)
+    busy = max(ongoing, load.num_running + load.num_waiting)
+    cost = term + (load.queued_prompt_tokens + weights.request_tokens * busy)
+    if load.kv_cache_usage >= weights.hot_kv_usage:
         cost += prompt_tokens
     return cost
+
+
+class Holdings(dict[str, Holding]):
+    """Every replica's holding of one prompt (`KVIndexServer.lookup`'s answer), with what lets
+    a search skip most replicas: `groups`, the replicas holding some of it by equal
+    (cached_blocks, tier_blocks), and `by_load`, every replica the index knows as
+    (`load_key`, replica), least first (it may name replicas of roles a per-role answer
+    leaves out: searches skip them).
+
+    Replicas of one group, or holding nothing, differ in load only. A search evaluates the
+    members of small groups, and walks the rest by load until no later one can cost less
+    (`_costs_up_to_least`): at 128 replicas it evaluates a few of them instead of all."""
+
+    def __init__(
+        self,
+        holdings: Mapping[str, Holding] | Iterable[tuple[str, Holding]] = (),
+        groups: tuple[tuple[str, ...], ...] | None = None,
+        by_load: tuple[tuple[float, str], ...] | None = None,
+        request_tokens: float = DEFAULT_WEIGHTS.request_tokens,
+    ) -> None:
+        """Without `groups` or `by_load`, they are worked out from the holdings."""
+        super().__init__(holdings)
+        self.request_tokens = request_tokens  # the weight `by_load`'s keys were taken with
+        if groups is None:
+            alike: dict[tuple[int, int], list[str]] = {}
+            for r, h in self.items():
+                if h.cached_blocks:
+                    alike.setdefault(_alike(h), []).append(r)
+            by_load_of = functools.partial(_by_load, self, request_tokens)
+            groups = tuple(by_load_of(g) for g in alike.values())
+        self.groups = groups
+        if by_load is None:
+            weights = RoutingWeights(request_tokens=request_tokens)
+            by_load = tuple(sorted((load_key(h.load, weights), r) for r, h in self.items()))
+        self.by_load = by_load
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray's actor boundary
+        return (Holdings, (dict(self), self.groups, self.by_load, self.request_tokens))
+
+    def held(self) -> list[str]:
+        """The replicas holding some of the prompt."""
+        return [r for group in self.groups for r in group]
+
+    def unheld_by_load(self) -> Iterator[tuple[str, Holding]]:
+        """The replicas holding none of the prompt, least loaded first."""
+        for _, replica in self.by_load:
+            holding = self.get(replica)
+            if holding is not None and not holding.cached_blocks:
+                yield replica, holding
+
+
+def _by_load(
+    holdings: Mapping[str, Holding], request_tokens: float, group: Iterable[str]
+) -> tuple[str, ...]:
+    """`group`'s replicas, least loaded first (`load_key`)."""
+    weights = RoutingWeights(request_tokens=request_tokens)
+    return tuple(sorted(group, key=lambda r: (load_key(holdings[r].load, weights), r)))
+
+
+def _alike(holding: Holding) -> tuple[int, int]:
+    """Holdings alike cost alike for any prompt, at equal load."""
+    return holding.cached_blocks, holding.tier_blocks
+
+
+def as_holdings(holdings: Mapping[str, Holding], weights: RoutingWeights) -> Holdings:
+    """`holdings` with its groups and load order (a plain mapping's worked out once)."""
+    if isinstance(holdings, Holdings) and holdings.request_tokens == weights.request_tokens:
+        return holdings
+    return Holdings(holdings, request_tokens=weights.request_tokens)
+
+
+# Holders of one (cached_blocks, tier_blocks) evaluated one by one; a bigger group (everyone
+# holding a shared system prompt) is walked by load with those holding nothing.
+SMALL_GROUP = 4
+
+
+@dataclass(frozen=True)
+class _Search:
+    """One prompt's costs on `holdings`: a loan's `lent_blocks` reach every replica; `ongoing`
+    (the router's requests in flight, by replica) counts where given."""
+
+    holdings: Holdings
+    prompt_tokens: int
+    block_size: int
+    weights: RoutingWeights
+    lent_blocks: int = 0
+    ongoing: Mapping[str, int] | None = None
+
+    def cost(self, replica: str, holding: Holding) -> float:
+        busy = self.ongoing.get(replica, 0) if self.ongoing is not None else 0
+        p, bs, w, lent = self.prompt_tokens, self.block_size, self.weights, self.lent_blocks
+        return replica_cost(p, bs, holding, busy, w, lent)
+
+    def term(self, holding: Holding) -> float:
+        p, bs, w, lent = self.prompt_tokens, self.block_size, self.weights, self.lent_blocks
+        return cache_term(p, bs, holding, w, lent)
+
+    def up_to_least(
+        self,
+        eligible: Callable[[str, Holding], bool],
+        unheard: Iterable[str] = (),
+        one: bool = False,
+    ) -> tuple[dict[str, float], float]:
+        """The costs of the eligible replicas that may cost least, and the least cost of a
+        walked one (inf for none). Every member of a small group is evaluated; the walked
+        ones (of big groups, holding nothing, and the `unheard` replicas the index does not
+        know) by load, each kind until its next can cost no less than the least of them — or,
+        with `one`, than the least of all (the cheapest is then in the costs; of equals, the
+        first found). Replicas costing what the least does may be left out."""
+        found = self.holdings
+        costs: dict[str, float] = {}
+        walks: list[tuple[float, tuple[str, ...]]] = []  # cache term, members by load
+        for group in found.groups:
+            if len(group) > SMALL_GROUP:
+                walks.append((self.term(found[group[0]]), group))
+                continue
+            for replica in group:
+                if eligible(replica, found[replica]):
+                    costs[replica] = self.cost(replica, found[replica])
+        walk = _Walk(self, costs, min(costs.values(), default=math.inf) if one else math.inf)
+        for replica in unheard:
+            walk.evaluate(replica, NOTHING_HELD)
+        # The deepest group first: its least cost ends the others soonest.
+        for term, members in sorted(walks, key=lambda w: w[0]):
+            walk.along(term, ((found[r], r) for r in members), eligible)
+        nothing = ((h, r) for r, h in found.unheld_by_load())  # the last walk
+        walk.along(self.term(NOTHING_HELD), nothing, eligible)
+        return costs, walk.least
+
+
+@dataclass
+class _Walk:
+    """Replicas of equal cache terms evaluated in load order, the least cost found so far
+    ending each walk."""
+
+    search: _Search
+    costs: dict[str, float]
+    bound: float  # a cost no walk needs to beat (the least of the small groups', or inf)
+    least: float = math.inf  # the least cost of a walked replica
+
+    def evaluate(self, replica: str, holding: Holding) -> None:
+        cost = self.costs[replica] = self.search.cost(replica, holding)
+        self.least = min(self.least, cost)
+
+    def along(
+        self,
+        term: float,
+        replicas: Iterable[tuple[Holding, str]],
+        eligible: Callable[[str, Holding], bool],
+    ) -> None:
+        weights = self.search.weights
+        for holding, replica in replicas:
+            if term + load_key(holding.load, weights) >= min(self.least, self.bound):
+                return  # neither it nor any after it costs less
+            if replica not in self.costs and eligible(replica, holding):
+                self.evaluate(replica, holding)
 
 
 def rank_by_cost(
@@ -87,23 +270,84 @@ def rank_by_cost(
     prompt_tokens: int,
     block_size: int,
     ongoing: Mapping[str, int],
-    weights: RoutingWeights = RoutingWeights(),
+    weights: RoutingWeights = DEFAULT_WEIGHTS,
     lent_blocks: int = 0,
 ) -> list[list[str]] | None:
     """Candidates in ranks of equal cost, cheapest first (Serve takes the first rank with
     room); None when the cache does not tell them apart and load alone should decide (a
-    loan of `lent_blocks` brings every candidate those blocks)."""
-    chosen = [holdings.get(c, NOTHING_HELD) for c in candidates]
-    if not chosen or max(h.cached_blocks for h in chosen) <= lent_blocks:
+    loan of `lent_blocks` brings every candidate those blocks).
+
+    The ranks are exact up to the cheapest candidate that is not in a small group of holders
+    (`_Search.up_to_least`); every costlier candidate is in one last rank: if the ranks before
+    it are full, Serve chooses there by queue length, as it would among any replicas."""
+    found = as_holdings(holdings, weights)
+    wanted = set(candidates)
+    held = [r for r in found.held() if r in wanted]
+    if not held or max(found[r].cached_blocks for r in held) <= lent_blocks:
         return None
-    if len({(h.cached_blocks, h.tier_blocks) for h in chosen}) == 1:
+    if len(held) == len(wanted) and len({_alike(found[r]) for r in held}) == 1:
+        return None  # every candidate holds the same (a shared system prompt)
+    search = _Search(found, prompt_tokens, block_size, weights, lent_blocks, ongoing)
+    costs, least = search.up_to_least(lambda r, h: r in wanted, wanted.difference(found))
+    by_cost: dict[float, list[str]] = {}
+    for replica, cost in costs.items():
+        if cost <= least:
+            by_cost.setdefault(cost, []).append(replica)
+    ranks = [sorted(by_cost[cost]) for cost in sorted(by_cost)]
+    rest = [r for r in candidates if costs.get(r, math.inf) > least]
+    return [*ranks, rest] if rest else ranks
+
+
+def _most_held(holdings: Holdings) -> tuple[int, str] | None:
+    """(blocks, replica) of the replica that can lend holding the most of the prompt (of
+    equals, the last by name); None where none holds any."""
+    most = None
+    for group in sorted(holdings.groups, key=lambda g: -holdings[g[0]].cached_blocks):
+        blocks = holdings[group[0]].cached_blocks
+        if most is not None and blocks < most[0]:
+            break
+        for replica in group:
+            if holdings[replica].side_channel and (most is None or (blocks, replica) > most):
+                most = (blocks, replica)
+    return most
+
+
+def cheapest(
+    holdings: Mapping[str, Holding],
+    prompt_tokens: int,
+    block_size: int,
+    weights: RoutingWeights = DEFAULT_WEIGHTS,
+    role: str | None = None,
+) -> tuple[str, int] | None:
+    """The replica of `holdings` (of `role`, or any) that would serve the prompt cheapest, and
+    how many of its tokens it holds; None when it holds none (cache-aware disaggregation asks
+    this of the decode replicas)."""
+    found = cheapest_held(holdings, prompt_tokens, block_size, weights, role=role)
+    return found if found is not None and found[1] else None
+
+
+def cheapest_held(
+    holdings: Mapping[str, Holding],
+    prompt_tokens: int,
+    block_size: int,
+    weights: RoutingWeights = DEFAULT_WEIGHTS,
+    lent_blocks: int = 0,
+    role: str | None = None,
+) -> tuple[str, int] | None:
+    """The replica of `holdings` (of `role`, or any) that would serve the prompt cheapest by
+    its own reported load (of equals, the first by name), cached or not, and the prompt
+    tokens it holds itself; a loan's `lent_blocks` reach every one (the survey's borrower);
+    None for no replica."""
+    found = as_holdings(holdings, weights)
+    search = _Search(found, prompt_tokens, block_size, weights, lent_blocks)
+    if role is None:
+        costs, _ = search.up_to_least(lambda r, h: True, one=True)
+    else:
+        costs, _ = search.up_to_least(lambda r, h: h.role == role, one=True)
+    if not costs:
         return None
-    costs: dict[float, list[str]] = {}
-    for candidate, holding in zip(candidates, chosen, strict=True):
-        busy = ongoing.get(candidate, 0)
-        cost = replica_cost(prompt_tokens, block_size, holding, busy, weights, lent_blocks)
-        costs.setdefault(cost, []).append(candidate)
-    return [costs[cost] for cost in sorted(costs)]
+    _, best = min((cost, replica) for replica, cost in costs.items())
+    return best, min(prompt_tokens, found[best].cached_blocks * block_size)
 
 
 @dataclass(frozen=True)
@@ -136,67 +380,28 @@ def survey(
     block_hashes: list[bytes],
     prompt_tokens: int,
     block_size: int,
-    weights: RoutingWeights = RoutingWeights(),
+    weights: RoutingWeights = DEFAULT_WEIGHTS,
 ) -> CacheSurvey:
     """`holdings`: every replica's, whatever its role (`KVIndexServer.lookup`)."""
-
-    def tokens(blocks: int) -> int:
-        return min(prompt_tokens, blocks * block_size)
-
-    decode = {r: h for r, h in holdings.items() if h.role == "decode"}
+    found = as_holdings(holdings, weights)
     # A loan lends the lender's pool's run and then its tier's (offload/tier_loans.py). Any
     # engine lends: a prefill replica holding a prompt the load sends elsewhere too.
-    lenders = [(h.cached_blocks, r) for r, h in holdings.items() if h.side_channel]
     lender, borrower = None, None
-    if lenders:
-        blocks, replica = max(lenders)
-        if blocks:
-            lender = Lender(replica, holdings[replica].side_channel, tokens(blocks))
-            # The prefill replica that would compute it cheapest with the loan (it computes
-            # what follows the longer of its own run and the loan).
-            prefill = {r: h for r, h in holdings.items() if h.role == "prefill"}
-            borrower = cheapest_held(prefill, prompt_tokens, block_size, weights, blocks)
+    most = _most_held(found)
+    if most is not None:
+        blocks, replica = most
+        tokens = min(prompt_tokens, blocks * block_size)
+        lender = Lender(replica, found[replica].side_channel, tokens)
+        # The prefill replica that would compute it cheapest with the loan (it computes
+        # what follows the longer of its own run and the loan).
+        borrower = cheapest_held(found, prompt_tokens, block_size, weights, blocks, "prefill")
     return CacheSurvey(
         block_hashes=block_hashes,
-        decode_holder=cheapest(decode, prompt_tokens, block_size, weights),
+        decode_holder=cheapest(found, prompt_tokens, block_size, weights, "decode"),
         lender=lender,
         borrower=borrower,
-        holdings=holdings,
+        holdings=found,
     )
-
-
-def cheapest(
-    holdings: Mapping[str, Holding],
-    prompt_tokens: int,
-    block_size: int,
-    weights: RoutingWeights = RoutingWeights(),
-) -> tuple[str, int] | None:
-    """The replica of `holdings` (one role) that would serve the prompt cheapest, and how many
-    of its tokens it holds; None when it holds none (cache-aware disaggregation asks this of
-    the decode replicas)."""
-    found = cheapest_held(holdings, prompt_tokens, block_size, weights)
-    return found if found is not None and found[1] else None
-
-
-def cheapest_held(
-    holdings: Mapping[str, Holding],
-    prompt_tokens: int,
-    block_size: int,
-    weights: RoutingWeights = RoutingWeights(),
-    lent_blocks: int = 0,
-) -> tuple[str, int] | None:
-    """The replica of `holdings` that would serve the prompt cheapest by its own reported load
-    (the first of equals), cached or not, and the prompt tokens it holds itself; a loan's
-    `lent_blocks` reach every one (the survey's borrower); None for no replica."""
-    best: tuple[float, str] | None = None
-    for replica, holding in holdings.items():
-        cost = replica_cost(prompt_tokens, block_size, holding, 0, weights, lent_blocks)
-        if best is None or cost < best[0]:
-            best = (cost, replica)
-    if best is None:
-        return None
-    replica = best[1]
-    return replica, min(prompt_tokens, holdings[replica].cached_blocks * block_size)
 
 
 def lender_worth_borrowing(survey: CacheSurvey | None, min_tokens: int) -> Lender | None:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deployments.cluster.kv_index import PrefixIndex
+from deployments.cluster.prefix_index import PrefixIndex
 from engine.core.kv_events import KVSnapshot
 from pdserve.bench.stats import summarize
 

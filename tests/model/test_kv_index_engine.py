@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from deployments.cluster.kv_index import PrefixIndex
+from deployments.cluster.prefix_index import PrefixIndex
 from engine.core.kv_cache_utils import prompt_block_hashes
 from engine.core.kv_events import BlockRemoved
 from engine.llm import LLM

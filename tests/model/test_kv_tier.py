@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from deployments.cluster.kv_index import PrefixIndex
+from deployments.cluster.prefix_index import PrefixIndex
 from engine.llm import LLM
 from engine.request import SamplingParams
 from tests.model.conftest import HFReference

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deployments.cluster.kv_index import PrefixIndex
+from deployments.cluster.prefix_index import PrefixIndex
 from engine.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deployments.cluster.kv_index import PrefixIndex
+from deployments.cluster.prefix_index import PrefixIndex
 from engine.core.block_pool import BlockPool
 from engine.core.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from engine.offload.copies import TierCopy, TierReport

@@ -1,0 +1,156 @@
+"""The routing searches (kv_scoring) against an exhaustive evaluation of every replica.
+
+The searches evaluate the members of small holder groups and walk the rest by load until no
+later replica can cost less (`pdserve bench router-sim`: a few evaluations per decision at 128
+replicas instead of all). Random clusters — big groups holding a shared prompt, replicas in a
+tier, loans, nearly full pools, replicas the index does not know, the router's own counts of
+requests in flight — check that they find what evaluating everyone finds, on plain mappings
+and on the index's own answers (its holder groups and load board)."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import pytest
+
+from deployments.cluster.kv_index import KVIndexServer
+from deployments.cluster.kv_scoring import (
+    DEFAULT_WEIGHTS,
+    NOTHING_HELD,
+    SMALL_GROUP,
+    Holding,
+    Holdings,
+    cheapest_held,
+    rank_by_cost,
+    replica_cost,
+    survey,
+)
+from engine.core.kv_events import EngineLoad, KVSnapshot
+
+ROLES = ("prefill", "decode")
+
+
+def random_load(rng: random.Random) -> EngineLoad | None:
+    if rng.random() < 0.1:
+        return None
+    return EngineLoad(
+        num_running=rng.choice([0, 0, 1, 2, 5]),
+        num_waiting=rng.choice([0, 0, 1]),
+        queued_prompt_tokens=rng.choice([0, 0, 16, 100, 333]),
+        kv_cache_usage=rng.choice([0.1, 0.5, 0.95]),
+    )
+
+
+def random_cluster(rng: random.Random) -> dict[str, Holding]:
+    """Replicas holding nothing, a shared prefix (a big group) or runs of their own."""
+    shared = rng.randint(1, 6)
+    holdings = {}
+    for i in range(rng.randint(1, 30)):
+        kind = rng.random()
+        cached = 0 if kind < 0.4 else shared if kind < 0.8 else rng.randint(1, 12)
+        tier = rng.randint(0, cached) if cached and rng.random() < 0.2 else 0
+        role = rng.choice(ROLES)
+        holdings[f"r{i}"] = Holding(cached, random_load(rng), role, f"h:{i}", tier)
+    return holdings
+
+
+def cost(holdings, replica, prompt, block_size, ongoing, lent) -> float:
+    holding = holdings.get(replica, NOTHING_HELD)
+    busy = ongoing.get(replica, 0)
+    return replica_cost(prompt, block_size, holding, busy, DEFAULT_WEIGHTS, lent)
+
+
+def check_cheapest(holdings, prompt, block_size, lent, role) -> None:
+    eligible = [r for r, h in holdings.items() if role is None or h.role == role]
+    found = cheapest_held(holdings, prompt, block_size, lent_blocks=lent, role=role)
+    if not eligible:
+        assert found is None
+        return
+    least = min(cost(holdings, r, prompt, block_size, {}, lent) for r in eligible)
+    assert found is not None and found[0] in eligible
+    assert cost(holdings, found[0], prompt, block_size, {}, lent) == least
+    assert found[1] == min(prompt, holdings[found[0]].cached_blocks * block_size)
+
+
+def check_ranks(holdings, candidates, prompt, block_size, ongoing, lent) -> None:
+    ranks = rank_by_cost(candidates, holdings, prompt, block_size, ongoing, lent_blocks=lent)
+    chosen = [holdings.get(c, NOTHING_HELD) for c in candidates]
+    alike = len({(h.cached_blocks, h.tier_blocks) for h in chosen}) == 1
+    if max(h.cached_blocks for h in chosen) <= lent or alike:
+        assert ranks is None
+        return
+    assert ranks is not None
+    assert sorted(r for rank in ranks for r in rank) == sorted(candidates)  # each once
+    costs = {c: cost(holdings, c, prompt, block_size, ongoing, lent) for c in candidates}
+    # Every rank but the last holds one cost, rising; the last costs no less than those.
+    exact = [{costs[r] for r in rank} for rank in ranks[:-1]]
+    assert all(len(rank) == 1 for rank in exact)
+    levels = [rank.pop() for rank in exact]
+    assert levels == sorted(set(levels))
+    assert min(costs[r] for r in ranks[-1]) >= (levels[-1] if levels else -1)
+    assert min(costs[r] for r in ranks[0]) == min(costs.values())
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_the_searches_find_what_evaluating_every_replica_finds(seed: int) -> None:
+    rng = random.Random(seed)
+    holdings = random_cluster(rng)
+    prompt, block_size = rng.randint(1, 200), rng.choice([4, 16])
+    lent = rng.choice([0, 0, 0, rng.randint(1, 12)])
+    ongoing = {r: rng.randint(0, 6) for r in holdings if rng.random() < 0.3}
+    candidates = [r for r in holdings if rng.random() < 0.7] + ["unknown"] * rng.randint(0, 1)
+    index_answer = lookup_from_an_index(holdings, rng)
+    assert dict(index_answer) == holdings
+    for found in (holdings, index_answer):
+        for role in (None, *ROLES):
+            check_cheapest(found, prompt, block_size, lent, role)
+        if candidates:
+            check_ranks(found, candidates, prompt, block_size, ongoing, lent)
+
+
+def lookup_from_an_index(holdings: dict[str, Holding], rng: random.Random) -> Holdings:
+    """The index's answer for the same cluster: each replica's run of a 12-block prompt as a
+    snapshot (tier blocks as in a tier), its role, side channel and load."""
+    prompt = [bytes([i]) for i in range(12)]
+    server = KVIndexServer()
+    names = list(holdings)
+    rng.shuffle(names)  # announcement order: the answer must not depend on it
+    for replica in names:
+        held = holdings[replica]
+        run = prompt[: held.cached_blocks]
+        tier = run[held.cached_blocks - held.tier_blocks :] if held.tier_blocks else ()
+        pool = tuple(h for h in run if h not in tier)
+        snapshot = KVSnapshot(replica, 0, (*pool, *tier), tier_block_hashes=tuple(tier))
+        server.load_snapshot(replica, snapshot, held.role, held.load, held.side_channel)
+    return server.lookup(prompt)
+
+
+def test_the_index_answers_with_holder_groups_and_every_replica_by_load() -> None:
+    """Holders grouped by what they hold (a big group least loaded first), every replica on
+    the load board, through a load change and a forget; and the answer crosses Ray's actor
+    boundary (pickle) whole."""
+    server = KVIndexServer()
+    prompt = [b"1", b"2", b"3"]
+    loads = {f"d{i}": EngineLoad(i % 3, 0, 10 * i, 0.1) for i in range(8)}
+    for i, (replica, load) in enumerate(loads.items()):
+        held = prompt[: 1 if i < SMALL_GROUP + 2 else 3]
+        server.load_snapshot(replica, KVSnapshot(replica, 0, tuple(held)), "decode", load)
+    found = server.lookup(prompt)
+    big, small = sorted(found.groups, key=len, reverse=True)
+    assert len(big) == SMALL_GROUP + 2 and {found[r].cached_blocks for r in big} == {1}
+    assert sorted(small) == ["d6", "d7"] and {found[r].cached_blocks for r in small} == {3}
+    keys = [key for key, _ in found.by_load]
+    assert keys == sorted(keys) and {r for _, r in found.by_load} == set(loads)
+    assert [found[r].load for r in big] == sorted((found[r].load for r in big), key=load_order)
+    server.apply("d0", [], EngineLoad(9, 0, 900, 0.1))  # now the busiest
+    server.forget(["d7"])
+    found = server.lookup(prompt)
+    assert found.by_load[-1][1] == "d0" and "d7" not in {r for _, r in found.by_load}
+    copy = pickle.loads(pickle.dumps(found))
+    assert (copy, copy.groups, copy.by_load) == (found, found.groups, found.by_load)
+    assert survey(copy, prompt, 48, 16).decode_holder == ("d6", 48)
+
+
+def load_order(load: EngineLoad) -> float:
+    return load.queued_prompt_tokens + DEFAULT_WEIGHTS.request_tokens * load.num_running
