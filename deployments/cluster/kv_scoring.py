@@ -20,7 +20,6 @@ power of two choices, which balances by queue length (`rank_by_cost` returns Non
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -98,11 +97,17 @@ def replica_cost(
     `lent_blocks`, the prompt's leading blocks a prefix loan brings (read, not computed,
     wherever the request goes)."""
     term = cache_term(prompt_tokens, block_size, holding, weights, lent_blocks)
+    return term + load_cost(prompt_tokens, holding, ongoing, weights)
+
+
+def load_cost(prompt_tokens: int, holding: Holding, ongoing: int, weights: RoutingWeights) -> float:
+    """The cost's load part: its queue, its requests (the router's count or its own, the
+    more), and the whole prompt again where its pool is nearly full."""
     load = holding.load
     if load is None:
-        return term + weights.request_tokens * max(ongoing, 0)
+        return weights.request_tokens * max(ongoing, 0)
     busy = max(ongoing, load.num_running + load.num_waiting)
-    cost = term + (load.queued_prompt_tokens + weights.request_tokens * busy)
+    cost = load.queued_prompt_tokens + weights.request_tokens * busy
     if load.kv_cache_usage >= weights.hot_kv_usage:
         cost += prompt_tokens
     return cost
@@ -111,13 +116,15 @@ def replica_cost(
 class Holdings(dict[str, Holding]):
     """Every replica's holding of one prompt (`KVIndexServer.lookup`'s answer), with what lets
     a search skip most replicas: `groups`, the replicas holding some of it by equal
-    (cached_blocks, tier_blocks), and `by_load`, every replica the index knows as
+    (cached_blocks, tier_blocks), those of a group of more than SMALL_GROUP least loaded
+    first, and `by_load`, every replica the index knows as
     (`load_key`, replica), least first (it may name replicas of roles a per-role answer
     leaves out: searches skip them).
 
     Replicas of one group, or holding nothing, differ in load only. A search evaluates the
-    members of small groups, and walks the rest by load until no later one can cost less
-    (`_costs_up_to_least`): at 128 replicas it evaluates a few of them instead of all."""
+    members of small groups, and walks the others of each kind along `by_load` until no later
+    one can cost less (`_Search.up_to_least`): at 128 replicas it evaluates a few of them
+    instead of all."""
 
     def __init__(
         self,
@@ -129,25 +136,21 @@ class Holdings(dict[str, Holding]):
         """Without `groups` or `by_load`, they are worked out from the holdings."""
         super().__init__(holdings)
         self.request_tokens = request_tokens  # the weight `by_load`'s keys were taken with
+        weights = RoutingWeights(request_tokens=request_tokens)
         if groups is None:
             alike: dict[tuple[int, int], list[str]] = {}
             for r, h in self.items():
                 if h.cached_blocks:
                     alike.setdefault(_alike(h), []).append(r)
-            by_load_of = functools.partial(_by_load, self, request_tokens)
-            groups = tuple(by_load_of(g) for g in alike.values())
+            order = {r: (load_key(h.load, weights), r) for r, h in self.items()}
+            groups = tuple(tuple(sorted(g, key=order.__getitem__)) for g in alike.values())
         self.groups = groups
         if by_load is None:
-            weights = RoutingWeights(request_tokens=request_tokens)
             by_load = tuple(sorted((load_key(h.load, weights), r) for r, h in self.items()))
         self.by_load = by_load
 
     def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray's actor boundary
         return (Holdings, (dict(self), self.groups, self.by_load, self.request_tokens))
-
-    def held(self) -> list[str]:
-        """The replicas holding some of the prompt."""
-        return [r for group in self.groups for r in group]
 
     def unheld_by_load(self) -> Iterator[tuple[str, Holding]]:
         """The replicas holding none of the prompt, least loaded first."""
@@ -155,14 +158,6 @@ class Holdings(dict[str, Holding]):
             holding = self.get(replica)
             if holding is not None and not holding.cached_blocks:
                 yield replica, holding
-
-
-def _by_load(
-    holdings: Mapping[str, Holding], request_tokens: float, group: Iterable[str]
-) -> tuple[str, ...]:
-    """`group`'s replicas, least loaded first (`load_key`)."""
-    weights = RoutingWeights(request_tokens=request_tokens)
-    return tuple(sorted(group, key=lambda r: (load_key(holdings[r].load, weights), r)))
 
 
 def _alike(holding: Holding) -> tuple[int, int]:
@@ -194,10 +189,12 @@ class _Search:
     lent_blocks: int = 0
     ongoing: Mapping[str, int] | None = None
 
-    def cost(self, replica: str, holding: Holding) -> float:
+    def cost(self, replica: str, holding: Holding, term: float | None = None) -> float:
+        """`term`: the holding's cache term, where known."""
+        if term is None:
+            term = self.term(holding)
         busy = self.ongoing.get(replica, 0) if self.ongoing is not None else 0
-        p, bs, w, lent = self.prompt_tokens, self.block_size, self.weights, self.lent_blocks
-        return replica_cost(p, bs, holding, busy, w, lent)
+        return term + load_cost(self.prompt_tokens, holding, busy, self.weights)
 
     def term(self, holding: Holding) -> float:
         p, bs, w, lent = self.prompt_tokens, self.block_size, self.weights, self.lent_blocks
@@ -225,43 +222,40 @@ class _Search:
             for replica in group:
                 if eligible(replica, found[replica]):
                     costs[replica] = self.cost(replica, found[replica])
-        walk = _Walk(self, costs, min(costs.values(), default=math.inf) if one else math.inf)
+        bound = min(costs.values(), default=math.inf) if one else math.inf
+        walk = _Walk(self, eligible, costs, bound)
+        nothing = self.term(NOTHING_HELD)
         for replica in unheard:
-            walk.evaluate(replica, NOTHING_HELD)
+            walk.evaluate(replica, NOTHING_HELD, nothing)
         # The deepest group first: its least cost ends the others soonest.
         for term, members in sorted(walks, key=lambda w: w[0]):
-            walk.along(term, ((found[r], r) for r in members), eligible)
-        nothing = ((h, r) for r, h in found.unheld_by_load())  # the last walk
-        walk.along(self.term(NOTHING_HELD), nothing, eligible)
+            walk.along(term, ((r, found[r]) for r in members))
+        walk.along(nothing, found.unheld_by_load())
         return costs, walk.least
 
 
 @dataclass
 class _Walk:
-    """Replicas of equal cache terms evaluated in load order, the least cost found so far
-    ending each walk."""
+    """Replicas of one cache term, least loaded first, evaluated until the next can cost no
+    less than the least found so far."""
 
     search: _Search
+    eligible: Callable[[str, Holding], bool]
     costs: dict[str, float]
     bound: float  # a cost no walk needs to beat (the least of the small groups', or inf)
     least: float = math.inf  # the least cost of a walked replica
 
-    def evaluate(self, replica: str, holding: Holding) -> None:
-        cost = self.costs[replica] = self.search.cost(replica, holding)
+    def evaluate(self, replica: str, holding: Holding, term: float) -> None:
+        cost = self.costs[replica] = self.search.cost(replica, holding, term)
         self.least = min(self.least, cost)
 
-    def along(
-        self,
-        term: float,
-        replicas: Iterable[tuple[Holding, str]],
-        eligible: Callable[[str, Holding], bool],
-    ) -> None:
-        weights = self.search.weights
-        for holding, replica in replicas:
+    def along(self, term: float, replicas: Iterable[tuple[str, Holding]]) -> None:
+        weights, costs = self.search.weights, self.costs
+        for replica, holding in replicas:
             if term + load_key(holding.load, weights) >= min(self.least, self.bound):
                 return  # neither it nor any after it costs less
-            if replica not in self.costs and eligible(replica, holding):
-                self.evaluate(replica, holding)
+            if replica not in costs and self.eligible(replica, holding):
+                self.evaluate(replica, holding, term)
 
 
 def rank_by_cost(
@@ -278,15 +272,13 @@ def rank_by_cost(
     loan of `lent_blocks` brings every candidate those blocks).
 
     The ranks are exact up to the cheapest candidate that is not in a small group of holders
-    (`_Search.up_to_least`); every costlier candidate is in one last rank: if the ranks before
-    it are full, Serve chooses there by queue length, as it would among any replicas."""
+    (`_Search.up_to_least`); every other one (costlier, or costing as much as that one) is in
+    one last rank: if the ranks before it are full, Serve chooses there by queue length, as it
+    would among any replicas."""
     found = as_holdings(holdings, weights)
     wanted = set(candidates)
-    held = [r for r in found.held() if r in wanted]
-    if not held or max(found[r].cached_blocks for r in held) <= lent_blocks:
+    if not _tells_apart(found, candidates, wanted, lent_blocks):
         return None
-    if len(held) == len(wanted) and len({_alike(found[r]) for r in held}) == 1:
-        return None  # every candidate holds the same (a shared system prompt)
     search = _Search(found, prompt_tokens, block_size, weights, lent_blocks, ongoing)
     costs, least = search.up_to_least(lambda r, h: r in wanted, wanted.difference(found))
     by_cost: dict[float, list[str]] = {}
@@ -296,6 +288,20 @@ def rank_by_cost(
     ranks = [sorted(by_cost[cost]) for cost in sorted(by_cost)]
     rest = [r for r in candidates if costs.get(r, math.inf) > least]
     return [*ranks, rest] if rest else ranks
+
+
+def _tells_apart(
+    holdings: Holdings, candidates: Sequence[str], wanted: set[str], lent_blocks: int
+) -> bool:
+    """Whether the cache tells the candidates apart: one holds more than a loan brings, and
+    they do not all hold alike (a shared system prompt)."""
+    held = [g for g in holdings.groups if any(r in wanted for r in g)]
+    deepest = max((holdings[g[0]].cached_blocks for g in held), default=0)
+    if deepest <= lent_blocks:
+        return False
+    if any(holdings.get(c, NOTHING_HELD).cached_blocks == 0 for c in candidates):
+        return True  # one holds nothing, another more than the loan
+    return len(held) > 1  # (a group: the replicas holding alike)
 
 
 def _most_held(holdings: Holdings) -> tuple[int, str] | None:
@@ -335,7 +341,7 @@ def cheapest_held(
     role: str | None = None,
 ) -> tuple[str, int] | None:
     """The replica of `holdings` (of `role`, or any) that would serve the prompt cheapest by
-    its own reported load (of equals, the first by name), cached or not, and the prompt
+    its own reported load (of equals, one), cached or not, and the prompt
     tokens it holds itself; a loan's `lent_blocks` reach every one (the survey's borrower);
     None for no replica."""
     found = as_holdings(holdings, weights)
