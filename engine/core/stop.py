@@ -62,11 +62,11 @@ def adoptable_first_token(request: Request, max_model_len: int) -> int | None:
     here), if this engine may take it as sampled rather than compute the last prompt token
     again for it; None where it may not.
 
-    Computing that token again as a one-row step gives its KV other last bits than the
-    prefill's many-row chunk wherever a kernel's result depends on the rows beside it (the
-    int8 dot products), and the continuation can then fork at a near-tie. Adopting the token
-    with the whole prompt's KV leaves this engine where a colocated one stands after its
-    prefill, and saves it a step. Not where that row is needed after all: for the token's
+    Computing that token again as a one-row step attends as a decode does, where the
+    prefill's chunk attended through SDPA: other last bits, unless every token attends as a
+    decode (`plan_step`'s `token_by_token`, on int8 activations). Adopting the token with the
+    whole prompt's KV leaves this engine where a colocated one stands after its prefill,
+    whatever the attention path, and saves it a step. Not where that row is needed after all: for the token's
     logprobs, or to end the request (a stop token, a length limit) as the step would.
     """
     params = request.sampling_params

@@ -108,6 +108,10 @@ class QuantLinear(nn.Module):
     def complete(self) -> bool:
         return self.weight_q is not None
 
+    @property
+    def int8_activations(self) -> bool:
+        return not self._kernels.float_activations
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         def call(rows: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
             return self.weight_q.forward(rows, self.bias, res)
@@ -162,6 +166,12 @@ class QuantEmbedding(nn.Module):
     def extra_repr(self) -> str:
         types = "" if self.weight_q is None else ",".join(_type_names(self.weight_q.types))
         return f"{self.num_embeddings}, {self.embedding_dim}, {types}"
+
+
+def quantizes_activations(model: nn.Module) -> bool:
+    """Whether a linear of `model` computes on int8 activations (results then move with the
+    last bits of their inputs: engine/core/recompute.py)."""
+    return any(isinstance(m, QuantLinear) and m.int8_activations for m in model.modules())
 
 
 def _type_names(ids: list[int]) -> list[str]:

@@ -211,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
         # Set by the model runner where it applies (CPU, float32, blocked linears).
         self.fused_decode: FusedDecodeStep | None = None
+        # Every token's attention as a decode's (engine/worker/step_inputs.py: plan_step).
+        self.attends_token_by_token = False
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head (again after the loader makes

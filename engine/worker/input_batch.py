@@ -106,6 +106,14 @@ class InputBatch:
         del state.output_token_ids[num_output_tokens:]
         self.num_tokens[row] = state.num_tokens
 
+    def place_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Drafts go after each request's last token, where the step's inputs are read from
+        (its token count stays: they are not tokens yet)."""
+        for req_id, tokens in drafts.items():
+            row = self.req_id_to_index[req_id]
+            start = int(self.num_tokens[row])
+            self.token_ids[row, start : start + len(tokens)] = tokens
+
     def _move(self, src: int, dst: int) -> None:
         req_id = self.req_ids[src]
         assert req_id is not None

@@ -19,7 +19,7 @@ from engine.kv_connector import KVConnectorBase
 from engine.layers.attention import get_attention_backend
 from engine.layers.linear import pack_linears
 from engine.layers.linear import warm_up as warm_up_linears
-from engine.layers.quantized import QUANTIZED_BACKENDS
+from engine.layers.quantized import QUANTIZED_BACKENDS, quantizes_activations
 from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_fused import FusedDecodeStep
@@ -160,6 +160,7 @@ class ModelRunner:
         if pack_linears(model, "auto" if backend in QUANTIZED_BACKENDS else backend, self.device):
             warm_up_linears(model, self.config.scheduler.max_num_seqs)
         model.fused_decode = FusedDecodeStep.build(model, self.attn_backend)
+        model.attends_token_by_token = quantizes_activations(model)  # engine/worker/step_inputs.py
         model.model.ops = self.attn_backend.layer_ops()
         return model
 
@@ -279,8 +280,9 @@ class ModelRunner:
         timer = self.step_timer
         drafts = so.scheduled_spec_decode_tokens
         if drafts:
-            self._place_drafts(drafts)
-        plan = plan_step(self.input_batch, so.num_scheduled_tokens, drafts.keys())
+            self.input_batch.place_drafts(drafts)
+        by_token = self.model.attends_token_by_token
+        plan = plan_step(self.input_batch, so.num_scheduled_tokens, drafts.keys(), by_token)
         if self.graphs is not None and not drafts and plan.all_decode:
             graph = self.graphs.prepare(self.input_batch, plan.rows, plan.computed)
             if graph is not None:
@@ -387,15 +389,6 @@ class ModelRunner:
         # Every step, scheduled tokens or not: processors must see each row change in order
         # (a row freed now may be reused by the next step's first new request).
         self.logitsprocs.update_state(batch.batch_update_builder.get_and_reset(batch.num_reqs))
-
-    def _place_drafts(self, drafts: dict[str, list[int]]) -> None:
-        """Drafts go after each request's last token in the persistent batch, where the step's
-        inputs are read from (its token count stays: they are not tokens yet)."""
-        batch = self.input_batch
-        for req_id, tokens in drafts.items():
-            row = batch.req_id_to_index[req_id]
-            start = int(batch.num_tokens[row])
-            batch.token_ids[row, start : start + len(tokens)] = tokens
 
     def validate_params(self, params: SamplingParams) -> None:
         """Refuse, at admission, what a logits processor could only fail on mid-step."""

@@ -43,20 +43,34 @@ class StepPlan:
 
 
 def plan_step(
-    batch: InputBatch, num_scheduled_tokens: dict[str, int], verifying: Collection[str] = ()
+    batch: InputBatch,
+    num_scheduled_tokens: dict[str, int],
+    verifying: Collection[str] = (),
+    token_by_token: bool = False,
 ) -> StepPlan:
     """Decodes (one token) are batched for attention token by token. So are the tokens of the
     requests in `verifying` (a last token and its drafts): every layer writes the step's K/V
     before attending, so token j attending over positions [0, its own] through the request's
     block table is exactly causal attention — and a step of decodes and verifications stays
-    a decode-only step (the fused CPU step takes it)."""
+    a decode-only step (the fused CPU step takes it).
+
+    With `token_by_token` every token is (`LlamaForCausalLM.attends_token_by_token`: where the
+    linears quantize their activations to int8). A prompt's chunk then computes each token as
+    a decode computes it, bit for bit, wherever the chunk starts and ends. A prefill's
+    attention (SDPA over the chunk) gives the same values but for their last bits, which
+    depend on the chunk's length; int8 activations carry a last bit across a quantization
+    step. So a migrated request's given tokens recomputed with its prompt, a preempted
+    request's recomputed ones, a prefix computed in another request's chunk or in two
+    chunks all forked from the original at near-ties (5 of 16 SmolLM2 Q4_1 answers resumed
+    from their first tokens did). Float activations keep the prefill path: there the last
+    bits stay last bits."""
     rows = np.array(
         sorted(batch.req_id_to_index[req_id] for req_id in num_scheduled_tokens), dtype=np.int64
     )
     req_ids = batch.req_ids
     num_scheduled = np.array([num_scheduled_tokens[req_ids[r] or ""] for r in rows], np.int64)
-    is_decode = num_scheduled == 1
-    if verifying:
+    is_decode = np.full(len(rows), True) if token_by_token else num_scheduled == 1
+    if verifying and not token_by_token:
         is_decode |= np.array([req_ids[r] in verifying for r in rows], dtype=bool)
     return StepPlan(rows, num_scheduled, batch.num_computed_tokens[rows], is_decode)
 

@@ -238,11 +238,11 @@ def test_bench_perplexity_scores_the_same_tokens_on_each_backend(tmp_path):
 
 
 def test_a_hand_off_on_blocks_continues_as_colocated(tmp_path):
-    """The int8 dot products' results depend on the rows beside them, so the KV of a prompt
-    token computed in a one-row step differs in its last bits from the prefill chunk's, and a
-    near-tie later forks the text (10 of 24 random prompts agreed before). The app's decode
-    leg, the prefill engine's first token forced, takes the whole prompt's KV with that token
-    and computes from the next position on, as colocated does: every answer is colocated's.
+    """The KV of a prompt token computed in a one-row step (a decode's attention) differs in
+    its last bits from a prefill chunk's (SDPA), and int8 activations carried that into forks
+    at near-ties (10 of 24 random prompts agreed before). The app's decode leg, the prefill
+    engine's first token forced, takes the whole prompt's KV with that token and computes from
+    the next position on, as colocated does: every answer is colocated's.
     Both engines in this process, over gRPC."""
     path = str(resolve_model("smollm2"))
     args = dict(device="cpu", max_model_len=128, linear_backend="quantized")
