@@ -193,6 +193,9 @@ class _Simulation:
         self._ends: list[tuple[float, str, int]] = []
         self._loads: dict[str, Any] = {}  # each engine's load as last published
         self.events = 0
+        # The kv policy's decision time by part: the index lookup, the Router's survey, both
+        # legs' rankings (requests sent to a decode replica's cache alone have none).
+        self.parts_us: dict[str, list[float]] = {"lookup": [], "survey": [], "rankings": []}
 
     def _by_role(self) -> dict[str, list[str]]:
         roles: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -239,6 +242,7 @@ class _Simulation:
         duration = max(requests[-1].at_s, 1e-9)
         return {
             "decision_us": summarize(decisions_us, (0.5, 0.99)),
+            **self._parts_report(),
             "hit_rate": round(hits / max(1, blocks), 4),
             "decode_only_routes": cached_routes,
             "ttft_ms": summarize([t * 1e3 for t in ttft_s], (0.5, 0.99)),
@@ -248,6 +252,12 @@ class _Simulation:
             **self._index_size(),
             **self._roles_report(),
         }
+
+    def _parts_report(self) -> dict[str, Any]:
+        if not self.parts_us["lookup"]:
+            return {}
+        parts = {k: summarize(v, (0.5, 0.99)) for k, v in self.parts_us.items() if v}
+        return {"decision_parts_us": parts}
 
     def _roles_report(self) -> dict[str, Any]:
         if self.signals is None:
@@ -297,18 +307,26 @@ class _Simulation:
 
     def _kv(self, request: SimRequest) -> tuple[str | None, str, int]:
         """As the Router (survey, cache-aware disaggregation, a prefix loan worth taking) and
-        each leg's request router (its role's holdings, ranked by cost) do it."""
+        each leg's request router (its role's holdings, ranked by cost) do it; the wall time
+        of each part goes to `parts_us`."""
         bs, tokens = self.config.block_size, request.prompt_tokens
+        start = time.perf_counter()
         holdings = self.index.lookup(request.hashes)
+        looked_up = time.perf_counter()
         found = survey(holdings, request.hashes, tokens, bs)
         hint = decode_holder(found, tokens, self.config.max_local_prefill_tokens)
+        surveyed_at = time.perf_counter()
+        self.parts_us["lookup"].append((looked_up - start) * 1e6)
+        self.parts_us["survey"].append((surveyed_at - looked_up) * 1e6)
         if hint:
             return None, hint, 0
         lender = lender_worth_borrowing(found, self.config.min_loan_tokens)
         surveyed = found.holdings  # each leg's router ranks by the survey's (EngineRequest)
         lent = lender.tokens // bs if lender is not None else 0  # as PrefixBorrower borrows
         prefill = self._ranked(request, "prefill", surveyed, lent)
-        return prefill, self._ranked(request, "decode", surveyed), lent
+        decode = self._ranked(request, "decode", surveyed)
+        self.parts_us["rankings"].append((time.perf_counter() - surveyed_at) * 1e6)
+        return prefill, decode, lent
 
     def _ranked(
         self, request: SimRequest, role: str, holdings: Mapping[str, Holding], lent: int = 0

@@ -25,6 +25,10 @@ def test_policies_against_the_oracle_on_multi_turn_conversations() -> None:
     assert policies["kv"]["hit_rate"] > policies["round_robin"]["hit_rate"]
     assert policies["kv"]["decode_only_routes"] > 0  # cache-aware disaggregation was taken
     assert policies["round_robin"]["decode_only_routes"] == 0
+    # The kv decision by part: every request looked up and surveyed, the rest ranked.
+    parts = policies["kv"]["decision_parts_us"]
+    assert set(parts) == {"lookup", "survey", "rankings"} and parts["lookup"]["p50"] > 0
+    assert "decision_parts_us" not in policies["dynamo"]
 
 
 def test_the_index_follows_the_engines_caches() -> None:
