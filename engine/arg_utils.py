@@ -83,6 +83,10 @@ class EngineArgs:
     """torch, blocked (the C++ kernel) or onednn (auto: the device's)"""
     enforce_eager: bool = False
     """on CUDA, run every step eagerly instead of replaying captured decode graphs"""
+    batch_invariant: bool = False
+    """every token attends as a decode does, prompts too, so that an answer does not depend on
+    how its prompt was chunked, batched, cached, preempted or migrated, to the last bit (CPUs,
+    the cpu attention backend)"""
     load_format: str = "auto"
     """auto (read the checkpoint's weights) or dummy (build the model from its directory's
     config.json alone, every weight random, no weight file read: benchmarks of a model's shape)"""
@@ -169,9 +173,12 @@ class EngineArgs:
         return parallel
 
     def _model_config(self, path: str, arch: ModelArchConfig) -> ModelConfig:
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        for flag in ("enforce_eager", "batch_invariant"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         device = _resolve_device(self.device)
+        if self.batch_invariant and (device != "cpu" or self.attention_backend not in _PAGED):
+            raise ValueError("batch_invariant needs a CPU device and the cpu attention backend")
         return ModelConfig(
             model=path,
             dtype=_resolve_dtype(self.dtype, device, arch),
@@ -181,6 +188,7 @@ class EngineArgs:
             linear_backend=self.linear_backend,
             logits_processors=tuple(self.logits_processors),
             enforce_eager=self.enforce_eager,
+            batch_invariant=self.batch_invariant,
             tokenizer=self.tokenizer_path(),
             load_format=self.load_format,
         )
@@ -251,6 +259,10 @@ def _check_parallel_support(config: EngineConfig, arch: ModelArchConfig) -> None
             f"tensor_parallel_kv_cache='shared' needs device cpu and the model's "
             f"{arch.num_key_value_heads} KV heads split evenly between {size} ranks"
         )
+
+
+# The attention backends whose decodes read the paged cache in place (batch_invariant's path).
+_PAGED = ("auto", "cpu")
 
 
 def _resolve_device(device: str) -> str:

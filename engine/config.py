@@ -67,6 +67,10 @@ class SchedulerConfig:
     step_trace_size: int = 0
     # The share of the KV pool finished turns may keep pinned (engine/core/pins.py).
     kv_pin_budget: float = 0.25
+    # Known output tokens (preemption, migration) recomputed one per step, as decoding first
+    # computed them: set by the engine where its linears quantize activations
+    # (engine/core/recompute.py).
+    stepwise_recompute: bool = False
 
     def __post_init__(self) -> None:
         _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -200,6 +204,8 @@ class ModelConfig:
     # vLLM's name: no CUDA graphs (every decode step launches its kernels one by one).
     enforce_eager: bool = False
     load_format: str = "auto"  # one of LOAD_FORMATS
+    # Every token attends as a decode does (engine/worker/step_inputs.py: plan_step).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         check_load_format(self.load_format)

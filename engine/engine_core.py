@@ -19,6 +19,7 @@ from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.inputs import InputProcessor, ReasoningTokens
 from engine.kv_connector import KVConnectorBase, create_kv_connector
+from engine.layers.quantized import quantizes_activations
 from engine.models import ModelArchConfig
 from engine.offload.stores import num_tier_slots
 from engine.offload.tier_loans import load_for_loan
@@ -88,7 +89,9 @@ class EngineCore:
             connector = create_kv_connector(config, arch)
         self.connector = connector
         # The scheduler refuses a pool too small for one max_model_len sequence.
-        self.scheduler = Scheduler(config.scheduler, cache, connector, config.speculative)
+        stepwise = quantizes_activations(self.runner.model) and not config.model.batch_invariant
+        scheduling = replace(config.scheduler, stepwise_recompute=stepwise)
+        self.scheduler = Scheduler(scheduling, cache, connector, config.speculative)
         self.runner.connector = connector
         self.runner.initialize_kv_cache(num_blocks)
         if cache.num_tier_blocks:

@@ -269,7 +269,7 @@ class IndexedClusterCache:
 
 # In the actor's name: a detached index outlives a redeploy, and new code must not talk to an
 # index of an older protocol (it would fail every call, and routing would fall back for good).
-_INDEX_PROTOCOL = 3
+_INDEX_PROTOCOL = 4  # 4: the answer is a kv_scoring.Holdings of Holding tuples
 
 
 def index_actor_name(app_name: str) -> str:

@@ -1,21 +1,9 @@
-"""Choosing an engine replica by cache against load: the score of KV-aware routing.
+"""Choosing an engine replica by cache against load: the searches of KV-aware routing over
+the cost of deployments/cluster/kv_cost.py (its names are this module's too).
 
-A replica's cost for a prompt is the work, in prompt tokens, that stands between the prompt
-and its first computed token there:
-
-    cost = uncached prompt tokens  (what this replica would compute for it)
-         + tier_token_cost x prompt tokens held in a tier below its pool only
-                                   (copied back into the pool before the prefill)
-         + queued prompt tokens    (prefill work already waiting on that replica)
-         + request_tokens x ongoing requests   (each running stream slows every step)
-         + the whole prompt again when the replica's KV pool is nearly full
-
-The last term keeps a hot spot from attracting more: a replica about to preempt or evict would
-lose the cached blocks that made it attractive. A cache hit is worth exactly the tokens it
-saves, so a replica holding a long prefix wins until its queue costs more than recomputing
-the prefix elsewhere would. Where the cache tells the candidates apart by nothing (no hits, or
-every replica holds the same shared system prompt) the router leaves the choice to Serve's
-power of two choices, which balances by queue length (`rank_by_cost` returns None).
+Where the cache tells the candidates apart by nothing (no hits, or every replica holds the
+same shared system prompt) the router leaves the choice to Serve's power of two choices,
+which balances by queue length (`rank_by_cost` returns None).
 """
 
 from __future__ import annotations
@@ -23,94 +11,44 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
-from engine.core.kv_events import EngineLoad
+from deployments.cluster.kv_cost import (
+    DEFAULT_WEIGHTS,
+    NOTHING_HELD,
+    Holding,
+    RoutingWeights,
+    cache_term,
+    load_cost,
+    load_key,
+    replica_cost,
+)
 
-
-@dataclass(frozen=True)
-class RoutingWeights:
-    # Prompt tokens one ongoing request weighs (a running decode slows each step a little;
-    # a queued prefill's tokens count in full through queued_prompt_tokens).
-    request_tokens: float = 32.0
-    # KV usage (blocks held by running requests) from which a replica counts as a hot spot.
-    hot_kv_usage: float = 0.9
-    # What a token held in a tier below the pool (engine/offload/) costs against computing it:
-    # its K/V are copied back first. A copy is far cheaper than the prefill it saves (on this
-    # project's 2-core CPU, ~13 us a token from host memory against ~1 ms a token computed;
-    # on GPUs a PCIe copy against a prefill, of the same order); a tenth keeps a replica that
-    # holds a prefix in its pool ahead of one that holds it in a tier, at equal load.
-    tier_token_cost: float = 0.1
-
-
-DEFAULT_WEIGHTS = RoutingWeights()
-
-
-class Holding(NamedTuple):
-    """What the index knows of one replica for one prompt (a tuple: a lookup builds one per
-    holder, and a frozen dataclass takes twice as long to build)."""
-
-    cached_blocks: int  # the prompt's leading blocks it holds, in its pool or a tier
-    load: EngineLoad | None  # None until the replica has reported
-    role: str = ""  # "prefill", "decode", "colocated"
-    side_channel: str = ""  # "host:port" of its KV side channel ("" without KV transfer)
-    tier_blocks: int = 0  # of cached_blocks, those held in a tier only (loaded back first)
-
-
-NOTHING_HELD = Holding(0, None)  # a replica the index does not know
-
-
-def cache_term(
-    prompt_tokens: int,
-    block_size: int,
-    holding: Holding,
-    weights: RoutingWeights,
-    lent_blocks: int = 0,
-) -> float:
-    """The cost's prompt part: what the replica would compute, and copy back from a tier."""
-    cached, tier_blocks = holding.cached_blocks, holding.tier_blocks
-    if lent_blocks > cached:
-        cached, tier_blocks = lent_blocks, 0
-    uncached = max(0, prompt_tokens - cached * block_size)
-    return uncached + weights.tier_token_cost * min(prompt_tokens, tier_blocks * block_size)
-
-
-def load_key(load: EngineLoad | None, weights: RoutingWeights = DEFAULT_WEIGHTS) -> float:
-    """The cost's load part as the replica reported it. The router's own count of requests
-    in flight and a nearly full pool only add to it: `cache_term + load_key` is a replica's
-    least possible cost (searches stop on it)."""
-    if load is None:
-        return 0.0
-    busy = load.num_running + load.num_waiting
-    return load.queued_prompt_tokens + weights.request_tokens * busy
-
-
-def replica_cost(
-    prompt_tokens: int,
-    block_size: int,
-    holding: Holding,
-    ongoing: int,
-    weights: RoutingWeights,
-    lent_blocks: int = 0,
-) -> float:
-    """The cost above; `ongoing` is the router's own count of requests in flight there;
-    `lent_blocks`, the prompt's leading blocks a prefix loan brings (read, not computed,
-    wherever the request goes)."""
-    term = cache_term(prompt_tokens, block_size, holding, weights, lent_blocks)
-    return term + load_cost(prompt_tokens, holding, ongoing, weights)
-
-
-def load_cost(prompt_tokens: int, holding: Holding, ongoing: int, weights: RoutingWeights) -> float:
-    """The cost's load part: its queue, its requests (the router's count or its own, the
-    more), and the whole prompt again where its pool is nearly full."""
-    load = holding.load
-    if load is None:
-        return weights.request_tokens * max(ongoing, 0)
-    busy = max(ongoing, load.num_running + load.num_waiting)
-    cost = load.queued_prompt_tokens + weights.request_tokens * busy
-    if load.kv_cache_usage >= weights.hot_kv_usage:
-        cost += prompt_tokens
-    return cost
+# The cost's names are this module's too (the routers, the index and the tests import them
+# from here).
+__all__ = [
+    "DEFAULT_WEIGHTS",
+    "NOTHING_HELD",
+    "SMALL_GROUP",
+    "Borrower",
+    "CacheSurvey",
+    "ClusterCache",
+    "Holding",
+    "Holdings",
+    "Lender",
+    "RoutingWeights",
+    "as_holdings",
+    "cache_term",
+    "cheapest",
+    "cheapest_held",
+    "decode_holder",
+    "lender_worth_borrowing",
+    "load_cost",
+    "load_key",
+    "rank_by_cost",
+    "replica_cost",
+    "survey",
+]
 
 
 class Holdings(dict[str, Holding]):
@@ -209,9 +147,10 @@ class _Search:
         """The costs of the eligible replicas that may cost least, and the least cost of a
         walked one (inf for none). Every member of a small group is evaluated; the walked
         ones (of big groups, holding nothing, and the `unheard` replicas the index does not
-        know) by load, each kind until its next can cost no less than the least of them — or,
-        with `one`, than the least of all (the cheapest is then in the costs; of equals, the
-        first found). Replicas costing what the least does may be left out."""
+        know) by load, each kind until its next can cost no less than the least of them, two
+        of them at least where they tie (Serve chooses between them by queue length, as its
+        power of two choices does) — or, with `one`, until none can cost less than the least
+        of all (the cheapest is then in the costs)."""
         found = self.holdings
         costs: dict[str, float] = {}
         walks: list[tuple[float, tuple[str, ...]]] = []  # cache term, members by load
@@ -223,7 +162,7 @@ class _Search:
                 if eligible(replica, found[replica]):
                     costs[replica] = self.cost(replica, found[replica])
         bound = min(costs.values(), default=math.inf) if one else math.inf
-        walk = _Walk(self, eligible, costs, bound)
+        walk = _Walk(self, eligible, costs, bound, ties=1 if one else 2)
         nothing = self.term(NOTHING_HELD)
         for replica in unheard:
             walk.evaluate(replica, NOTHING_HELD, nothing)
@@ -237,23 +176,30 @@ class _Search:
 @dataclass
 class _Walk:
     """Replicas of one cache term, least loaded first, evaluated until the next can cost no
-    less than the least found so far."""
+    less than the least found so far (`ties`: or, where it costs as much, once that many
+    replicas cost the least)."""
 
     search: _Search
     eligible: Callable[[str, Holding], bool]
     costs: dict[str, float]
     bound: float  # a cost no walk needs to beat (the least of the small groups', or inf)
+    ties: int = 1
     least: float = math.inf  # the least cost of a walked replica
+    at_least: int = 0  # walked replicas costing `least`
 
     def evaluate(self, replica: str, holding: Holding, term: float) -> None:
         cost = self.costs[replica] = self.search.cost(replica, holding, term)
-        self.least = min(self.least, cost)
+        if cost < self.least:
+            self.least, self.at_least = cost, 1
+        elif cost == self.least:
+            self.at_least += 1
 
     def along(self, term: float, replicas: Iterable[tuple[str, Holding]]) -> None:
         weights, costs = self.search.weights, self.costs
         for replica, holding in replicas:
-            if term + load_key(holding.load, weights) >= min(self.least, self.bound):
-                return  # neither it nor any after it costs less
+            floor, limit = term + load_key(holding.load, weights), min(self.least, self.bound)
+            if floor > limit or (floor == limit and self.at_least >= self.ties):
+                return  # neither it nor any after it costs less (nor ties, where enough do)
             if replica not in costs and self.eligible(replica, holding):
                 self.evaluate(replica, holding, term)
 
@@ -271,10 +217,10 @@ def rank_by_cost(
     room); None when the cache does not tell them apart and load alone should decide (a
     loan of `lent_blocks` brings every candidate those blocks).
 
-    The ranks are exact up to the cheapest candidate that is not in a small group of holders
-    (`_Search.up_to_least`); every other one (costlier, or costing as much as that one) is in
-    one last rank: if the ranks before it are full, Serve chooses there by queue length, as it
-    would among any replicas."""
+    The ranks are exact up to the cheapest candidates that are not in a small group of
+    holders (two of them where they tie: `_Search.up_to_least`); every other one (costlier,
+    or costing as much as those) is in one last rank: if the ranks before it are full, Serve
+    chooses there by queue length, as it would among any replicas."""
     found = as_holdings(holdings, weights)
     wanted = set(candidates)
     if not _tells_apart(found, candidates, wanted, lent_blocks):
@@ -341,7 +287,7 @@ def cheapest_held(
     role: str | None = None,
 ) -> tuple[str, int] | None:
     """The replica of `holdings` (of `role`, or any) that would serve the prompt cheapest by
-    its own reported load (of equals, one), cached or not, and the prompt
+    its own reported load (of equals, the one holding most), cached or not, and the prompt
     tokens it holds itself; a loan's `lent_blocks` reach every one (the survey's borrower);
     None for no replica."""
     found = as_holdings(holdings, weights)
@@ -352,7 +298,8 @@ def cheapest_held(
         costs, _ = search.up_to_least(lambda r, h: h.role == role, one=True)
     if not costs:
         return None
-    _, best = min((cost, replica) for replica, cost in costs.items())
+    # Of equals, the one holding most itself (the lender, or a holder: nothing to move).
+    _, _, best = min((c, -found.get(r, NOTHING_HELD).cached_blocks, r) for r, c in costs.items())
     return best, min(prompt_tokens, found[best].cached_blocks * block_size)
 
 

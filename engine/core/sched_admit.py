@@ -16,6 +16,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_cache_utils import KVCacheBlock
 from engine.core.kv_transfer_state import KVTransferState
 from engine.core.queued_prompts import QueuedPromptTokens
+from engine.core.recompute import stepwise_tokens
 from engine.core.request_queue import RequestQueue
 from engine.core.sched_step import Step
 from engine.core.stop import adoptable_first_token, append_sampled
@@ -224,6 +225,8 @@ class Admitter:
             num_new_tokens = threshold
         if not self.config.enable_chunked_prefill and num_new_tokens > step.budget:
             return None  # the prompt goes whole or not at all
+        if self.config.stepwise_recompute:  # known outputs, as decoding computed them
+            num_new_tokens = stepwise_tokens(request, num_computed, num_new_tokens)
         return min(num_new_tokens, step.budget)
 
 

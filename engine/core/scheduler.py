@@ -23,6 +23,7 @@ from engine.core.kv_transfer_state import KVTransferState
 from engine.core.pins import KVPins
 from engine.core.preemption import Preemption
 from engine.core.queued_prompts import QueuedPromptTokens
+from engine.core.recompute import stepwise_tokens
 from engine.core.request_queue import RequestQueue, create_request_queue
 from engine.core.sched_admit import Admitter
 from engine.core.sched_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
@@ -32,7 +33,7 @@ from engine.core.stop import append_sampled, append_until_stop, owes_its_last_to
 from engine.kv_connector import KVConnectorBase
 from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason, Request, RequestStatus, finish_reason_of
-from engine.spec_decode.scheduling import Speculator
+from engine.spec_decode.scheduling import Speculator, drafts_that_fit
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
@@ -180,6 +181,7 @@ class Scheduler:
 
     def _schedule_running(self, step: Step) -> None:
         threshold = self.scheduler_config.long_prefill_token_threshold
+        stepwise = self.scheduler_config.stepwise_recompute
         max_model_len = self.max_model_len
         running = self.running
         room = self.kv_cache_manager.running_room
@@ -207,6 +209,10 @@ class Scheduler:
                 num_new_tokens = threshold
             if num_new_tokens > budget:
                 num_new_tokens = budget
+            if stepwise and num_new_tokens > 1:  # known outputs, as decoding computed them
+                num_new_tokens = stepwise_tokens(
+                    request, request.num_computed_tokens, num_new_tokens
+                )
             if num_new_tokens <= 0:
                 i += 1
                 continue
@@ -225,8 +231,8 @@ class Scheduler:
             # else, usually: a decode within its blocks, nothing to allocate nor cache
             scheduled_running.append(request)
             num_scheduled[req_id] = num_new_tokens
-            if drafts:
-                self._schedule_drafts(request, drafts, num_new_tokens, step)
+            if drafts and (fit := drafts_that_fit(request, drafts, num_new_tokens)):
+                step.spec_tokens[req_id] = fit
             budget -= num_new_tokens
             i += 1
         step.budget = budget
@@ -242,14 +248,6 @@ class Scheduler:
         if new_blocks is not None:
             return new_blocks, index
         return self.preemption.until_fits(self.running, request, num_new_tokens, index, step)
-
-    def _schedule_drafts(
-        self, request: Request, drafts: list[int], num_new_tokens: int, step: Step
-    ) -> None:
-        """The drafts that fit in this step's share of the budget, to be verified."""
-        fit = request.num_computed_tokens + num_new_tokens - len(request.all_token_ids)
-        if fit > 0:
-            step.spec_tokens[request.request_id] = drafts[:fit]
 
     def may_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the outputs of the one in flight are

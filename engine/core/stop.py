@@ -63,12 +63,11 @@ def adoptable_first_token(request: Request, max_model_len: int) -> int | None:
     again for it; None where it may not.
 
     Computing that token again as a one-row step attends as a decode does, where the
-    prefill's chunk attended through SDPA: other last bits, unless every token attends as a
-    decode (`plan_step`'s `token_by_token`, on int8 activations). Adopting the token with the
-    whole prompt's KV leaves this engine where a colocated one stands after its prefill,
-    whatever the attention path, and saves it a step. Not where that row is needed after
-    all: for the token's logprobs, or to end the request (a stop token, a length limit) as
-    the step would.
+    prefill's chunk attended through SDPA: other last bits (unless every token attends as a
+    decode: `batch_invariant`). Adopting the token with the whole prompt's KV leaves this
+    engine where a colocated one stands after its prefill, whatever the attention path, and
+    saves it a step. Not where that row is needed after all: for the token's logprobs, or to
+    end the request (a stop token, a length limit) as the step would.
     """
     params = request.sampling_params
     forced = params.forced_output_token_ids

@@ -168,10 +168,11 @@ class QuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {types}"
 
 
-def quantizes_activations(model: nn.Module) -> bool:
+def quantizes_activations(model: nn.Module | None) -> bool:
     """Whether a linear of `model` computes on int8 activations (results then move with the
     last bits of their inputs: engine/core/recompute.py)."""
-    return any(isinstance(m, QuantLinear) and m.int8_activations for m in model.modules())
+    modules = model.modules() if model is not None else ()
+    return any(isinstance(m, QuantLinear) and m.int8_activations for m in modules)
 
 
 def _type_names(ids: list[int]) -> list[str]:

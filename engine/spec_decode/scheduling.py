@@ -84,3 +84,10 @@ class Speculator:
 def lookahead_tokens(speculator: Speculator | None, request: Request) -> int:
     """KV slots `request` needs past a step's tokens (none without speculation)."""
     return speculator.lookahead_tokens(request) if speculator is not None else 0
+
+
+def drafts_that_fit(request: Request, drafts: list[int], num_new_tokens: int) -> list[int]:
+    """Of a running request's drafts, those that fit in the step's `num_new_tokens` for it, to
+    be verified."""
+    fit = request.num_computed_tokens + num_new_tokens - len(request.all_token_ids)
+    return drafts[:fit] if fit > 0 else []

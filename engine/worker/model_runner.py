@@ -19,7 +19,7 @@ from engine.kv_connector import KVConnectorBase
 from engine.layers.attention import get_attention_backend
 from engine.layers.linear import pack_linears
 from engine.layers.linear import warm_up as warm_up_linears
-from engine.layers.quantized import QUANTIZED_BACKENDS, quantizes_activations
+from engine.layers.quantized import QUANTIZED_BACKENDS
 from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_fused import FusedDecodeStep
@@ -160,7 +160,7 @@ class ModelRunner:
         if pack_linears(model, "auto" if backend in QUANTIZED_BACKENDS else backend, self.device):
             warm_up_linears(model, self.config.scheduler.max_num_seqs)
         model.fused_decode = FusedDecodeStep.build(model, self.attn_backend)
-        model.attends_token_by_token = quantizes_activations(model)  # engine/worker/step_inputs.py
+        model.attends_token_by_token = self.config.model.batch_invariant  # step_inputs.plan_step
         model.model.ops = self.attn_backend.layer_ops()
         return model
 

@@ -35,7 +35,8 @@ class StepPlan:
 
     @property
     def all_decode(self) -> bool:
-        return bool(self.is_decode.all())
+        """Every row decodes one token (what a captured decode graph stages)."""
+        return bool(self.is_decode.all()) and bool((self.num_scheduled == 1).all())
 
     def completes_prompt(self, batch: InputBatch) -> np.ndarray:
         """[R] bool: this step reaches the request's last token (so it samples)."""
@@ -54,16 +55,12 @@ def plan_step(
     block table is exactly causal attention — and a step of decodes and verifications stays
     a decode-only step (the fused CPU step takes it).
 
-    With `token_by_token` every token is (`LlamaForCausalLM.attends_token_by_token`: where the
-    linears quantize their activations to int8). A prompt's chunk then computes each token as
-    a decode computes it, bit for bit, wherever the chunk starts and ends. A prefill's
-    attention (SDPA over the chunk) gives the same values but for their last bits, which
-    depend on the chunk's length; int8 activations carry a last bit across a quantization
-    step. So a migrated request's given tokens recomputed with its prompt, a preempted
-    request's recomputed ones, a prefix computed in another request's chunk or in two
-    chunks all forked from the original at near-ties (5 of 16 SmolLM2 Q4_1 answers resumed
-    from their first tokens did). Float activations keep the prefill path: there the last
-    bits stay last bits."""
+    With `token_by_token` every token is (the engine argument `batch_invariant`). A prompt's
+    chunk then computes each token as a decode computes it, bit for bit, wherever the chunk
+    starts and ends: a prefill's attention (SDPA over the chunk) gives the same values but
+    for their last bits, which depend on the chunk's length. So an answer no longer depends
+    on how its prompt was chunked, batched, cached, preempted or migrated. The decode block
+    table is then one row per token (`[tokens, context blocks]` per step)."""
     rows = np.array(
         sorted(batch.req_id_to_index[req_id] for req_id in num_scheduled_tokens), dtype=np.int64
     )
