@@ -126,6 +126,18 @@ def actor_name(replica_id: str) -> str:
     return name
 
 
+def live_decode_engines(client: GenerationClient) -> list[pb.EngineStats]:
+    """The decode replicas the Router reports, once each has a live actor: after an earlier
+    test's kill, Serve's replacement runs before the Router's view drops the dead one."""
+
+    def all_live() -> bool:
+        live = {name.rsplit("#", 1)[-1] for name in replica_actors("DecodeServer")}
+        return {e.replica_id for e in decode_engines(client.health())} <= live
+
+    assert wait_until(all_live, 60), client.health()
+    return decode_engines(client.health())
+
+
 def test_health_reports_every_replica(client: GenerationClient) -> None:
     client.complete(generate_request("Hello", max_tokens=4, temperature=0.0))
     health = client.health()
@@ -157,7 +169,7 @@ def test_abort_finds_the_request_on_whichever_router_replica_holds_it(served, cl
 def test_sigkill_of_a_decode_replica_loses_no_stream(served, client, offline) -> None:
     texts = prompts(6, "a")
     pids = {
-        e.replica_id: replica_pid(actor_name(e.replica_id)) for e in decode_engines(client.health())
+        e.replica_id: replica_pid(actor_name(e.replica_id)) for e in live_decode_engines(client)
     }
     streams = start_streams(client, texts)
     busiest = max(decode_engines(client.health()), key=lambda e: e.num_running)
@@ -175,7 +187,7 @@ def test_with_no_decode_replica_left_the_prefill_replica_takes_over(
 ) -> None:
     texts = prompts(4, "b")
     # The pids first: looking them up can take seconds, by which time a stream may be done.
-    pids = [replica_pid(actor_name(e.replica_id)) for e in decode_engines(client.health())]
+    pids = [replica_pid(actor_name(e.replica_id)) for e in live_decode_engines(client)]
     streams = start_streams(client, texts)
     for pid in pids:  # every decode replica at once
         os.kill(pid, signal.SIGKILL)
