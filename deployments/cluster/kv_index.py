@@ -23,10 +23,10 @@ from typing import Any
 
 from deployments.cluster.kv_scoring import (
     NOTHING_HELD,
-    SMALL_GROUP,
     CacheSurvey,
     Holding,
     Holdings,
+    in_walk_order,
     load_key,
     survey,
 )
@@ -78,13 +78,8 @@ class LoadBoard:
         if old is not None:
             del self._sorted[bisect.bisect_left(self._sorted, (old, replica))]
 
-    def in_order(self, replicas: list[str]) -> tuple[str, ...]:
-        """A holder group's `replicas` as searches walk them: a big group least loaded first
-        (as the board orders them; those it lacks first), a small one as it is."""
-        if len(replicas) <= SMALL_GROUP:
-            return tuple(replicas)
-        keys = self._keys
-        return tuple(sorted(replicas, key=lambda r: (keys.get(r, 0.0), r)))
+    def key_of(self, replica: str) -> float:
+        return self._keys.get(replica, 0.0)
 
     def snapshot(self) -> tuple[tuple[float, str], ...]:
         return tuple(self._sorted)
@@ -169,7 +164,7 @@ class KVIndexServer:
                 in_tier = index.tier_only_blocks(replica, block_hashes, count) if tiers else 0
                 holdings[replica] = Holding(count, a.load, a.role, a.side_channel, in_tier)
             groups.extend(_by_tier(holdings, members) if tiers else [members])
-        holdings.groups = tuple(self._board.in_order(g) for g in groups if g)
+        holdings.groups = tuple(in_walk_order(g, self._board.key_of) for g in groups if g)
         return holdings
 
     def publish(

@@ -42,6 +42,7 @@ __all__ = [
     "cheapest",
     "cheapest_held",
     "decode_holder",
+    "in_walk_order",
     "lender_worth_borrowing",
     "load_cost",
     "load_key",
@@ -80,8 +81,8 @@ class Holdings(dict[str, Holding]):
             for r, h in self.items():
                 if h.cached_blocks:
                     alike.setdefault(_alike(h), []).append(r)
-            order = {r: (load_key(h.load, weights), r) for r, h in self.items()}
-            groups = tuple(tuple(sorted(g, key=order.__getitem__)) for g in alike.values())
+            keys = {r: load_key(h.load, weights) for r, h in self.items()}
+            groups = tuple(in_walk_order(g, keys.__getitem__) for g in alike.values())
         self.groups = groups
         if by_load is None:
             by_load = tuple(sorted((load_key(h.load, weights), r) for r, h in self.items()))
@@ -113,6 +114,15 @@ def as_holdings(holdings: Mapping[str, Holding], weights: RoutingWeights) -> Hol
 # Holders of one (cached_blocks, tier_blocks) evaluated one by one; a bigger group (everyone
 # holding a shared system prompt) is walked by load with those holding nothing.
 SMALL_GROUP = 4
+
+
+def in_walk_order(group: Iterable[str], key: Callable[[str], float]) -> tuple[str, ...]:
+    """A holder group as searches take it: a big one least loaded first (by `key`, then
+    name), a small one as it is."""
+    members = tuple(group)
+    if len(members) <= SMALL_GROUP:
+        return members
+    return tuple(sorted(members, key=lambda r: (key(r), r)))
 
 
 @dataclass(frozen=True)
@@ -292,10 +302,7 @@ def cheapest_held(
     None for no replica."""
     found = as_holdings(holdings, weights)
     search = _Search(found, prompt_tokens, block_size, weights, lent_blocks)
-    if role is None:
-        costs, _ = search.up_to_least(lambda r, h: True, one=True)
-    else:
-        costs, _ = search.up_to_least(lambda r, h: h.role == role, one=True)
+    costs, _ = search.up_to_least(lambda r, h: role is None or h.role == role, one=True)
     if not costs:
         return None
     # Of equals, the one holding most itself (the lender, or a holder: nothing to move).

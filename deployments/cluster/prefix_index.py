@@ -146,12 +146,9 @@ class PrefixIndex:
     def _state(self, replica: str) -> _Replica:
         state = self._replicas.get(replica)
         if state is None:
-            names = self._names
+            names = self._names  # a forgotten replica's bit is taken again first
             position = names.index("") if "" in names else len(names)
-            if position == len(names):
-                names.append(replica)
-            else:
-                names[position] = replica
+            names[position : position + 1] = [replica]
             state = self._replicas[replica] = _Replica(1 << position)
         return state
 
