@@ -297,7 +297,7 @@ def cheapest_held(
     role: str | None = None,
 ) -> tuple[str, int] | None:
     """The replica of `holdings` (of `role`, or any) that would serve the prompt cheapest by
-    its own reported load (of equals, the one holding most), cached or not, and the prompt
+    its own reported load (of equals found, the first by name), cached or not, and the prompt
     tokens it holds itself; a loan's `lent_blocks` reach every one (the survey's borrower);
     None for no replica."""
     found = as_holdings(holdings, weights)
@@ -305,8 +305,7 @@ def cheapest_held(
     costs, _ = search.up_to_least(lambda r, h: role is None or h.role == role, one=True)
     if not costs:
         return None
-    # Of equals, the one holding most itself (the lender, or a holder: nothing to move).
-    _, _, best = min((c, -found.get(r, NOTHING_HELD).cached_blocks, r) for r, c in costs.items())
+    _, best = min((cost, replica) for replica, cost in costs.items())
     return best, min(prompt_tokens, found[best].cached_blocks * block_size)
 
 

@@ -156,16 +156,12 @@ def load_order(load: EngineLoad) -> float:
     return load.queued_prompt_tokens + DEFAULT_WEIGHTS.request_tokens * load.num_running
 
 
-def test_equally_cheap_replicas_leave_serve_a_choice_and_ties_go_to_the_holder():
+def test_equally_cheap_replicas_leave_serve_a_choice():
     """Idle replicas holding nothing cost alike: two of them share the first rank (Serve takes
-    the one with the shorter queue, as its power of two choices does), the rest come last.
-    Where a holder costs what an idle replica does, the survey names the holder (nothing to
-    move)."""
+    the one with the shorter queue, as its power of two choices does), the rest come last."""
     idle = EngineLoad(0, 0, 0, 0.1)
     holdings = {f"d{i}": Holding(0, idle, "decode") for i in range(8)}
     holdings["h"] = Holding(2, EngineLoad(9, 0, 0, 0.1), "decode")
     ranks = rank_by_cost(list(holdings), holdings, 100, 16, {})
     assert ranks is not None and len(ranks[0]) == 2 and len(ranks) == 2
     assert {*ranks[0], *ranks[1]} == set(holdings) and "h" in ranks[1]
-    tied = {"a": Holding(0, idle, "decode"), "h": Holding(2, EngineLoad(1, 0, 0, 0.1), "decode")}
-    assert cheapest_held(tied, 64, 16, role="decode") == ("h", 32)  # 32 + 32 = 64 + 0
