@@ -59,15 +59,16 @@ NOTHING_HELD = Holding(0, None)  # a replica the index does not know
 def cache_term(
     prompt_tokens: int,
     block_size: int,
-    holding: Holding,
+    cached_blocks: int,
+    tier_blocks: int,
     weights: RoutingWeights,
     lent_blocks: int = 0,
 ) -> float:
-    """The cost's prompt part: what the replica would compute, and copy back from a tier."""
-    cached, tier_blocks = holding.cached_blocks, holding.tier_blocks
-    if lent_blocks > cached:
-        cached, tier_blocks = lent_blocks, 0
-    uncached = max(0, prompt_tokens - cached * block_size)
+    """The cost's prompt part for a replica holding `cached_blocks` of the prompt's leading
+    blocks (`tier_blocks` of them in a tier only): what it would compute, and copy back."""
+    if lent_blocks > cached_blocks:
+        cached_blocks, tier_blocks = lent_blocks, 0
+    uncached = max(0, prompt_tokens - cached_blocks * block_size)
     return uncached + weights.tier_token_cost * min(prompt_tokens, tier_blocks * block_size)
 
 
@@ -92,7 +93,8 @@ def replica_cost(
     """The cost above; `ongoing` is the router's own count of requests in flight there;
     `lent_blocks`, the prompt's leading blocks a prefix loan brings (read, not computed,
     wherever the request goes)."""
-    term = cache_term(prompt_tokens, block_size, holding, weights, lent_blocks)
+    blocks, tier = holding.cached_blocks, holding.tier_blocks
+    term = cache_term(prompt_tokens, block_size, blocks, tier, weights, lent_blocks)
     return term + load_cost(prompt_tokens, holding, ongoing, weights)
 
 

@@ -4,9 +4,10 @@ loaded each is, for the request routers of both legs (`KVIndexServer`, a Ray act
 Engines number their prefix cache's events in batches (engine/core/kv_events.py:
 `KVEventStream`), one numbering per engine start (an epoch), and publish them with their load
 (`KVEventPublisher`); the prefix index (prefix_index.py) applies them and asks for a snapshot
-where events were lost. A lookup answers every replica's holding of a prompt with what lets
-the routers' searches skip most replicas (kv_scoring.Holdings): the holders grouped by how much
-they hold, and every replica by load (`LoadBoard`, kept sorted as loads arrive). A replica
+where events were lost. A lookup answers every replica's holding of a prompt laid out so that
+the routers' searches skip most replicas (kv_holdings.Holdings): the holders grouped by how
+much they hold (a big group as a bit mask), and every replica by load, per role too
+(`LoadBoard`, kept sorted as loads arrive). A replica
 that is no longer running is forgotten (`forget`: a replica that stops says so; a request
 router that sees a replica gone from its set says so for it).
 """
@@ -19,14 +20,16 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from deployments.cluster.kv_holdings import Board
 from deployments.cluster.kv_scoring import (
     NOTHING_HELD,
+    SMALL_GROUP,
     CacheSurvey,
+    HeldGroup,
     Holding,
     Holdings,
-    in_walk_order,
     load_key,
     survey,
 )
@@ -56,33 +59,61 @@ _UNANNOUNCED = _Announced()
 
 
 class LoadBoard:
-    """Every replica the index knows by `load_key`, least first, kept sorted as loads change
-    (a lookup hands out a copy: `Holdings.by_load`)."""
+    """Every replica the index knows as (`load_key`, replica, its bit), least first, kept
+    sorted as loads change (a lookup hands out a copy: `Holdings.board`)."""
 
     def __init__(self) -> None:
-        self._keys: dict[str, float] = {}
-        self._sorted: list[tuple[float, str]] = []
+        self._keys: dict[str, tuple[float, str, int]] = {}
+        self._sorted: list[tuple[float, str, int]] = []
 
-    def place(self, replica: str, load: EngineLoad | None) -> None:
-        key = load_key(load)
+    def place(self, replica: str, load: EngineLoad | None, bit: int) -> None:
+        entry = (load_key(load), replica, bit)
         old = self._keys.get(replica)
-        if old == key:
+        if old == entry:
             return
         if old is not None:
-            del self._sorted[bisect.bisect_left(self._sorted, (old, replica))]
-        bisect.insort(self._sorted, (key, replica))
-        self._keys[replica] = key
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        bisect.insort(self._sorted, entry)
+        self._keys[replica] = entry
 
     def remove(self, replica: str) -> None:
         old = self._keys.pop(replica, None)
         if old is not None:
-            del self._sorted[bisect.bisect_left(self._sorted, (old, replica))]
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
 
-    def key_of(self, replica: str) -> float:
-        return self._keys.get(replica, 0.0)
-
-    def snapshot(self) -> tuple[tuple[float, str], ...]:
+    def snapshot(self) -> tuple[tuple[float, str, int], ...]:
         return tuple(self._sorted)
+
+
+class _RoleTable:
+    """A role's replicas (every role's for ""), each as its holding of a prompt it holds
+    nothing of (a lookup copies these and adds the groups of those holding blocks), their
+    bits, and their load board."""
+
+    def __init__(self) -> None:
+        self.idle: dict[str, Holding] = {}
+        self.known = 0
+        self.board = LoadBoard()
+
+    def put(self, replica: str, holding: Holding, bit: int) -> None:
+        self.idle[replica] = holding
+        self.known |= bit
+        self.board.place(replica, holding.load, bit)
+
+    def drop(self, replica: str, bit: int) -> None:
+        if self.idle.pop(replica, None) is not None:
+            self.known &= ~bit
+        self.board.remove(replica)
+
+
+class _View(NamedTuple):
+    """A role's tables as a lookup hands them out (never changed afterwards)."""
+
+    changed: int  # `KVIndexServer._changed` when taken
+    replicas: dict[str, Holding]
+    known: int
+    board: Board
+    roles: dict[str, tuple[int, Board]]
 
 
 class KVIndexServer:
@@ -101,8 +132,12 @@ class KVIndexServer:
         self.replicas: dict[str, _Announced] = {}
         # Per role ("": all) each replica's holding of a prompt it holds nothing of, kept as
         # loads change: a lookup copies these and replaces the few replicas that hold blocks.
-        self._idle: dict[str, dict[str, Holding]] = {"": {}}
-        self._board = LoadBoard()  # the replicas of `_idle[""]` by load
+        self._tables: dict[str, _RoleTable] = {"": _RoleTable()}
+        # What a lookup copies of the tables, per role, while they stay as they are (loads
+        # change tens of times a second, lookups come a thousand times): `_changed` counts
+        # their changes.
+        self._views: dict[str, _View] = {}
+        self._changed = 0
         self.roles = RoleOrders()  # role switching: orders, and the balancer deciding them
 
     def apply(
@@ -117,10 +152,11 @@ class KVIndexServer:
         ok = announced is not None
         for batch in batches:
             ok = self.index.apply(replica, batch) and ok
-        idle = self._idle[""]
-        if announced is None and replica in self.index.replicas and replica not in idle:
-            idle[replica] = NOTHING_HELD
-            self._board.place(replica, None)
+        every = self._tables[""]
+        if announced is None and replica in self.index.replicas and replica not in every.idle:
+            bit = self.index.bits[replica]
+            every.put(replica, NOTHING_HELD, bit)
+            self._changed += 1
         return ok and self.index.is_current(replica)
 
     def load_snapshot(
@@ -144,7 +180,8 @@ class KVIndexServer:
             announced.previous_role = previous.previous_role
             announced.switched_at = previous.switched_at
         if previous is not None and previous.role != role:  # a switch
-            self._idle.get(previous.role, {}).pop(replica, None)
+            self._table(previous.role).drop(replica, self.index.bits[replica])
+            self._changed += 1
             announced.previous_role = previous.role
             announced.switched_at = time.monotonic() if now is None else now
         self.replicas[replica] = announced
@@ -152,20 +189,37 @@ class KVIndexServer:
 
     def lookup(self, block_hashes: list[bytes], role: str = "") -> Holdings:
         """Per replica (of `role`, or all): the prompt's leading blocks it holds, its load."""
-        holdings = Holdings(self._idle.get(role, {}), (), self._board.snapshot())
-        groups: list[list[str]] = []
-        index, replicas = self.index, self.replicas
-        tiers = index.has_tiers
-        for count, members in index.match_groups(block_hashes):
-            if role:
-                members = [r for r in members if replicas.get(r, _UNANNOUNCED).role == role]
-            for replica in members:
-                a = replicas.get(replica, _UNANNOUNCED)
-                in_tier = index.tier_only_blocks(replica, block_hashes, count) if tiers else 0
-                holdings[replica] = Holding(count, a.load, a.role, a.side_channel, in_tier)
-            groups.extend(_by_tier(holdings, members) if tiers else [members])
-        holdings.groups = tuple(in_walk_order(g, self._board.key_of) for g in groups if g)
-        return holdings
+        index = self.index
+        view = self._view(role)
+        replicas, known, bits = view.replicas, view.known, index.bits
+        groups: list[HeldGroup] = []
+        held: dict[str, Holding] = {}
+        for count, mask in index.match_masks(block_hashes):
+            mask &= known
+            if not index.has_tiers and mask.bit_count() > SMALL_GROUP:
+                groups.append(HeldGroup(count, 0, mask, ()))  # named only where walked
+                continue
+            alike: dict[int, list[str]] = {}  # by blocks in a tier only (they cost alike)
+            for replica in index.names_of(mask):
+                a = replicas[replica]
+                in_tier = index.tier_only_blocks(replica, block_hashes, count)
+                held[replica] = Holding(count, a.load, a.role, a.side_channel, in_tier)
+                alike.setdefault(in_tier, []).append(replica)
+            for in_tier, members in alike.items():
+                named = tuple(members) if len(members) <= SMALL_GROUP else ()
+                group_mask = sum(bits[r] for r in members)
+                groups.append(HeldGroup(count, in_tier, group_mask, named))
+        return Holdings(replicas, tuple(groups), view.board, bits, known, view.roles, held)
+
+    def _view(self, role: str) -> _View:
+        view = self._views.get(role)
+        if view is None or view.changed != self._changed:
+            table = self._tables.get(role) or _RoleTable()
+            roles = {r: (t.known, t.board.snapshot()) for r, t in self._tables.items() if r}
+            board = table.board.snapshot()
+            view = _View(self._changed, dict(table.idle), table.known, board, roles)
+            self._views[role] = view
+        return view
 
     def publish(
         self,
@@ -200,30 +254,30 @@ class KVIndexServer:
 
     def forget(self, replicas: list[str]) -> None:
         for replica in replicas:
+            bit = self.index.bits.get(replica, 0)
             self.roles.forget(replica)
             self.index.forget(replica)
             announced = self.replicas.pop(replica, None)
-            self._idle[""].pop(replica, None)
-            self._board.remove(replica)
+            self._tables[""].drop(replica, bit)
+            self._changed += 1
             if announced is not None:
-                self._idle.get(announced.role, {}).pop(replica, None)
+                self._table(announced.role).drop(replica, bit)
 
     def _announce(self, replica: str, announced: _Announced) -> None:
         idle = Holding(0, announced.load, announced.role, announced.side_channel)
-        self._idle[""][replica] = idle
-        self._idle.setdefault(announced.role, {})[replica] = idle
-        self._board.place(replica, announced.load)
+        bit = self.index.bits[replica]
+        self._tables[""].put(replica, idle, bit)
+        self._table(announced.role).put(replica, idle, bit)
+        self._changed += 1
+
+    def _table(self, role: str) -> _RoleTable:
+        table = self._tables.get(role)
+        if table is None:
+            table = self._tables[role] = _RoleTable()
+        return table
 
     def current(self) -> dict[str, bool]:
         return {replica: self.index.is_current(replica) for replica in self.index.replicas}
-
-
-def _by_tier(holdings: Holdings, group: list[str]) -> list[list[str]]:
-    """Holders of equal blocks, by their blocks in a tier only (they cost alike)."""
-    alike: dict[int, list[str]] = {}
-    for replica in group:
-        alike.setdefault(holdings[replica].tier_blocks, []).append(replica)
-    return list(alike.values())
 
 
 class IndexedClusterCache:
@@ -264,7 +318,7 @@ class IndexedClusterCache:
 
 # In the actor's name: a detached index outlives a redeploy, and new code must not talk to an
 # index of an older protocol (it would fail every call, and routing would fall back for good).
-_INDEX_PROTOCOL = 4  # 4: the answer is a kv_scoring.Holdings of Holding tuples
+_INDEX_PROTOCOL = 5  # 5: the answer is a kv_holdings.Holdings of masks and boards
 
 
 def index_actor_name(app_name: str) -> str:

@@ -25,7 +25,7 @@ import functools
 import itertools
 import operator
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.core.kv_events import (
@@ -61,6 +61,7 @@ class PrefixIndex:
         self._replicas: dict[str, _Replica] = {}
         self._holders: dict[bytes, int] = {}  # a mask of the current replicas holding it
         self._names: list[str] = []  # by bit position ("" where free)
+        self._bits: dict[str, int] = {}  # by replica (see `bits`)
         # Per hash the replicas that hold it in a tier only (not in their pool): a hit
         # there is loaded back before use, and routing credits it less (kv_scoring).
         self._tier_only: dict[bytes, set[str]] = {}
@@ -112,7 +113,12 @@ class PrefixIndex:
     def match_groups(self, block_hashes: Sequence[bytes]) -> list[tuple[int, list[str]]]:
         """The replicas holding at least the prompt's first block, by the leading blocks they
         hold: (blocks, replicas), fewest blocks first."""
-        groups: list[tuple[int, list[str]]] = []
+        return [(depth, self.names_of(mask)) for depth, mask in self.match_masks(block_hashes)]
+
+    def match_masks(self, block_hashes: Sequence[bytes]) -> list[tuple[int, int]]:
+        """`match_groups` with each group as a mask of `bits` (naming a big group's members
+        costs more than the walk: routing names only the few it evaluates)."""
+        groups: list[tuple[int, int]] = []
         get = self._holders.get
         alive = -1  # the replicas holding every block so far (at first: every bit)
         depth = 0
@@ -126,16 +132,22 @@ class PrefixIndex:
                 held = alive & get(block_hash, 0)
                 if held != alive:
                     if depth:
-                        groups.append((depth, self._named(alive & ~held)))
+                        groups.append((depth, alive & ~held))
                     if not held:
                         return groups
                     alive = held
                 depth += 1
         if depth:
-            groups.append((depth, self._named(alive)))
+            groups.append((depth, alive))
         return groups
 
-    def _named(self, mask: int) -> list[str]:
+    @property
+    def bits(self) -> Mapping[str, int]:
+        """Each replica's bit in the masks. Never changed once handed out (a replica that
+        comes or goes makes a new one): a lookup's answer keeps it as it was."""
+        return self._bits
+
+    def names_of(self, mask: int) -> list[str]:
         names, out = self._names, []
         while mask:
             low = mask & -mask
@@ -150,6 +162,7 @@ class PrefixIndex:
             position = names.index("") if "" in names else len(names)
             names[position : position + 1] = [replica]
             state = self._replicas[replica] = _Replica(1 << position)
+            self._bits = {**self._bits, replica: state.bit}
         return state
 
     @property
@@ -174,6 +187,7 @@ class PrefixIndex:
         if state is not None:
             self._clear(replica, state)
             self._names[state.bit.bit_length() - 1] = ""
+            self._bits = {r: b for r, b in self._bits.items() if r != replica}
 
     def num_entries(self) -> int:
         """(hash, replica) pairs held: what the index's memory grows with."""

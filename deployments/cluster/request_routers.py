@@ -181,6 +181,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
         already) or from the index (100 ms at most); None where neither says."""
         from ray.exceptions import RayActorError
 
+        from deployments.cluster.kv_scoring import DEFAULT_WEIGHTS, as_holdings
+
         if pending_request is None or request is None:
             return None
         holdings = request.routing_holdings
@@ -197,7 +199,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
                 return None
             except Exception:  # slow or not there yet: load decides
                 return None
-        self._roles = {replica: holding.role for replica, holding in holdings.items()}
+        self._roles = as_holdings(holdings, DEFAULT_WEIGHTS).role_of()
         return holdings
 
     def _in_role(

@@ -21,7 +21,10 @@ from deployments.cluster.kv_scoring import (
     SMALL_GROUP,
     Holding,
     Holdings,
+    Lender,
     cheapest_held,
+    decode_holder,
+    lender_worth_borrowing,
     rank_by_cost,
     replica_cost,
     survey,
@@ -127,9 +130,9 @@ def lookup_from_an_index(holdings: dict[str, Holding], rng: random.Random) -> Ho
 
 
 def test_the_index_answers_with_holder_groups_and_every_replica_by_load() -> None:
-    """Holders grouped by what they hold (a big group least loaded first), every replica on
-    the load board, through a load change and a forget; and the answer crosses Ray's actor
-    boundary (pickle) whole."""
+    """Holders grouped by what they hold (a big group as a mask, named least loaded first),
+    every replica on the load board, through a load change and a forget; and the answer
+    crosses Ray's actor boundary (pickle) whole."""
     server = KVIndexServer()
     prompt = [b"1", b"2", b"3"]
     loads = {f"d{i}": EngineLoad(i % 3, 0, 10 * i, 0.1) for i in range(8)}
@@ -137,18 +140,25 @@ def test_the_index_answers_with_holder_groups_and_every_replica_by_load() -> Non
         held = prompt[: 1 if i < SMALL_GROUP + 2 else 3]
         server.load_snapshot(replica, KVSnapshot(replica, 0, tuple(held)), "decode", load)
     found = server.lookup(prompt)
-    big, small = sorted(found.groups, key=len, reverse=True)
-    assert len(big) == SMALL_GROUP + 2 and {found[r].cached_blocks for r in big} == {1}
-    assert sorted(small) == ["d6", "d7"] and {found[r].cached_blocks for r in small} == {3}
-    keys = [key for key, _ in found.by_load]
-    assert keys == sorted(keys) and {r for _, r in found.by_load} == set(loads)
-    assert [found[r].load for r in big] == sorted((found[r].load for r in big), key=load_order)
+    big, small = sorted(found.groups, key=lambda g: g.mask.bit_count(), reverse=True)
+    assert big.members == () and big.cached_blocks == 1  # not named in the answer
+    members = found.members(big)
+    assert len(members) == SMALL_GROUP + 2 and {found[r].cached_blocks for r in members} == {1}
+    assert sorted(small.members) == ["d6", "d7"]
+    assert {found[r].cached_blocks for r in small.members} == {3}
+    keys = [key for key, _, _ in found.board]
+    assert keys == sorted(keys) and {r for _, r, _ in found.board} == set(loads)
+    assert [found[r].load for r in members] == sorted(
+        (found[r].load for r in members), key=load_order
+    )
+    assert dict(found) == {r: found[r] for r in loads}  # every replica, holder or not
     server.apply("d0", [], EngineLoad(9, 0, 900, 0.1))  # now the busiest
     server.forget(["d7"])
     found = server.lookup(prompt)
-    assert found.by_load[-1][1] == "d0" and "d7" not in {r for _, r in found.by_load}
+    assert found.board[-1][1] == "d0" and "d7" not in {r for _, r, _ in found.board}
+    assert "d7" not in found and "d7" not in found.bits
     copy = pickle.loads(pickle.dumps(found))
-    assert (copy, copy.groups, copy.by_load) == (found, found.groups, found.by_load)
+    assert (copy, copy.groups, copy.board) == (found, found.groups, found.board)
     assert survey(copy, prompt, 48, 16).decode_holder == ("d6", 48)
 
 
@@ -165,3 +175,49 @@ def test_equally_cheap_replicas_leave_serve_a_choice():
     ranks = rank_by_cost(list(holdings), holdings, 100, 16, {})
     assert ranks is not None and len(ranks[0]) == 2 and len(ranks) == 2
     assert {*ranks[0], *ranks[1]} == set(holdings) and "h" in ranks[1]
+
+
+def test_the_survey_searches_only_for_what_the_router_asks_for():
+    """A prompt no decode replica holds all but `limit` tokens of needs no search for the
+    cheapest decode holder, and a lender holding less than a loan's minimum none for a
+    borrower (the searches run when first asked for: `CacheSurvey.__dict__` says which ran)."""
+    idle = EngineLoad(0, 0, 0, 0.1)
+    holdings = {
+        "p1": Holding(2, idle, "prefill", "h:1"),
+        "d1": Holding(3, idle, "decode", "h:2"),
+        "d2": Holding(0, idle, "decode", "h:3"),
+    }
+    found = survey(holdings, [], 100, 16)  # d1 holds 48 of 100 tokens
+    assert decode_holder(found, 100, 16) == "" and "decode_holder" not in found.__dict__
+    assert decode_holder(found, 100, 52) == "d1" and found.__dict__["decode_holder"] == ("d1", 48)
+    assert lender_worth_borrowing(found, 49) is None and "borrower" not in found.__dict__
+    assert lender_worth_borrowing(found, 16) == found.lender == Lender("d1", "h:2", 48)
+    assert found.__dict__["borrower"] == ("p1", 32)
+
+
+def test_of_equal_holders_the_least_loaded_lends():
+    busy, idle = EngineLoad(4, 0, 100, 0.1), EngineLoad(0, 0, 0, 0.1)
+    small = {"a": Holding(3, busy, "decode", "h:a"), "b": Holding(3, idle, "decode", "h:b")}
+    assert survey(small, [], 100, 16).lender == Lender("b", "h:b", 48)
+    # A big group (walked by load, not named): the least loaded member with a side channel.
+    big = {f"d{i}": Holding(3, EngineLoad(i, 0, 0, 0.1), "decode", f"h:{i}") for i in range(8)}
+    big["d0"] = Holding(3, idle, "decode", "")  # the least loaded cannot lend
+    assert survey(big, [], 100, 16).lender == Lender("d1", "h:1", 48)
+
+
+def test_an_answer_outlives_changes_to_the_index():
+    """A lookup's answer is the index as it was: a replica forgotten or a load changed later
+    leaves it whole (the index hands out its tables and bits, and never changes them)."""
+    server = KVIndexServer()
+    prompt = [b"1", b"2"]
+    for i in range(SMALL_GROUP + 2):
+        snapshot = KVSnapshot(f"d{i}", 0, tuple(prompt))
+        server.load_snapshot(f"d{i}", snapshot, "decode", EngineLoad(i, 0, 0, 0.1))
+    before = server.lookup(prompt)
+    assert before.groups[0].members == ()  # a big group
+    server.forget(["d0"])
+    server.apply("d1", [], EngineLoad(9, 0, 0, 0.1))
+    assert before["d0"].cached_blocks == 2 and before["d1"].load == EngineLoad(1, 0, 0, 0.1)
+    after = server.lookup(prompt)
+    assert "d0" not in after and after["d1"].load == EngineLoad(9, 0, 0, 0.1)
+    assert after.members(after.groups[0])[-1] == "d1"  # now the busiest
