@@ -134,20 +134,19 @@ class _Walk:
         elif cost == self.least:
             self.at_least += 1
 
-    def _beyond(self, floor: float) -> bool:
-        """Whether a replica costing at least `floor` can be left out."""
-        return floor > self.least or (floor == self.least and self.at_least >= self.ties)
-
     def along(self, found: Holdings, alive: int, kinds: list[tuple[float, int]]) -> None:
         """Walk the load board over the `alive` mask: a replica costs its kind's term (the
         first of `kinds`, (term, mask), holding it: terms rising) plus its load. A kind whose
         next member can cost no less than the least is done: those after it are loaded
-        more; the walk ends when every kind is, or no replica left can cost less."""
+        more; the walk ends when every kind is, or no replica left can cost less. (A replica
+        costing at least `floor` is left out where floor > least, or floor == least and
+        `ties` replicas cost the least already: inline, the hottest loop of routing.)"""
         if not alive:
             return
-        lowest = kinds[0][0]
+        lowest, least, enough = kinds[0][0], self.least, self.at_least >= self.ties
         for key, replica, bit in found.board_of(alive):
-            if self._beyond(key + lowest):
+            floor = key + lowest
+            if floor > least or (floor == least and enough):
                 return
             if not bit & alive:
                 continue
@@ -155,7 +154,8 @@ class _Walk:
                 if bit & kind[1]:
                     break
             term, mask = kind
-            if self._beyond(key + term):
+            floor = key + term
+            if floor > least or (floor == least and enough):
                 kinds = [kind for kind in kinds if kind[1] != mask]
                 alive &= ~mask
                 if not alive:
@@ -163,6 +163,7 @@ class _Walk:
                 lowest = kinds[0][0]
                 continue
             self.evaluate(replica, found.replicas[replica], term)
+            least, enough = self.least, self.at_least >= self.ties
             alive &= ~bit
             if not alive:
                 return
