@@ -23,11 +23,12 @@ is a load that shifts between prefill-heavy and decode-heavy phases.
 from __future__ import annotations
 
 import heapq
+import pickle
 import random
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from deployments.cluster.kv_index import KVIndexServer
 from deployments.cluster.kv_scoring import (
@@ -43,6 +44,8 @@ from pdserve.bench.sim_roles import SimSignals, compare_splits, role_spec
 from pdserve.bench.sim_workload import SimRequest, sim_requests
 from pdserve.bench.stats import summarize
 from pdserve.flags import Flag, int_list, str_list
+
+T = TypeVar("T")
 
 POLICIES = ("kv", "round_robin", "dynamo")
 
@@ -205,9 +208,8 @@ class _Simulation:
 
     def _announce(self, engine: SimEngine, load: Any, now: float = 0.0) -> None:
         """A (re)announcement, as the publisher's snapshot: its cache, role and load."""
-        self.index.load_snapshot(
-            engine.name, engine.snapshot(), engine.role, load, engine.name, self._spec, now
-        )
+        snapshot, name = _as_sent(engine.snapshot()), engine.name
+        self.index.load_snapshot(name, snapshot, engine.role, load, name, self._spec, now)
 
     def run(self, requests: list[SimRequest]) -> dict[str, Any]:
         period, published = 0.02, 0.0
@@ -282,7 +284,7 @@ class _Simulation:
                 self._loads[engine.name] = load
                 self.events += len(batch.events) if batch is not None else 0
                 batches = [batch] if batch is not None else []
-                reply = self.index.publish(engine.name, batches, load, now=now)
+                reply = self.index.publish(engine.name, _as_sent(batches), load, now=now)
                 if reply.switch_to and reply.switch_to != engine.role:
                     self._switch(engine, reply.switch_to, load, now)
 
@@ -400,6 +402,13 @@ class _Simulation:
         index, size = built_index({e.name: e.cached() for e in self.engines.values()})
         entries = index.num_entries()
         return {"index_entries": entries, "index_bytes_per_entry": round(size / max(1, entries), 1)}
+
+
+def _as_sent(message: T) -> T:
+    """`message` as the index actor gets it from an engine (pickled and back: the index keeps
+    copies of the engines' hashes, not the objects a router looks up with, as in the app,
+    where a lookup compares their bytes)."""
+    return pickle.loads(pickle.dumps(message))
 
 
 def _busy(holding: Any) -> int:

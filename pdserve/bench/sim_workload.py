@@ -5,6 +5,8 @@ or synthetic multi-turn conversations behind shared system prompts."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +62,10 @@ def _traced(config: RouterSimConfig) -> list[SimRequest]:
     return requests
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _block(hash_id: int, part: int) -> bytes:
-    return (hash_id * 1024 + part).to_bytes(8, "little")
+    """A block's hash, a sha256 digest as the engines' (its size is what the index keeps)."""
+    return hashlib.sha256((hash_id * 1024 + part).to_bytes(8, "little")).digest()
 
 
 def _synthetic(config: RouterSimConfig) -> list[SimRequest]:
