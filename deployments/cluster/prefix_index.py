@@ -9,7 +9,9 @@ so the blocks of a prompt that a replica can reuse are the leading run of the pr
 it holds, which is what the engine's own lookup finds (`match`): one walk of the prompt's
 hashes, narrowing the replicas still holding every block so far, done where none holds the
 next (not one walk per replica: at 128 replicas and 1,000-block prompts that was about 7x
-slower, `pdserve bench index`; `tests/unit/test_kv_index.py` keeps the two equal).
+slower, `pdserve bench index`; `tests/unit/test_kv_index.py` keeps the two equal). The
+masks live in a holder table (holders.py): C compiled on first use, its Python twin where no
+compiler is.
 
 Lost or late events never corrupt it silently. A batch numbered out of turn (events were
 lost) or from an epoch the index has not seen (the replica restarted) makes the replica stale:
@@ -21,13 +23,11 @@ no longer running is forgotten (`forget`).
 
 from __future__ import annotations
 
-import functools
-import itertools
-import operator
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from deployments.cluster.holders import Holders, holders
 from engine.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -35,11 +35,6 @@ from engine.core.kv_events import (
     KVEventBatch,
     KVSnapshot,
 )
-
-# A prompt's hashes are matched this many at a time (one C-level `and` over their masks),
-# then one by one within the spans where replicas drop out.
-_SPAN = 16
-_ZEROS = itertools.repeat(0)
 
 
 @dataclass
@@ -57,9 +52,11 @@ class PrefixIndex:
     lookup walks the prompt's hashes once, whatever the number of replicas, and stops where
     no replica holds the next block."""
 
-    def __init__(self) -> None:
+    def __init__(self, storage: Holders | None = None) -> None:
+        """`storage`: the holder table (default: holders.py's, C where it builds here)."""
         self._replicas: dict[str, _Replica] = {}
-        self._holders: dict[bytes, int] = {}  # a mask of the current replicas holding it
+        # Per hash, a mask of the current replicas holding it.
+        self._holders: Holders = storage if storage is not None else holders()
         self._names: list[str] = []  # by bit position ("" where free)
         self._bits: dict[str, int] = {}  # by replica (see `bits`)
         # Per hash the replicas that hold it in a tier only (not in their pool): a hit
@@ -118,28 +115,7 @@ class PrefixIndex:
     def match_masks(self, block_hashes: Sequence[bytes]) -> list[tuple[int, int]]:
         """`match_groups` with each group as a mask of `bits` (naming a big group's members
         costs more than the walk: routing names only the few it evaluates)."""
-        groups: list[tuple[int, int]] = []
-        get = self._holders.get
-        alive = -1  # the replicas holding every block so far (at first: every bit)
-        depth = 0
-        for start in range(0, len(block_hashes), _SPAN):
-            span = block_hashes[start : start + _SPAN]
-            # One `and` of the span's masks in C: most spans narrow nothing.
-            if functools.reduce(operator.and_, map(get, span, _ZEROS), alive) == alive:
-                depth += len(span)
-                continue
-            for block_hash in span:
-                held = alive & get(block_hash, 0)
-                if held != alive:
-                    if depth:
-                        groups.append((depth, alive & ~held))
-                    if not held:
-                        return groups
-                    alive = held
-                depth += 1
-        if depth:
-            groups.append((depth, alive))
-        return groups
+        return self._holders.match(block_hashes)
 
     @property
     def bits(self) -> Mapping[str, int]:
@@ -191,7 +167,7 @@ class PrefixIndex:
 
     def num_entries(self) -> int:
         """(hash, replica) pairs held: what the index's memory grows with."""
-        return sum(mask.bit_count() for mask in self._holders.values())
+        return self._holders.num_entries()
 
     def _apply_events(self, replica: str, state: _Replica, batch: KVEventBatch) -> None:
         for event in batch.events:
@@ -206,11 +182,12 @@ class PrefixIndex:
         self, replica: str, state: _Replica, block_hashes: Iterable[bytes], in_tier: bool = False
     ) -> None:
         holders, blocks, tier = self._holders, state.blocks, state.tier
+        position = state.bit.bit_length() - 1
         for block_hash in block_hashes:
             count = blocks[block_hash]
             blocks[block_hash] = count + 1
             if not count:
-                holders[block_hash] = holders.get(block_hash, 0) | state.bit
+                holders.add(block_hash, position)
             if in_tier:
                 tier[block_hash] += 1
             if tier:  # a pool without a tier skips this
@@ -241,11 +218,7 @@ class PrefixIndex:
                 del self._tier_only[block_hash]
 
     def _unhold(self, state: _Replica, block_hash: bytes) -> None:
-        left = self._holders.get(block_hash, 0) & ~state.bit
-        if left:
-            self._holders[block_hash] = left
-        else:
-            self._holders.pop(block_hash, None)
+        self._holders.discard(block_hash, state.bit.bit_length() - 1)
 
     def _clear(self, replica: str, state: _Replica) -> None:
         for block_hash in state.blocks:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from deployments.cluster.prefix_index import PrefixIndex
 from engine.core.kv_events import (
     AllBlocksCleared,
@@ -246,7 +248,16 @@ def test_a_survey_names_the_decode_holder_and_a_lender_worth_borrowing_from():
     assert found.decode_holder is None
 
 
-def test_matching_by_holders_equals_a_walk_of_each_replicas_blocks():
+def holder_table(storage: str):
+    """The C holder table (built here) or its Python twin."""
+    from deployments.cluster.holders import DictHolders
+    from deployments.cluster.native import load
+
+    return load("holder_table").HolderTable() if storage == "c" else DictHolders()
+
+
+@pytest.mark.parametrize("storage", ["c", "python"])
+def test_matching_by_holders_equals_a_walk_of_each_replicas_blocks(storage: str):
     """Random stores, removals, clears, gaps, snapshots and forgets over 6 replicas and
     80-block chains: every match equals each replica's own walk of the prompt over its
     blocks (the index before holders per hash), and the holders index nothing else."""
@@ -254,7 +265,7 @@ def test_matching_by_holders_equals_a_walk_of_each_replicas_blocks():
     from collections import Counter
 
     rng = random.Random(7)
-    index = PrefixIndex()
+    index = PrefixIndex(holder_table(storage))
     truth: dict[str, Counter[bytes]] = {}  # current replicas' blocks
     seqs: dict[str, int] = {}
     chains = [[bytes([c, i]) for i in range(80)] for c in range(4)]
