@@ -84,7 +84,7 @@ class Holdings(Mapping[str, Holding]):
             if h.cached_blocks:
                 alike.setdefault((h.cached_blocks, h.tier_blocks), []).append(replica)
         roles: dict[str, tuple[int, Board]] = {}
-        for role in {h.role for h in holdings.values()}:
+        for role in {h.role for h in holdings.values()} - {""}:  # ("": not announced)
             mask = sum(bits[r] for r, h in holdings.items() if h.role == role)
             roles[role] = (mask, tuple(entry for entry in board if entry[2] & mask))
         groups: list[HeldGroup] = []
@@ -127,7 +127,8 @@ class Holdings(Mapping[str, Holding]):
         return {replica: holding.role for replica, holding in self.replicas.items()}
 
     def role_mask(self, role: str | None) -> int:
-        """The bits of the replicas of `role` (of every one for None)."""
+        """The bits of the replicas of `role` (of every one for None; "" is no role: a
+        replica that has not announced one is of none)."""
         return self.known if role is None else self.roles.get(role, (0, ()))[0]
 
     def board_of(self, eligible: int) -> Board:

@@ -215,8 +215,11 @@ class KVIndexServer:
         view = self._views.get(role)
         if view is None or view.changed != self._changed:
             table = self._tables.get(role) or _RoleTable()
-            roles = {r: (t.known, t.board.snapshot()) for r, t in self._tables.items() if r}
             board = table.board.snapshot()
+            # A role's answer carries its own board alone (it crosses Ray per request).
+            roles = {role: (table.known, board)}
+            if not role:
+                roles = {r: (t.known, t.board.snapshot()) for r, t in self._tables.items() if r}
             view = _View(self._changed, dict(table.idle), table.known, board, roles)
             self._views[role] = view
         return view

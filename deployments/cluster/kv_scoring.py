@@ -108,9 +108,11 @@ class _Search:
         nothing = self.term(0, 0)
         for replica in unheard:
             walk.evaluate(replica, NOTHING_HELD, nothing)
-        # A replica's term is its group's, else that of holding nothing (the most).
-        kinds = sorted((self.term(g.cached_blocks, g.tier_blocks), g.mask) for g in found.big)
+        # A replica's term is its group's, else that of holding nothing. (Not always the
+        # most: a loan that covers a group's blocks leaves it their tier's copies to pay.)
+        kinds = [(self.term(g.cached_blocks, g.tier_blocks), g.mask) for g in found.big]
         kinds.append((nothing, ~found.held_mask))
+        kinds.sort(key=lambda kind: kind[0])
         walk.along(found, eligible & found.known & ~found.small_mask, kinds)
         return costs, walk.least
 
@@ -135,8 +137,9 @@ class _Walk:
             self.at_least += 1
 
     def along(self, found: Holdings, alive: int, kinds: list[tuple[float, int]]) -> None:
-        """Walk the load board over the `alive` mask: a replica costs its kind's term (the
-        first of `kinds`, (term, mask), holding it: terms rising) plus its load. A kind whose
+        """Walk the load board over the `alive` mask: a replica costs its kind's term (of
+        `kinds`, (term, mask) by rising term, the one whose mask holds its bit: the masks are
+        disjoint) plus its load. A kind whose
         next member can cost no less than the least is done: those after it are loaded
         more; the walk ends when every kind is, or no replica left can cost less. (A replica
         costing at least `floor` is left out where floor > least, or floor == least and
@@ -150,7 +153,7 @@ class _Walk:
                 return
             if not bit & alive:
                 continue
-            for kind in kinds:  # (the last, holding nothing, holds every other bit)
+            for kind in kinds:  # (holding nothing's mask holds every bit no group does)
                 if bit & kind[1]:
                     break
             term, mask = kind

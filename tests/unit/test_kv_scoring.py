@@ -221,3 +221,18 @@ def test_an_answer_outlives_changes_to_the_index():
     after = server.lookup(prompt)
     assert "d0" not in after and after["d1"].load == EngineLoad(9, 0, 0, 0.1)
     assert after.members(after.groups[0])[-1] == "d1"  # now the busiest
+
+
+def test_a_loan_can_leave_holders_dearer_than_replicas_holding_nothing():
+    """A loan of all a big group holds, in a tier only: the group pays the tier's copies on
+    top of what the loan spares everyone, and costs more than a replica holding nothing
+    (the searches must not stop at the group's term)."""
+    idle = EngineLoad(0, 0, 0, 0.1)
+    holdings = {f"g{i}": Holding(6, idle, "prefill", "", 6) for i in range(SMALL_GROUP + 1)}
+    holdings["n"] = Holding(0, EngineLoad(0, 0, 5, 0.1), "prefill")
+    holdings["d"] = Holding(7, EngineLoad(0, 0, 90, 0.1), "prefill")  # more than the loan
+    for found in (holdings, lookup_from_an_index(holdings, random.Random(0))):
+        # n: 4 tokens to compute + 5 queued; each g: 4 + 9.6 copied back from the tier.
+        assert cheapest_held(found, 100, 16, lent_blocks=6, role="prefill") == ("n", 0)
+        ranks = rank_by_cost(list(holdings), found, 100, 16, {}, lent_blocks=6)
+        assert ranks is not None and ranks[0] == ["n"]
