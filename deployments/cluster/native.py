@@ -49,10 +49,13 @@ def load(name: str) -> ModuleType:
         key.update(part.encode())
     directory = pdserve_cache_dir() / "native" / f"{name}-{key.hexdigest()[:16]}"
     built = directory / f"{module}{suffix}"
-    directory.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(directory / "build.lock"):
-        if not built.exists():
-            _build(compiler, source, include, built)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with exclusive_lock(directory / "build.lock"):
+            if not built.exists():
+                _build(compiler, source, include, built)
+    except (OSError, subprocess.SubprocessError) as exc:  # a read-only cache, a hung compiler
+        raise NativeBuildError(f"cannot build {source.name}: {exc}") from exc
     spec = importlib.util.spec_from_file_location(module, built)
     if spec is None or spec.loader is None:
         raise NativeBuildError(f"cannot load {built.name}")

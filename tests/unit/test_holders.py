@@ -89,6 +89,11 @@ def test_without_a_compiler_the_index_runs_in_python(
     monkeypatch.setenv("CC", "no-such-compiler")
     with pytest.raises(native.NativeBuildError, match="no C compiler"):
         build("holder_table")
+    monkeypatch.delenv("CC")
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "a-file"))  # no cache to write
+    with pytest.raises(native.NativeBuildError, match="cannot build"):
+        build("holder_table")
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     with pytest.raises(native.NativeBuildError):
         build("holder_table")
