@@ -139,11 +139,11 @@ class _Walk:
     def along(self, found: Holdings, alive: int, kinds: list[tuple[float, int]]) -> None:
         """Walk the load board over the `alive` mask: a replica costs its kind's term (of
         `kinds`, (term, mask) by rising term, the one whose mask holds its bit: the masks are
-        disjoint) plus its load. A kind whose
-        next member can cost no less than the least is done: those after it are loaded
-        more; the walk ends when every kind is, or no replica left can cost less. (A replica
-        costing at least `floor` is left out where floor > least, or floor == least and
-        `ties` replicas cost the least already: inline, the hottest loop of routing.)"""
+        disjoint) plus its load. A kind whose next member can cost no less than the least is
+        done: those after it are loaded more. The walk ends when every kind is, or no replica
+        left can cost less. (A replica costing at least `floor` is left out where floor >
+        least, or floor == least and `ties` replicas cost the least already: inline, the
+        hottest loop of routing.)"""
         if not alive:
             return
         lowest, least, enough = kinds[0][0], self.least, self.at_least >= self.ties
