@@ -152,11 +152,9 @@ class KVIndexServer:
         ok = announced is not None
         for batch in batches:
             ok = self.index.apply(replica, batch) and ok
-        every = self._tables[""]
-        if announced is None and replica in self.index.replicas and replica not in every.idle:
-            bit = self.index.bits[replica]
-            every.put(replica, NOTHING_HELD, bit)
-            self._changed += 1
+        unlisted = replica not in self._tables[""].idle
+        if announced is None and replica in self.index.replicas and unlisted:
+            self._put(replica, NOTHING_HELD, "")
         return ok and self.index.is_current(replica)
 
     def load_snapshot(
@@ -180,8 +178,7 @@ class KVIndexServer:
             announced.previous_role = previous.previous_role
             announced.switched_at = previous.switched_at
         if previous is not None and previous.role != role:  # a switch
-            self._table(previous.role).drop(replica, self.index.bits[replica])
-            self._changed += 1
+            self._drop(replica, previous.role)
             announced.previous_role = previous.role
             announced.switched_at = time.monotonic() if now is None else now
         self.replicas[replica] = announced
@@ -257,27 +254,28 @@ class KVIndexServer:
 
     def forget(self, replicas: list[str]) -> None:
         for replica in replicas:
-            bit = self.index.bits.get(replica, 0)
-            self.roles.forget(replica)
-            self.index.forget(replica)
             announced = self.replicas.pop(replica, None)
-            self._tables[""].drop(replica, bit)
-            self._changed += 1
-            if announced is not None:
-                self._table(announced.role).drop(replica, bit)
+            self._drop(replica, "", *([announced.role] if announced is not None else []))
+            self.roles.forget(replica)
+            self.index.forget(replica)  # (its bit is free from here)
 
     def _announce(self, replica: str, announced: _Announced) -> None:
         idle = Holding(0, announced.load, announced.role, announced.side_channel)
+        self._put(replica, idle, "", announced.role)
+
+    def _put(self, replica: str, idle: Holding, *roles: str) -> None:
+        """Every change to the tables goes through here or `_drop` (lookups' views follow)."""
         bit = self.index.bits[replica]
-        self._tables[""].put(replica, idle, bit)
-        self._table(announced.role).put(replica, idle, bit)
+        for role in roles:
+            self._tables.setdefault(role, _RoleTable()).put(replica, idle, bit)
         self._changed += 1
 
-    def _table(self, role: str) -> _RoleTable:
-        table = self._tables.get(role)
-        if table is None:
-            table = self._tables[role] = _RoleTable()
-        return table
+    def _drop(self, replica: str, *roles: str) -> None:
+        bit = self.index.bits.get(replica, 0)
+        for role in roles:
+            if role in self._tables:
+                self._tables[role].drop(replica, bit)
+        self._changed += 1
 
     def current(self) -> dict[str, bool]:
         return {replica: self.index.is_current(replica) for replica in self.index.replicas}

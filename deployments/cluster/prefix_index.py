@@ -46,6 +46,11 @@ class _Replica:
     blocks: Counter[bytes] = field(default_factory=Counter)  # every medium's
     tier: Counter[bytes] = field(default_factory=Counter)  # those in a tier below the pool
 
+    @property
+    def position(self) -> int:
+        """Its bit's number (the holder table's and `_names`' index)."""
+        return self.bit.bit_length() - 1
+
 
 class PrefixIndex:
     """Per replica its blocks (a count per hash), and per hash the replicas holding it: a
@@ -162,7 +167,7 @@ class PrefixIndex:
         state = self._replicas.pop(replica, None)
         if state is not None:
             self._clear(replica, state)
-            self._names[state.bit.bit_length() - 1] = ""
+            self._names[state.position] = ""
             self._bits = {r: b for r, b in self._bits.items() if r != replica}
 
     def num_entries(self) -> int:
@@ -182,7 +187,7 @@ class PrefixIndex:
         self, replica: str, state: _Replica, block_hashes: Iterable[bytes], in_tier: bool = False
     ) -> None:
         holders, blocks, tier = self._holders, state.blocks, state.tier
-        position = state.bit.bit_length() - 1
+        position = state.position
         for block_hash in block_hashes:
             count = blocks[block_hash]
             blocks[block_hash] = count + 1
@@ -218,7 +223,7 @@ class PrefixIndex:
                 del self._tier_only[block_hash]
 
     def _unhold(self, state: _Replica, block_hash: bytes) -> None:
-        self._holders.discard(block_hash, state.bit.bit_length() - 1)
+        self._holders.discard(block_hash, state.position)
 
     def _clear(self, replica: str, state: _Replica) -> None:
         for block_hash in state.blocks:

@@ -151,12 +151,19 @@ static int make_room(HolderTable *t, Py_ssize_t bit) {
     return rebuild(t, capacity, words);
 }
 
+/* add's and discard's (key, bit). */
+static int parse_key_bit(PyObject *args, PyObject **key_obj, char **key, Py_ssize_t *len,
+                         Py_ssize_t *bit) {
+    PyObject *bit_obj;
+    if (!PyArg_ParseTuple(args, "OO", key_obj, &bit_obj)) return -1;
+    return key_of(*key_obj, key, len) < 0 || bit_of(bit_obj, bit) < 0 ? -1 : 0;
+}
+
 static PyObject *table_add(HolderTable *t, PyObject *args) {
-    PyObject *key_obj, *bit_obj;
+    PyObject *key_obj;
     char *key;
     Py_ssize_t len, bit;
-    if (!PyArg_ParseTuple(args, "OO", &key_obj, &bit_obj)) return NULL;
-    if (key_of(key_obj, &key, &len) < 0 || bit_of(bit_obj, &bit) < 0) return NULL;
+    if (parse_key_bit(args, &key_obj, &key, &len, &bit) < 0) return NULL;
     if (make_room(t, bit) < 0) return NULL;
     if (len > KEY_BYTES) {
         if (overflow_update(t, key_obj, bit, 1) < 0) return NULL;
@@ -178,11 +185,10 @@ static PyObject *table_add(HolderTable *t, PyObject *args) {
 }
 
 static PyObject *table_discard(HolderTable *t, PyObject *args) {
-    PyObject *key_obj, *bit_obj;
+    PyObject *key_obj;
     char *key;
     Py_ssize_t len, bit;
-    if (!PyArg_ParseTuple(args, "OO", &key_obj, &bit_obj)) return NULL;
-    if (key_of(key_obj, &key, &len) < 0 || bit_of(bit_obj, &bit) < 0) return NULL;
+    if (parse_key_bit(args, &key_obj, &key, &len, &bit) < 0) return NULL;
     if (len > KEY_BYTES) {
         if (overflow_update(t, key_obj, bit, 0) < 0) return NULL;
         Py_RETURN_NONE;
