@@ -11,10 +11,11 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from deployments.cluster import cost_search
 from deployments.cluster.kv_cost import (
     DEFAULT_WEIGHTS,
     NOTHING_HELD,
@@ -86,6 +87,24 @@ class _Search:
         return cache_term(p, bs, cached_blocks, tier_blocks, w, lent)
 
     def up_to_least(
+        self, eligible: int, unheard: Iterable[str] = (), one: bool = False
+    ) -> tuple[dict[str, float], float]:
+        """`reference` below, in C where it builds (deployments/cluster/cost_search.py)."""
+        c = cost_search.native()
+        if c is not None:
+            found, w = self.holdings, self.weights
+            alive = eligible & found.known & ~found.small_mask
+            answer = c.up_to_least(
+                *(found.groups, found.big, found.board_of(alive), found.replicas, found.bits),
+                *(self.ongoing, eligible, alive, found.held_mask, tuple(unheard), one),
+                *(self.prompt_tokens, self.block_size, self.lent_blocks),
+                *(w.request_tokens, w.hot_kv_usage, w.tier_token_cost),
+            )
+            if answer is not NotImplemented:
+                return answer
+        return self.reference(eligible, unheard, one)
+
+    def reference(
         self, eligible: int, unheard: Iterable[str] = (), one: bool = False
     ) -> tuple[dict[str, float], float]:
         """The costs of the replicas of the `eligible` mask that may cost least, and the least
@@ -190,10 +209,7 @@ def rank_by_cost(
     or costing as much as those) is in one last rank: if the ranks before it are full, Serve
     chooses there by queue length, as it would among any replicas."""
     found = as_holdings(holdings, weights)
-    wanted = set(candidates)
-    unheard = wanted.difference(found.replicas)
-    # The candidates' bits (of replicas of the answer: another role's are unheard).
-    eligible = sum(map(found.bits.get, wanted, itertools.repeat(0))) & found.known
+    eligible, unheard = _candidates(found, candidates)
     if not _tells_apart(found, eligible, bool(unheard), lent_blocks):
         return None
     search = _Search(found, prompt_tokens, block_size, weights, lent_blocks, ongoing)
@@ -206,6 +222,20 @@ def rank_by_cost(
     ranked = {r for rank in ranks for r in rank}
     rest = list(itertools.filterfalse(ranked.__contains__, candidates))
     return [*ranks, rest] if rest else ranks
+
+
+def _candidates(found: Holdings, candidates: Sequence[str]) -> tuple[int, Collection[str]]:
+    """The candidates' bits (of replicas of the answer: another role's are unheard), and those
+    the answer does not know (in C where it builds)."""
+    c = cost_search.native()
+    if c is not None:
+        answer = c.candidates_mask(candidates, found.bits, found.replicas)
+        if answer is not NotImplemented:
+            mask, unheard = answer
+            return mask & found.known, unheard
+    wanted = set(candidates)
+    unheard = wanted.difference(found.replicas)
+    return sum(map(found.bits.get, wanted, itertools.repeat(0))) & found.known, unheard
 
 
 def _tells_apart(holdings: Holdings, eligible: int, unheard: bool, lent_blocks: int) -> bool:

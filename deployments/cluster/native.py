@@ -45,6 +45,8 @@ def load(name: str) -> ModuleType:
     include = sysconfig.get_paths()["include"]
     compiler = _compiler()
     key = hashlib.sha256(source.read_bytes())
+    for header in sorted(SOURCES.glob("*.h")):  # what the sources include
+        key.update(header.read_bytes())
     for part in (sys.version, suffix, include, *compiler, *CFLAGS):
         key.update(part.encode())
     directory = pdserve_cache_dir() / "native" / f"{name}-{key.hexdigest()[:16]}"
