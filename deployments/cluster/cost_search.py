@@ -1,6 +1,7 @@
-"""The routing searches' inner loop in C (csrc/cost_search.c, compiled on first use by
-native.py): `_Search.up_to_least` of kv_scoring.py, which stays the reference the tests hold
-the C one to and what runs where no C compiler is, and a ranking's candidates' mask.
+"""The routing searches in C (csrc/cost_search.c, compiled on first use by native.py):
+`_Search.up_to_least` and `rank_by_cost` of kv_scoring.py, whose Python stays the reference
+the tests hold the C code to and what runs where no C compiler is (or where an input is not
+laid out as the index lays an answer out).
 
 At 128 replicas a routing decision runs the search three or four times (the Router's survey,
 then each leg's ranking); in Python its big-int masks and per-replica calls took most of the

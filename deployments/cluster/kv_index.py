@@ -201,10 +201,19 @@ class KVIndexServer:
         replicas, known, bits = view.replicas, view.known, index.bits
         groups: list[HeldGroup] = []
         held: dict[str, Holding] = {}
+        tiers = index.has_tiers
         for count, mask in index.match_masks(block_hashes):
             mask &= known
-            if not index.has_tiers and mask.bit_count() > SMALL_GROUP:
-                groups.append(HeldGroup(count, 0, mask, ()))  # named only where walked
+            if not tiers:  # (every holder holds its blocks in its pool: one group)
+                if mask.bit_count() > SMALL_GROUP:
+                    groups.append(HeldGroup(count, 0, mask, ()))  # named only where walked
+                    continue
+                members = index.names_of(mask)
+                for replica in members:
+                    a = replicas[replica]
+                    held[replica] = Holding(count, a.load, a.role, a.side_channel)
+                if members:
+                    groups.append(HeldGroup(count, 0, mask, tuple(members)))
                 continue
             alike: dict[int, list[str]] = {}  # by blocks in a tier only (they cost alike)
             for replica in index.names_of(mask):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -92,11 +92,9 @@ class _Search:
         """`reference` below, in C where it builds (deployments/cluster/cost_search.py)."""
         c = cost_search.native()
         if c is not None:
-            found, w = self.holdings, self.weights
-            alive = eligible & found.known & ~found.small_mask
+            w = self.weights
             answer = c.up_to_least(
-                *(found.groups, found.big, found.board_of(alive), found.replicas, found.bits),
-                *(self.ongoing, eligible, alive, found.held_mask, tuple(unheard), one),
+                *(self.holdings, self.ongoing, eligible, tuple(unheard), one),
                 *(self.prompt_tokens, self.block_size, self.lent_blocks),
                 *(w.request_tokens, w.hot_kv_usage, w.tier_token_cost),
             )
@@ -209,11 +207,36 @@ def rank_by_cost(
     or costing as much as those) is in one last rank: if the ranks before it are full, Serve
     chooses there by queue length, as it would among any replicas."""
     found = as_holdings(holdings, weights)
-    eligible, unheard = _candidates(found, candidates)
+    c = cost_search.native()
+    if c is not None:
+        w = weights
+        ranks = c.rank(
+            *(candidates, found, ongoing, prompt_tokens, block_size, lent_blocks),
+            *(w.request_tokens, w.hot_kv_usage, w.tier_token_cost),
+        )
+        if ranks is not NotImplemented:
+            return ranks
+    return _ranks(found, candidates, prompt_tokens, block_size, ongoing, weights, lent_blocks)
+
+
+def _ranks(
+    found: Holdings,
+    candidates: Sequence[str],
+    prompt_tokens: int,
+    block_size: int,
+    ongoing: Mapping[str, int],
+    weights: RoutingWeights,
+    lent_blocks: int,
+) -> list[list[str]] | None:
+    """`rank_by_cost` in Python: the reference, where the C module does not build."""
+    wanted = set(candidates)
+    unheard = wanted.difference(found.replicas)
+    # The candidates' bits (of replicas of the answer: another role's are unheard).
+    eligible = sum(map(found.bits.get, wanted, itertools.repeat(0))) & found.known
     if not _tells_apart(found, eligible, bool(unheard), lent_blocks):
         return None
     search = _Search(found, prompt_tokens, block_size, weights, lent_blocks, ongoing)
-    costs, least = search.up_to_least(eligible, unheard)
+    costs, least = search.reference(eligible, unheard)
     by_cost: dict[float, list[str]] = {}
     for replica, cost in costs.items():
         if cost <= least:
@@ -222,20 +245,6 @@ def rank_by_cost(
     ranked = {r for rank in ranks for r in rank}
     rest = list(itertools.filterfalse(ranked.__contains__, candidates))
     return [*ranks, rest] if rest else ranks
-
-
-def _candidates(found: Holdings, candidates: Sequence[str]) -> tuple[int, Collection[str]]:
-    """The candidates' bits (of replicas of the answer: another role's are unheard), and those
-    the answer does not know (in C where it builds)."""
-    c = cost_search.native()
-    if c is not None:
-        answer = c.candidates_mask(candidates, found.bits, found.replicas)
-        if answer is not NotImplemented:
-            mask, unheard = answer
-            return mask & found.known, unheard
-    wanted = set(candidates)
-    unheard = wanted.difference(found.replicas)
-    return sum(map(found.bits.get, wanted, itertools.repeat(0))) & found.known, unheard
 
 
 def _tells_apart(holdings: Holdings, eligible: int, unheard: bool, lent_blocks: int) -> bool:
