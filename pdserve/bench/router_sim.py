@@ -212,13 +212,16 @@ class _Simulation:
         self.index.load_snapshot(name, snapshot, engine.role, load, name, self._spec, now)
 
     def run(self, requests: list[SimRequest]) -> dict[str, Any]:
-        period, published = 0.02, 0.0
+        # Every engine publishes each `period`, on its own clock as the engines' publishers
+        # do (not in step): engine i at i/N of the period (N engines), one at each tick.
+        names = list(self.engines)
+        tick_s, ticks = 0.02 / len(names), 0
         decisions_us, ttft_s, tpot_s, hits, blocks = [], [], [], 0, 0
         cached_routes = 0
         for request in requests:
-            while published + period <= request.at_s:
-                published += period
-                self._publish(published)
+            while (ticks + 1) * tick_s <= request.at_s:
+                ticks += 1
+                self._publish(names[ticks % len(names)], ticks * tick_s)
             self._leave(request.at_s)
             start = time.perf_counter()
             prefill, decode, lent = self._route(request)
@@ -270,23 +273,24 @@ class _Simulation:
             "final_split": f"{len(members['prefill'])}:{len(members['decode'])}",
         }
 
-    def _publish(self, now: float) -> None:
-        """Every engine's batch of the last period and its load, when either changed, to the
-        index (as KVEventPublisher sends them)."""
+    def _publish(self, name: str, now: float) -> None:
+        """The engine's batch since its last round and its load, when either changed, to the
+        index (as its KVEventPublisher sends them)."""
         if self.signals is not None:
             self.signals.until(now)
-        for engine in self.engines.values():
-            batch = engine.take_batch()
-            load = engine.load(now)
-            if self.signals is not None:
-                load = self.signals.with_means(engine.name, load)
-            if batch is not None or load != self._loads.get(engine.name):
-                self._loads[engine.name] = load
-                self.events += len(batch.events) if batch is not None else 0
-                batches = [batch] if batch is not None else []
-                reply = self.index.publish(engine.name, _as_sent(batches), load, now=now)
-                if reply.switch_to and reply.switch_to != engine.role:
-                    self._switch(engine, reply.switch_to, load, now)
+        engine = self.engines[name]
+        batch = engine.take_batch()
+        load = engine.load(now)
+        if self.signals is not None:
+            load = self.signals.with_means(name, load)
+        last = self._loads.get(name)
+        if batch is not None or (load is not last and load != last):
+            self._loads[name] = load
+            self.events += len(batch.events) if batch is not None else 0
+            batches = [batch] if batch is not None else []
+            reply = self.index.publish(name, _as_sent(batches), load, now=now)
+            if reply.switch_to and reply.switch_to != engine.role:
+                self._switch(engine, reply.switch_to, load, now)
 
     def _switch(self, engine: SimEngine, role: str, load: Any, now: float) -> None:
         """As an engine replica does when the index orders it: take the role and announce it;

@@ -8,6 +8,8 @@ scoring code, deployments/cluster/) against what it does to caches and queues.""
 
 from __future__ import annotations
 
+import math
+
 from collections import OrderedDict
 from collections.abc import Container
 from dataclasses import dataclass
@@ -51,6 +53,11 @@ class SimEngine:
         self.free_at = 0.0  # when the prefill work queued here is done
         self._prefills: list[tuple[float, float, int]] = []  # (start, end, tokens)
         self._decodes: list[tuple[float, float, int]] = []  # (start, end, blocks held)
+        # The load as last worked out, and until when it holds (the next start or end of a
+        # prefill or decode here): every engine is asked each round, mostly unchanged, and
+        # the simulator's own work must not crowd out the routing code it times.
+        self._load: EngineLoad | None = None
+        self._load_until = 0.0
 
     # ------------------------------------------------------------------ cache
 
@@ -99,6 +106,7 @@ class SimEngine:
         start = max(now, self.free_at)
         self.free_at = start + tokens / self.model.prefill_tokens_per_s
         self._prefills.append((start, self.free_at, tokens))
+        self._load = None
         return self.free_at
 
     def decode(self, now: float, start: float, output_len: int, blocks: int) -> float:
@@ -109,18 +117,24 @@ class SimEngine:
         beside = sum(1 for s, e, _ in self._decodes if s <= start < e)
         tpot = self.model.step_s + self.model.step_per_seq_s * beside
         self._decodes.append((start, start + tpot * output_len, blocks))
+        self._load = None
         return tpot
 
     def load(self, now: float) -> EngineLoad:
         """As the engine reports it: a prefill computing or a decode counts as running, a
         prefill not started as waiting; KV usage counts the blocks running requests hold
         (cached blocks nobody uses are free to evict)."""
+        if self._load is not None and now < self._load_until:
+            return self._load
         self._prefills = [p for p in self._prefills if p[1] > now]
         waiting = [tokens for start, _, tokens in self._prefills if start > now]
         decoding = [held for start, end, held in self._decodes if start <= now < end]
-        return EngineLoad(
+        self._load = EngineLoad(
             num_running=len(decoding) + len(self._prefills) - len(waiting),
             num_waiting=len(waiting),
             queued_prompt_tokens=sum(waiting),
             kv_cache_usage=round(min(1.0, sum(decoding) / self.model.capacity_blocks), 3),
         )
+        work = (*self._prefills, *self._decodes)
+        self._load_until = min((t for w in work for t in w[:2] if t > now), default=math.inf)
+        return self._load

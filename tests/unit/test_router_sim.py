@@ -5,6 +5,8 @@ policy (pdserve's routing code) finds more of the conversations' context than ro
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pdserve.bench.router_sim import RouterSimConfig, _Simulation, run
@@ -36,7 +38,8 @@ def test_the_index_follows_the_engines_caches() -> None:
     simulation = _Simulation(config, "kv")
     requests = sim_requests(config)
     simulation.run(requests)
-    simulation._publish(requests[-1].at_s + 1.0)  # the last period's events too
+    for name in simulation.engines:  # the last period's events too
+        simulation._publish(name, requests[-1].at_s + 1.0)
     held = sum(len(e._cache) for e in simulation.engines.values())
     assert simulation.index.index.num_entries() == held
     assert all(simulation.index.current().values())
@@ -59,3 +62,23 @@ def test_bad_configurations_are_refused() -> None:
         RouterSimConfig(policies=("random",))
     with pytest.raises(ValueError, match="request_rate"):
         RouterSimConfig(request_rate=0)
+
+
+def test_an_engine_reports_the_load_it_would_work_out_afresh() -> None:
+    """The load an engine keeps between the starts and ends of its work is the one it would
+    work out at any time in between."""
+    rng = random.Random(3)
+    engine = SimEngine("e", "decode", EngineModel(capacity_blocks=64), 16)
+    now, kept = 0.0, 0
+    for _ in range(400):
+        now += rng.choice([0.0, 0.001, 0.004, 0.02])
+        work = rng.random()
+        if work < 0.1:  # a prefill leg here
+            engine.prefill(now, rng.randint(1, 600))
+        elif work < 0.2:  # a decode leg (its KV came from elsewhere)
+            engine.decode(now, now + rng.choice([0.0, 0.01]), rng.randint(1, 40), rng.randint(1, 8))
+        load = engine.load(now)
+        kept += engine._load is load and load is engine.load(now)
+        engine._load = None  # afresh
+        assert engine.load(now) == load
+    assert kept > 300  # (it was kept, not worked out each time)
