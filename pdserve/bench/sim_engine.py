@@ -9,7 +9,6 @@ scoring code, deployments/cluster/) against what it does to caches and queues.""
 from __future__ import annotations
 
 import math
-
 from collections import OrderedDict
 from collections.abc import Container
 from dataclasses import dataclass
