@@ -12,9 +12,23 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deployments.cluster.kv_cost import RoutingWeights
+    from deployments.cluster.kv_holdings import Holdings
 
 logger = logging.getLogger(__name__)
+
+
+def warm_up() -> None:
+    """Build (or load) the C module off the caller's thread: a process that routes calls this
+    when it starts, so its first request does not wait for the compiler (~0.5 s, once per
+    machine: the build is cached on disk)."""
+    threading.Thread(target=native, name="pdserve-cost-search-build", daemon=True).start()
 
 
 @functools.cache
@@ -27,3 +41,57 @@ def native() -> ModuleType | None:
     except NativeBuildError as exc:
         logger.warning("the routing searches run in Python: %s", exc)
         return None
+
+
+# Each call below answers as its reference in kv_scoring.py does, or NotImplemented where the
+# C module is not here or declines the input (the caller then runs the reference).
+
+
+def up_to_least(
+    holdings: Holdings,
+    ongoing: Mapping[str, int] | None,
+    eligible: int,
+    unheard: Iterable[str],
+    one: bool,
+    numbers: tuple[int, int, int],
+    weights: RoutingWeights,
+) -> Any:
+    """`_Search.reference`; `numbers`: (prompt_tokens, block_size, lent_blocks)."""
+    c = native()
+    if c is None:
+        return NotImplemented
+    return c.up_to_least(holdings, ongoing, eligible, tuple(unheard), one, *numbers, *_of(weights))
+
+
+def rank(
+    candidates: Sequence[str],
+    holdings: Holdings,
+    ongoing: Mapping[str, int],
+    numbers: tuple[int, int, int],
+    weights: RoutingWeights,
+) -> Any:
+    """`kv_scoring._ranks`."""
+    c = native()
+    return (
+        NotImplemented
+        if c is None
+        else c.rank(candidates, holdings, ongoing, *numbers, *_of(weights))
+    )
+
+
+def cheapest(
+    holdings: Holdings, eligible: int, numbers: tuple[int, int, int], weights: RoutingWeights
+) -> Any:
+    """`cheapest_held`'s choice: a replica, or None."""
+    c = native()
+    return NotImplemented if c is None else c.cheapest(holdings, eligible, *numbers, *_of(weights))
+
+
+def most_held(holdings: Holdings) -> Any:
+    """`kv_scoring._most_held_in_python`."""
+    c = native()
+    return NotImplemented if c is None else c.most_held(holdings, holdings.request_tokens)
+
+
+def _of(weights: RoutingWeights) -> tuple[float, float, float]:
+    return weights.request_tokens, weights.hot_kv_usage, weights.tier_token_cost

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from deployments.cluster import cost_search
 from deployments.cluster.kv_holdings import Board
 from deployments.cluster.kv_scoring import (
     NOTHING_HELD,
@@ -309,6 +310,7 @@ class IndexedClusterCache:
         self._block_size = block_size
         self._timeout_s = timeout_s
         self._index: Any = None
+        cost_search.warm_up()
 
     async def survey(
         self, prompt_token_ids: list[int], cache_salt: str | None

@@ -90,17 +90,10 @@ class _Search:
         self, eligible: int, unheard: Iterable[str] = (), one: bool = False
     ) -> tuple[dict[str, float], float]:
         """`reference` below, in C where it builds (deployments/cluster/cost_search.py)."""
-        c = cost_search.native()
-        if c is not None:
-            w = self.weights
-            answer = c.up_to_least(
-                *(self.holdings, self.ongoing, eligible, tuple(unheard), one),
-                *(self.prompt_tokens, self.block_size, self.lent_blocks),
-                *(w.request_tokens, w.hot_kv_usage, w.tier_token_cost),
-            )
-            if answer is not NotImplemented:
-                return answer
-        return self.reference(eligible, unheard, one)
+        numbers = (self.prompt_tokens, self.block_size, self.lent_blocks)
+        found, ongoing, w = self.holdings, self.ongoing, self.weights
+        answer = cost_search.up_to_least(found, ongoing, eligible, unheard, one, numbers, w)
+        return self.reference(eligible, unheard, one) if answer is NotImplemented else answer
 
     def reference(
         self, eligible: int, unheard: Iterable[str] = (), one: bool = False
@@ -207,15 +200,10 @@ def rank_by_cost(
     or costing as much as those) is in one last rank: if the ranks before it are full, Serve
     chooses there by queue length, as it would among any replicas."""
     found = as_holdings(holdings, weights)
-    c = cost_search.native()
-    if c is not None:
-        w = weights
-        ranks = c.rank(
-            *(candidates, found, ongoing, prompt_tokens, block_size, lent_blocks),
-            *(w.request_tokens, w.hot_kv_usage, w.tier_token_cost),
-        )
-        if ranks is not NotImplemented:
-            return ranks
+    numbers = (prompt_tokens, block_size, lent_blocks)
+    ranks = cost_search.rank(candidates, found, ongoing, numbers, weights)
+    if ranks is not NotImplemented:
+        return ranks
     return _ranks(found, candidates, prompt_tokens, block_size, ongoing, weights, lent_blocks)
 
 
@@ -263,7 +251,12 @@ def _tells_apart(holdings: Holdings, eligible: int, unheard: bool, lent_blocks: 
 def _most_held(holdings: Holdings) -> tuple[int, str] | None:
     """(blocks, replica) of the replica that can lend holding the most of the prompt (of
     equals, the least loaded by its report, then the first by name); None where none
-    holds any."""
+    holds any. In C where it builds (`_most_held_in_python` is the reference)."""
+    found = cost_search.most_held(holdings)
+    return _most_held_in_python(holdings) if found is NotImplemented else found
+
+
+def _most_held_in_python(holdings: Holdings) -> tuple[int, str] | None:
     deepest: dict[int, list[HeldGroup]] = {}
     for group in holdings.groups:
         deepest.setdefault(group.cached_blocks, []).append(group)
@@ -316,12 +309,15 @@ def cheapest_held(
     tokens it holds itself; a loan's `lent_blocks` reach every one (the survey's borrower);
     None for no replica."""
     found = as_holdings(holdings, weights)
-    search = _Search(found, prompt_tokens, block_size, weights, lent_blocks)
     eligible = found.role_mask(role)
-    costs, _ = search.up_to_least(eligible, one=True)
-    if not costs:
+    numbers = (prompt_tokens, block_size, lent_blocks)
+    best = cost_search.cheapest(found, eligible, numbers, weights)
+    if best is NotImplemented:
+        search = _Search(found, prompt_tokens, block_size, weights, lent_blocks)
+        costs, _ = search.reference(eligible, one=True)
+        best = min((cost, replica) for replica, cost in costs.items())[1] if costs else None
+    if best is None:
         return None
-    _, best = min((cost, replica) for replica, cost in costs.items())
     return best, min(prompt_tokens, found[best].cached_blocks * block_size)
 
 

@@ -144,10 +144,13 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, _PublishesReplicaSet, Request
     _INDEX_TIMEOUT_S = 0.1
 
     def initialize_state(self, role: str = "", block_size: int = 16, **kwargs: Any) -> None:
+        from deployments.cluster import cost_search
+
         self._role = role
         self._block_size = block_size
         self._index: Any = None
         self._roles: dict[str, str] = {}  # each replica's role, as the index last said
+        cost_search.warm_up()
 
     async def choose_replicas(
         self,

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
+from deployments.cluster import cost_search
 from deployments.cluster.kv_index import KVIndexServer
 from deployments.cluster.kv_scoring import (
     Holding,
@@ -184,6 +185,7 @@ class _Simulation:
         self.signals = SimSignals(5 * config.role_interval_s) if switching else None
         self.switches = 0
         self.index = KVIndexServer()
+        cost_search.native()  # built before the clock runs (a router warms it up as it starts)
         for engine in self.engines.values():
             self._announce(engine, engine.load(0.0))
         self.rng = random.Random(config.seed)
@@ -345,7 +347,8 @@ class _Simulation:
         if ranks is None:  # the cache says nothing: Serve's power of two choices
             two = self.rng.sample(names, min(2, len(names)))
             return min(two, key=lambda n: _busy(holdings.get(n)))
-        return min(ranks[0], key=lambda n: _busy(holdings.get(n)))
+        first = ranks[0]
+        return first[0] if len(first) == 1 else min(first, key=lambda n: _busy(holdings.get(n)))
 
     def _dynamo(self, request: SimRequest, role: str) -> str:
         """Dynamo's KV router: overlap weight (1, its default) x blocks to prefill + blocks

@@ -1,12 +1,14 @@
 """The routing searches in C (deployments/cluster/csrc/cost_search.c, built on first use)
-against the Python reference (`_Search.reference` and `_ranks` of kv_scoring.py), result for
-result, on random clusters past 64 and 128 replicas: small and big holder groups, tiers,
-loans, the router's requests in flight, replicas the index does not know, either search
-(`one`); and the fallbacks (an input the C code does not take, no compiler)."""
+against the Python reference (`_Search.reference`, `_ranks`, `_most_held_in_python` and
+`cheapest_held`'s of kv_scoring.py), result for result, on random clusters past 64 and 128
+replicas: small and big holder groups, tiers, loans, the router's requests in flight,
+replicas the index does not know, either search (`one`); and the fallbacks (an input the C
+code does not take, no compiler)."""
 
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
@@ -21,15 +23,17 @@ NUMBERS = (100, 16, 0, 32.0, 0.9, 0.1)  # prompt, block size, loan, the weights
 
 def big_cluster(rng: random.Random) -> dict[str, Holding]:
     """Up to 300 replicas: most hold nothing or one shared prefix (big groups), a few runs of
-    their own (small groups), some of it in a tier."""
-    shared = rng.randint(1, 6)
+    their own (small groups; in some clusters none, so the shared prefix is the most held),
+    some of it in a tier."""
+    shared, own = rng.randint(1, 6), rng.choice([0.0, 0.1])
     holdings = {}
     for i in range(rng.choice([3, 40, 70, 140, 300])):
         kind = rng.random()
-        cached = 0 if kind < 0.5 else shared if kind < 0.9 else rng.randint(1, 12)
+        cached = 0 if kind < 0.5 else shared if kind < 1 - own else rng.randint(1, 12)
         tier = rng.randint(0, cached) if cached and rng.random() < 0.1 else 0
         role = rng.choice(ROLES)
-        holdings[f"replica-{i}"] = Holding(cached, random_load(rng), role, f"h:{i}", tier)
+        channel = f"h:{i}" if rng.random() < 0.8 else ""  # ("": cannot lend)
+        holdings[f"replica-{i}"] = Holding(cached, random_load(rng), role, channel, tier)
     return holdings
 
 
@@ -64,6 +68,13 @@ def test_the_c_search_answers_as_the_python_one(seed: int) -> None:
         for role in (None, *ROLES):
             both(search, found.role_mask(role), unheard, one=False)
             both(search, found.role_mask(role), (), one=True)
+            alone = kv_scoring._Search(found, prompt, block_size, w, lent)  # (engines' loads)
+            costs, _ = alone.reference(found.role_mask(role), one=True)
+            cheapest = min((cost, r) for r, cost in costs.items())[1] if costs else None
+            numbers = (prompt, block_size, lent)
+            assert cost_search.cheapest(found, found.role_mask(role), numbers, w) == cheapest
+        lender = native().most_held(found, found.request_tokens)
+        assert lender == kv_scoring._most_held_in_python(found)
         some = sum(bit for bit in found.bits.values() if rng.random() < 0.5)
         both(search, some & found.known, unheard, one=False)
         candidates = [r for r in holdings if rng.random() < 0.7] + list(unheard)
@@ -151,3 +162,14 @@ def test_the_module_reports_a_failed_build_and_falls_back(monkeypatch, caplog) -
         assert "run in Python: no C compiler here" in caplog.text
     finally:
         cost_search.native.cache_clear()
+
+
+def test_a_routing_process_builds_the_module_as_it_starts(monkeypatch) -> None:
+    """The Router's cluster cache asks for the C module off its thread when made (its first
+    request must not wait for the compiler)."""
+    from deployments.cluster.kv_index import IndexedClusterCache
+
+    asked = threading.Event()
+    monkeypatch.setattr(cost_search, "native", asked.set)
+    IndexedClusterCache("app", 16)
+    assert asked.wait(timeout=10)

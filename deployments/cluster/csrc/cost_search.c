@@ -79,6 +79,49 @@ static PyObject *up_to_least(PyObject *Py_UNUSED(self), PyObject *const *args, P
     return finish(&s, &p, result);
 }
 
+/* Of (key, replica) and a candidate, the less (by key, then name) into *key, *best. */
+static int keep_least(double *key, PyObject **best, double k, PyObject *replica) {
+    if (*best) {
+        if (k > *key) return 0;
+        if (k == *key) {
+            int less = PyObject_RichCompareBool(replica, *best, Py_LT);
+            if (less <= 0) return less;
+        }
+    }
+    *key = k, *best = replica;
+    return 0;
+}
+
+/* cheapest(holdings, eligible, prompt_tokens, block_size, lent_blocks, request_tokens,
+ *          hot_kv_usage, tier_token_cost) -> replica or None: of the `eligible` replicas, the
+ * cheapest by their own reported loads (of equals, the first by name; kv_scoring's
+ * cheapest_held). */
+static PyObject *cheapest(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "cheapest takes 8 arguments");
+        return NULL;
+    }
+    Search s;
+    Parts p;
+    int rc = start(&s, &p, args[0], Py_None, args[1], args + 2);
+    if (rc) return rc < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    uint64_t eligible[MAX_WORDS];
+    PyObject *none = PyTuple_New(0);
+    if (!none || to_words(args[1], eligible, s.words) < 0 ||
+        search(&s, &p, eligible, none, 1) < 0) {
+        Py_XDECREF(none);
+        return finish(&s, &p, NULL);
+    }
+    Py_DECREF(none);
+    double key = 0.0;
+    PyObject *best = NULL, *replica, *cost;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(s.costs, &pos, &replica, &cost))
+        if (keep_least(&key, &best, PyFloat_AS_DOUBLE(cost), replica) < 0)
+            return finish(&s, &p, NULL);
+    return finish(&s, &p, Py_NewRef(best ? best : Py_None));
+}
+
 /* The candidates' bits (and the answer's `known`), and those the answer does not know, once
  * each, in order (a new list in *unheard). */
 static int candidates_of(const Search *s, const Parts *p, PyObject *candidates,
@@ -224,11 +267,132 @@ done:
     return finish(&s, &p, result);
 }
 
+/* Whether `replica` can lend (its Holding names a side channel): 1, 0, or -1. */
+static int lends_of(const Parts *p, PyObject *replica) {
+    PyObject *holding = PyDict_GetItemWithError(p->replicas, replica);
+    if (!holding) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, replica);
+        return -1;
+    }
+    if (!PyTuple_Check(holding) || PyTuple_GET_SIZE(holding) < 4) {
+        PyErr_SetString(PyExc_TypeError, "a holding is a Holding");
+        return -1;
+    }
+    return PyObject_IsTrue(PyTuple_GET_ITEM(holding, 3));
+}
+
+/* kv_scoring._least_lender into keep_least: the group's least loaded member with a side
+ * channel (a big group's: the first on the board). */
+static int least_lender(const Parts *p, PyObject *group, double request_tokens,
+                        Py_ssize_t words, double *key, PyObject **best) {
+    PyObject *members = PyTuple_GET_ITEM(group, 3);
+    if (!PyTuple_Check(members)) {
+        PyErr_SetString(PyExc_TypeError, "a group is a HeldGroup");
+        return -1;
+    }
+    if (PyTuple_GET_SIZE(members) == 0) { /* a big group */
+        uint64_t mask[MAX_WORDS];
+        if (to_words(PyTuple_GET_ITEM(group, 2), mask, words) < 0) return -1;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(p->board); i++) {
+            PyObject *entry = PyTuple_GET_ITEM(p->board, i); /* (load_key, replica, bit) */
+            if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
+                PyErr_SetString(PyExc_TypeError, "a board entry is (load_key, replica, bit)");
+                return -1;
+            }
+            Py_ssize_t position = bit_position(PyTuple_GET_ITEM(entry, 2), words);
+            if (position == -2) return -1;
+            if (!has_bit(mask, position)) continue;
+            PyObject *replica = PyTuple_GET_ITEM(entry, 1);
+            int lends = lends_of(p, replica);
+            if (lends < 0) return -1;
+            if (!lends) continue;
+            double k = PyFloat_AsDouble(PyTuple_GET_ITEM(entry, 0));
+            return k == -1.0 && PyErr_Occurred() ? -1 : keep_least(key, best, k, replica);
+        }
+        return 0;
+    }
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(members); j++) {
+        PyObject *replica = PyTuple_GET_ITEM(members, j);
+        int lends = lends_of(p, replica);
+        if (lends < 0) return -1;
+        if (!lends) continue;
+        PyObject *holding = PyDict_GetItem(p->replicas, replica); /* (there: lends_of) */
+        double k = 0.0, running, waiting, queued; /* kv_cost.load_key */
+        PyObject *load = PyTuple_GET_ITEM(holding, 1);
+        if (load != Py_None) {
+            if (number(load, s_running, &running) < 0 || number(load, s_waiting, &waiting) < 0 ||
+                number(load, s_queued, &queued) < 0)
+                return -1;
+            k = queued + request_tokens * (running + waiting);
+        }
+        if (keep_least(key, best, k, replica) < 0) return -1;
+    }
+    return 0;
+}
+
+/* most_held(holdings, request_tokens) -> (blocks, replica) or None: kv_scoring._most_held,
+ * the replica that can lend holding the most of the prompt (of equals, the least loaded by
+ * its report, then the first by name). */
+static PyObject *most_held(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "most_held takes 2 arguments");
+        return NULL;
+    }
+    Parts p;
+    int rc = parts_read(args[0], &p);
+    if (rc) return rc < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    PyObject *result = NULL;
+    double request_tokens = PyFloat_AsDouble(args[1]);
+    Py_ssize_t words = parts_words(&p, NULL), n = PyTuple_GET_SIZE(p.groups);
+    if ((request_tokens == -1.0 && PyErr_Occurred()) || words < 0) goto done;
+    if (words > MAX_WORDS) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    long long above = -1; /* depths are taken deepest first, each below the last */
+    for (;;) {
+        long long depth = -1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *g = PyTuple_GET_ITEM(p.groups, i);
+            if (!PyTuple_Check(g) || PyTuple_GET_SIZE(g) != 4) {
+                PyErr_SetString(PyExc_TypeError, "a group is a HeldGroup");
+                goto done;
+            }
+            long long cached = PyLong_AsLongLong(PyTuple_GET_ITEM(g, 0));
+            if (cached == -1 && PyErr_Occurred()) goto done;
+            if (cached > depth && (above < 0 || cached < above)) depth = cached;
+        }
+        if (depth < 0) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        double key = 0.0;
+        PyObject *best = NULL;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *g = PyTuple_GET_ITEM(p.groups, i);
+            if (PyLong_AsLongLong(PyTuple_GET_ITEM(g, 0)) != depth) continue;
+            if (least_lender(&p, g, request_tokens, words, &key, &best) < 0) goto done;
+        }
+        if (best) {
+            result = Py_BuildValue("(LO)", depth, best);
+            goto done;
+        }
+        above = depth;
+    }
+done:
+    parts_clear(&p);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"up_to_least", (PyCFunction)(void (*)(void))up_to_least, METH_FASTCALL,
      "kv_scoring._Search.up_to_least over a Holdings: (costs, least)."},
     {"rank", (PyCFunction)(void (*)(void))rank, METH_FASTCALL,
      "kv_scoring.rank_by_cost over a Holdings: ranks, or None."},
+    {"cheapest", (PyCFunction)(void (*)(void))cheapest, METH_FASTCALL,
+     "kv_scoring.cheapest_held's choice over a Holdings: a replica, or None."},
+    {"most_held", (PyCFunction)(void (*)(void))most_held, METH_FASTCALL,
+     "kv_scoring._most_held over a Holdings: (blocks, replica), or None."},
     {NULL, NULL, 0, NULL},
 };
 
