@@ -61,12 +61,13 @@ _UNANNOUNCED = _Announced()
 
 class LoadBoard:
     """Every replica the index knows as (`load_key`, replica, its bit), least first, kept
-    sorted as loads change (a lookup hands out a copy: `Holdings.board`)."""
+    sorted as loads change. `snapshot` is the board as a lookup hands it out (`Holdings.board`),
+    made at each change: the copy belongs to the change, off the requests' path."""
 
     def __init__(self) -> None:
         self._keys: dict[str, tuple[float, str, int]] = {}
         self._sorted: list[tuple[float, str, int]] = []
-        self._snapshot: Board | None = None  # `_sorted` as handed out, until it changes
+        self.snapshot: Board = ()
 
     def place(self, replica: str, load: EngineLoad | None, bit: int) -> None:
         entry = (load_key(load), replica, bit)
@@ -77,18 +78,13 @@ class LoadBoard:
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         bisect.insort(self._sorted, entry)
         self._keys[replica] = entry
-        self._snapshot = None
+        self.snapshot = tuple(self._sorted)
 
     def remove(self, replica: str) -> None:
         old = self._keys.pop(replica, None)
         if old is not None:
             del self._sorted[bisect.bisect_left(self._sorted, old)]
-            self._snapshot = None
-
-    def snapshot(self) -> Board:
-        if self._snapshot is None:
-            self._snapshot = tuple(self._sorted)
-        return self._snapshot
+            self.snapshot = tuple(self._sorted)
 
 
 class _RoleTable:
@@ -232,11 +228,11 @@ class KVIndexServer:
         view = self._views.get(role)
         if view is None or view.changed != self._changed:
             table = self._tables.get(role) or _RoleTable()
-            board = table.board.snapshot()
+            board = table.board.snapshot
             # A role's answer carries its own board alone (it crosses Ray per request).
             roles = {role: (table.known, board)}
             if not role:
-                roles = {r: (t.known, t.board.snapshot()) for r, t in self._tables.items() if r}
+                roles = {r: (t.known, t.board.snapshot) for r, t in self._tables.items() if r}
             view = _View(self._changed, table.idle, table.known, board, roles)
             self._views[role] = view
         return view

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "masks.h"
+
 #define KEY_BYTES 32
 #define EMPTY 0u
 #define DELETED 1u
@@ -204,20 +206,6 @@ static PyObject *table_discard(HolderTable *t, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *mask_to_int(const uint64_t *mask, Py_ssize_t words) {
-    PyObject *result = PyLong_FromLong(0), *shift = PyLong_FromLong(64);
-    for (Py_ssize_t k = words - 1; k >= 0 && result && shift; k--) {
-        PyObject *word = PyLong_FromUnsignedLongLong(mask[k]);
-        PyObject *shifted = word ? PyNumber_Lshift(result, shift) : NULL;
-        Py_DECREF(result);
-        result = shifted ? PyNumber_Or(shifted, word) : NULL;
-        Py_XDECREF(shifted);
-        Py_XDECREF(word);
-    }
-    Py_XDECREF(shift);
-    return result;
-}
-
 /* `value`'s low words * 64 bits (the bits of replicas the table knows) into `mask`. */
 static int int_to_mask(PyObject *value, uint64_t *mask, Py_ssize_t words) {
     PyObject *rest = Py_NewRef(value), *shift = PyLong_FromLong(64);
@@ -257,7 +245,7 @@ static int lookup_mask(HolderTable *t, PyObject *key_obj, uint64_t *out) {
 static PyObject *table_get(HolderTable *t, PyObject *key_obj) {
     uint64_t *mask = PyMem_Calloc((size_t)t->words + 1, 8);
     if (!mask) return PyErr_NoMemory();
-    PyObject *result = lookup_mask(t, key_obj, mask) < 0 ? NULL : mask_to_int(mask, t->words);
+    PyObject *result = lookup_mask(t, key_obj, mask) < 0 ? NULL : from_words(mask, t->words);
     PyMem_Free(mask);
     return result;
 }
@@ -269,7 +257,7 @@ static void prefetch_slot(HolderTable *t, PyObject *key_obj) {
 }
 
 static int append_group(PyObject *groups, Py_ssize_t depth, const uint64_t *mask, Py_ssize_t w) {
-    PyObject *bits = mask_to_int(mask, w);
+    PyObject *bits = from_words(mask, w);
     if (!bits) return -1;
     PyObject *group = Py_BuildValue("(nN)", depth, bits);
     if (!group) return -1;

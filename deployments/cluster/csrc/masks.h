@@ -1,5 +1,6 @@
 /* Replica masks (Python ints: bit i for the replica numbered i) as little-endian machine
- * words, for the cluster's C code (cost_search.c; native.py keys its builds by this file too). */
+ * words, for the cluster's C code (holder_table.c, cost_search.c; native.py keys their builds
+ * by this file too). */
 #ifndef PDSERVE_MASKS_H
 #define PDSERVE_MASKS_H
 
