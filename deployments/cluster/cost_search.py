@@ -1,5 +1,7 @@
 """The routing searches in C (csrc/cost_search.c, compiled on first use by native.py):
-`_Search.up_to_least` and `rank_by_cost` of kv_scoring.py, whose Python stays the reference
+`rank_by_cost`, `cheapest_held`'s choice and the survey's lender of kv_scoring.py (and the
+search under them, `_Search.reference`, which the tests call directly), whose Python stays
+the reference
 the tests hold the C code to and what runs where no C compiler is (or where an input is not
 laid out as the index lays an answer out).
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -45,22 +47,6 @@ def native() -> ModuleType | None:
 
 # Each call below answers as its reference in kv_scoring.py does, or NotImplemented where the
 # C module is not here or declines the input (the caller then runs the reference).
-
-
-def up_to_least(
-    holdings: Holdings,
-    ongoing: Mapping[str, int] | None,
-    eligible: int,
-    unheard: Iterable[str],
-    one: bool,
-    numbers: tuple[int, int, int],
-    weights: RoutingWeights,
-) -> Any:
-    """`_Search.reference`; `numbers`: (prompt_tokens, block_size, lent_blocks)."""
-    c = native()
-    if c is None:
-        return NotImplemented
-    return c.up_to_least(holdings, ongoing, eligible, tuple(unheard), one, *numbers, *_of(weights))
 
 
 def rank(

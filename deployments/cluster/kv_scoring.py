@@ -86,15 +86,6 @@ class _Search:
         p, bs, w, lent = self.prompt_tokens, self.block_size, self.weights, self.lent_blocks
         return cache_term(p, bs, cached_blocks, tier_blocks, w, lent)
 
-    def up_to_least(
-        self, eligible: int, unheard: Iterable[str] = (), one: bool = False
-    ) -> tuple[dict[str, float], float]:
-        """`reference` below, in C where it builds (deployments/cluster/cost_search.py)."""
-        numbers = (self.prompt_tokens, self.block_size, self.lent_blocks)
-        found, ongoing, w = self.holdings, self.ongoing, self.weights
-        answer = cost_search.up_to_least(found, ongoing, eligible, unheard, one, numbers, w)
-        return self.reference(eligible, unheard, one) if answer is NotImplemented else answer
-
     def reference(
         self, eligible: int, unheard: Iterable[str] = (), one: bool = False
     ) -> tuple[dict[str, float], float]:
@@ -196,7 +187,7 @@ def rank_by_cost(
     loan of `lent_blocks` brings every candidate those blocks).
 
     The ranks are exact up to the cheapest candidates that are not in a small group of
-    holders (two of them where they tie: `_Search.up_to_least`); every other one (costlier,
+    holders (two of them where they tie: `_Search.reference`); every other one (costlier,
     or costing as much as those) is in one last rank: if the ranks before it are full, Serve
     chooses there by queue length, as it would among any replicas."""
     found = as_holdings(holdings, weights)
