@@ -1,9 +1,8 @@
 """The routing searches in C (csrc/cost_search.c, compiled on first use by native.py):
 `rank_by_cost`, `cheapest_held`'s choice and the survey's lender of kv_scoring.py (and the
 search under them, `_Search.reference`, which the tests call directly), whose Python stays
-the reference
-the tests hold the C code to and what runs where no C compiler is (or where an input is not
-laid out as the index lays an answer out).
+the reference the tests hold the C code to and what runs where no C compiler is (or where an
+input is not laid out as the index lays an answer out).
 
 At 128 replicas a routing decision runs the search three or four times (the Router's survey,
 then each leg's ranking); in Python its big-int masks and per-replica calls took most of the
