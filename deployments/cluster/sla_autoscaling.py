@@ -18,7 +18,6 @@ replica has reported): hold.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 import time
@@ -158,7 +157,7 @@ class RecentLatencies:
     def with_means(self, load: EngineLoad) -> EngineLoad:
         """`load` with these means (the KV index's role balancer weighs them)."""
         means = self.means()
-        return dataclasses.replace(load, ttft_s=means.get("ttft_s"), tpot_s=means.get("tpot_s"))
+        return load._replace(ttft_s=means.get("ttft_s"), tpot_s=means.get("tpot_s"))
 
     def means(self) -> dict[str, float]:
         """{"ttft_s": ..., "tpot_s": ...}, each only where the window holds a request."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,11 @@ class KVSnapshot:
     tier_block_hashes: tuple[bytes, ...] = ()
 
 
-@dataclass(frozen=True)
-class EngineLoad:
-    """The work an engine has ahead of it, for KV-aware routers (read on the engine thread)."""
+class EngineLoad(NamedTuple):
+    """The work an engine has ahead of it, for KV-aware routers (read on the engine thread).
+    A tuple: the routing searches in C read its first four fields by position
+    (deployments/cluster/csrc/search.h), a router's costs at 128 replicas being mostly
+    reads of loads."""
 
     num_running: int
     num_waiting: int

@@ -225,8 +225,11 @@ class _Simulation:
                 ticks += 1
                 self._publish(names[ticks % len(names)], ticks * tick_s)
             self._leave(request.at_s)
+            # The hashes as the index actor gets them: unpickled from the lookup's call (whose
+            # time is not simulated), not the objects the workload made seconds before.
+            sent = _as_sent(request.hashes)
             start = time.perf_counter()
-            prefill, decode, lent = self._route(request)
+            prefill, decode, lent = self._route(request, sent)
             decisions_us.append((time.perf_counter() - start) * 1e6)
             ttft, tpot, held = self._serve(request, prefill, decode, lent)
             prefilled = request.at_s + ttft
@@ -304,22 +307,22 @@ class _Simulation:
 
     # ------------------------------------------------------------------ routing
 
-    def _route(self, request: SimRequest) -> tuple[str | None, str, int]:
+    def _route(self, request: SimRequest, sent: list[bytes]) -> tuple[str | None, str, int]:
         """(prefill replica or None for decode-only, decode replica, blocks a loan gives the
         prefill replica)."""
         if self.policy == "round_robin":
             return self._next("prefill"), self._next("decode"), 0
         if self.policy == "dynamo":
-            return self._dynamo(request, "prefill"), self._dynamo(request, "decode"), 0
-        return self._kv(request)
+            return self._dynamo(request, sent, "prefill"), self._dynamo(request, sent, "decode"), 0
+        return self._kv(request, sent)
 
-    def _kv(self, request: SimRequest) -> tuple[str | None, str, int]:
+    def _kv(self, request: SimRequest, sent: list[bytes]) -> tuple[str | None, str, int]:
         """As the Router (survey, cache-aware disaggregation, a prefix loan worth taking) and
         each leg's request router (its role's holdings, ranked by cost) do it; the wall time
         of each part goes to `parts_us`."""
         bs, tokens = self.config.block_size, request.prompt_tokens
         start = time.perf_counter()
-        holdings = self.index.lookup(request.hashes)
+        holdings = self.index.lookup(sent)
         looked_up = time.perf_counter()
         found = survey(holdings, request.hashes, tokens, bs)
         hint = decode_holder(found, tokens, self.config.max_local_prefill_tokens)
@@ -350,11 +353,11 @@ class _Simulation:
         first = ranks[0]
         return first[0] if len(first) == 1 else min(first, key=lambda n: _busy(holdings.get(n)))
 
-    def _dynamo(self, request: SimRequest, role: str) -> str:
+    def _dynamo(self, request: SimRequest, sent: list[bytes], role: str) -> str:
         """Dynamo's KV router: overlap weight (1, its default) x blocks to prefill + blocks
         active on the worker once this request is there, the least taken; it counts active
         blocks itself, from the requests it routed (not from the engines' reports)."""
-        holdings = self.index.lookup(request.hashes, role)
+        holdings = self.index.lookup(sent, role)
         blocks = len(request.hashes)
         active = self._active
 

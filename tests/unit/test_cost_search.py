@@ -2,14 +2,15 @@
 against the Python reference (`_Search.reference`, `_ranks`, `_most_held_in_python` and
 `cheapest_held`'s of kv_scoring.py), result for result, on random clusters past 64 and 128
 replicas: small and big holder groups, tiers, loans, the router's requests in flight,
-replicas the index does not know, either search (`one`); and the fallbacks (an input the C
-code does not take, no compiler)."""
+replicas the index does not know, either search (`one`), loads read by position (EngineLoad,
+a tuple) and by name; and the fallbacks (an input the C code does not take, no compiler)."""
 
 from __future__ import annotations
 
 import random
 import threading
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import pytest
@@ -86,6 +87,32 @@ def test_the_c_search_answers_as_the_python_one(seed: int) -> None:
         once = list(dict.fromkeys(candidates))
         if once:
             check_ranks(found, once, prompt, block_size, ongoing, lent)
+
+
+@dataclass(frozen=True)
+class NamedLoad:
+    """A load that is not a tuple (an engine's EngineLoad is): the C search reads it by name."""
+
+    num_running: int
+    num_waiting: int
+    queued_prompt_tokens: int
+    kv_cache_usage: float
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_loads_that_are_not_tuples_are_read_by_name(seed: int) -> None:
+    rng = random.Random(seed)
+    holdings = {
+        r: h._replace(load=NamedLoad(*h.load[:4]) if h.load is not None else None)
+        for r, h in big_cluster(rng).items()
+    }
+    assert any(isinstance(h.load, NamedLoad) for h in holdings.values())
+    found = Holdings.of(holdings, DEFAULT_WEIGHTS.request_tokens)
+    ongoing = {r: rng.randint(0, 6) for r in holdings if rng.random() < 0.3}
+    search = kv_scoring._Search(found, 150, 16, DEFAULT_WEIGHTS, 0, ongoing)
+    for role in (None, *ROLES):
+        both(search, found.role_mask(role), ("unknown-0",), one=False)
+        both(search, found.role_mask(role), (), one=True)
 
 
 class Counts(Mapping[str, int]):

@@ -15,6 +15,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
+#include <sys/mman.h>
 
 #include "masks.h"
 
@@ -22,6 +24,7 @@
 #define EMPTY 0u
 #define DELETED 1u
 #define PREFETCH_AHEAD 8
+#define HUGE_PAGE ((size_t)2 << 20)
 
 typedef struct {
     uint64_t hash; /* EMPTY, DELETED, or the key's hash (never 0 or 1) */
@@ -39,6 +42,21 @@ typedef struct {
     Py_ssize_t words;     /* mask words per slot */
     PyObject *overflow;   /* longer keys: dict of bytes -> int mask */
 } HolderTable;
+
+/* Zeroed room for the slots: aligned to a cache line (at 128 replicas a slot is 64 bytes:
+ * one line, not two), and a large table on 2 MiB pages where the kernel gives them on request
+ * (a walk's probes land on random pages: with 4 KiB pages each probe of a big table missed
+ * the TLB too; a 512-block walk on a million entries took 110 us, 35 us on 2 MiB pages). */
+static unsigned char *slots_alloc(size_t size) {
+    size_t align = size >= HUGE_PAGE ? HUGE_PAGE : 64;
+    void *p = NULL;
+    if (posix_memalign(&p, align, size) != 0) return NULL;
+#ifdef MADV_HUGEPAGE
+    if (align == HUGE_PAGE) madvise(p, size, MADV_HUGEPAGE); /* a hint: fine if refused */
+#endif
+    memset(p, 0, size);
+    return p;
+}
 
 static size_t slot_size(Py_ssize_t words) { return sizeof(Slot) + (size_t)words * 8; }
 
@@ -77,7 +95,7 @@ static int rebuild(HolderTable *t, Py_ssize_t capacity, Py_ssize_t words) {
     unsigned char *old = t->slots;
     Py_ssize_t old_capacity = t->capacity, old_words = t->words;
     size_t old_size = slot_size(old_words);
-    unsigned char *slots = PyMem_Calloc((size_t)capacity, slot_size(words));
+    unsigned char *slots = slots_alloc((size_t)capacity * slot_size(words));
     if (!slots) {
         PyErr_NoMemory();
         return -1;
@@ -93,7 +111,7 @@ static int rebuild(HolderTable *t, Py_ssize_t capacity, Py_ssize_t words) {
         probe(t, s->hash, (const char *)s->key, (Py_ssize_t)s->len, &to);
         memcpy(to, s, sizeof(Slot) + (size_t)old_words * 8);
     }
-    PyMem_Free(old);
+    free(old);
     return 0;
 }
 
@@ -346,7 +364,7 @@ static PyObject *table_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 }
 
 static void table_dealloc(HolderTable *t) {
-    PyMem_Free(t->slots);
+    free(t->slots);
     Py_XDECREF(t->overflow);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }

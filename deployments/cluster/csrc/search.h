@@ -49,6 +49,24 @@ static int number(PyObject *obj, PyObject *name, double *out) {
     return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* An EngineLoad's (num_running, num_waiting, queued_prompt_tokens, kv_cache_usage): by
+ * position where it is a tuple (as engine/core/kv_events.py makes it), else by name. */
+static int load_numbers(PyObject *load, double *running, double *waiting, double *queued,
+                        double *usage) {
+    double *out[] = {running, waiting, queued, usage};
+    PyObject *names[] = {s_running, s_waiting, s_queued, s_usage};
+    int by_position = PyTuple_Check(load) && PyTuple_GET_SIZE(load) >= 4;
+    for (Py_ssize_t i = 0; i < 4; i++) {
+        if (!by_position) {
+            if (number(load, names[i], out[i]) < 0) return -1;
+            continue;
+        }
+        *out[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(load, i));
+        if (*out[i] == -1.0 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
 /* kv_cost.load_cost, the router's requests in flight read from `ongoing`; `holding` NULL for
  * a replica the index does not know (NOTHING_HELD). */
 static int load_cost(const Search *s, PyObject *replica, PyObject *holding, double *out) {
@@ -75,9 +93,7 @@ static int load_cost(const Search *s, PyObject *replica, PyObject *holding, doub
         return 0;
     }
     double running, waiting, queued, usage;
-    if (number(load, s_running, &running) < 0 || number(load, s_waiting, &waiting) < 0 ||
-        number(load, s_queued, &queued) < 0 || number(load, s_usage, &usage) < 0)
-        return -1;
+    if (load_numbers(load, &running, &waiting, &queued, &usage) < 0) return -1;
     double engine = running + waiting;
     double cost = queued + s->request_tokens * (ongoing >= engine ? ongoing : engine);
     if (usage >= s->hot_kv_usage) cost += (double)s->prompt;
