@@ -122,10 +122,12 @@ static PyObject *cheapest(PyObject *Py_UNUSED(self), PyObject *const *args, Py_s
     return finish(&s, &p, Py_NewRef(best ? best : Py_None));
 }
 
-/* The candidates' bits (and the answer's `known`), and those the answer does not know, once
- * each, in order (a new list in *unheard). */
+/* The candidates' bits (and the answer's `known`), each one's bit position in `positions`
+ * (-1 for none), and those the answer does not know, once each, in order (a new list in
+ * *unheard). A candidate whose bit is known is in the answer's replicas (`known` is their
+ * bits): only the others are looked up there. */
 static int candidates_of(const Search *s, const Parts *p, PyObject *candidates,
-                         uint64_t *eligible, PyObject **unheard) {
+                         uint64_t *eligible, Py_ssize_t *positions, PyObject **unheard) {
     uint64_t known[MAX_WORDS];
     PyObject *seen = NULL;
     memset(eligible, 0, (size_t)s->words * 8);
@@ -134,11 +136,11 @@ static int candidates_of(const Search *s, const Parts *p, PyObject *candidates,
         PyObject *replica = PySequence_Fast_ITEMS(candidates)[i];
         PyObject *bit = PyDict_GetItemWithError(p->bits, replica);
         if (!bit && PyErr_Occurred()) goto fail;
-        Py_ssize_t position = bit ? bit_position(bit, s->words) : -1;
+        Py_ssize_t position = positions[i] = bit ? bit_position(bit, s->words) : -1;
         if (position == -2) goto fail;
         if (position >= 0) eligible[position / 64] |= (uint64_t)1 << (position % 64);
-        int heard = PyDict_Contains(p->replicas, replica);
-        if (heard < 0) goto fail;
+        int heard = has_bit(known, position);
+        if (!heard && (heard = PyDict_Contains(p->replicas, replica)) < 0) goto fail;
         if (heard) continue;
         if (!seen && !(seen = PySet_New(NULL))) goto fail;
         int again = PySet_Contains(seen, replica);
@@ -190,14 +192,32 @@ static int by_cost(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* Marks `replica` ranked: its bit in `bits_ranked`, or (without a bit) in the set *others. */
+static int mark_ranked(const Search *s, const Parts *p, PyObject *replica, uint64_t *bits_ranked,
+                       PyObject **others) {
+    PyObject *bit = PyDict_GetItemWithError(p->bits, replica);
+    if (!bit && PyErr_Occurred()) return -1;
+    Py_ssize_t position = bit ? bit_position(bit, s->words) : -1;
+    if (position == -2) return -1;
+    if (position >= 0) {
+        bits_ranked[position / 64] |= (uint64_t)1 << (position % 64);
+        return 0;
+    }
+    if (!*others && !(*others = PySet_New(NULL))) return -1;
+    return PySet_Add(*others, replica);
+}
+
 /* rank_by_cost's ranks from the search: the costs up to the least walked one, in ranks of
- * equal cost by name, then every other candidate in one last rank. */
-static PyObject *ranks_of(const Search *s, PyObject *candidates) {
+ * equal cost by name, then every other candidate in one last rank (the candidates told
+ * apart from the ranked ones by bit, `positions` from candidates_of). */
+static PyObject *ranks_of(const Search *s, const Parts *p, PyObject *candidates,
+                          const Py_ssize_t *positions) {
     Py_ssize_t n = 0, pos = 0;
     PyObject *key, *value;
+    uint64_t bits_ranked[MAX_WORDS] = {0};
     Ranked *ranked = PyMem_Malloc((size_t)(PyDict_GET_SIZE(s->costs) + 1) * sizeof(Ranked));
-    PyObject *ranks = PyList_New(0), *names = PySet_New(NULL), *rest = NULL;
-    if (!ranked || !ranks || !names) goto fail;
+    PyObject *ranks = PyList_New(0), *others = NULL, *rest = NULL;
+    if (!ranked || !ranks) goto fail;
     while (PyDict_Next(s->costs, &pos, &key, &value))
         if (PyFloat_AS_DOUBLE(value) <= s->least)
             ranked[n++] = (Ranked){PyFloat_AS_DOUBLE(value), key};
@@ -206,7 +226,8 @@ static PyObject *ranks_of(const Search *s, PyObject *candidates) {
         PyObject *rank = PyList_New(0);
         if (!rank) goto fail;
         for (j = i; j < n && ranked[j].cost == ranked[i].cost; j++) {
-            if (PyList_Append(rank, ranked[j].replica) < 0 || PySet_Add(names, ranked[j].replica) < 0) {
+            if (PyList_Append(rank, ranked[j].replica) < 0 ||
+                mark_ranked(s, p, ranked[j].replica, bits_ranked, &others) < 0) {
                 Py_DECREF(rank);
                 goto fail;
             }
@@ -218,17 +239,19 @@ static PyObject *ranks_of(const Search *s, PyObject *candidates) {
     if (!(rest = PyList_New(0))) goto fail;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(candidates); i++) {
         PyObject *replica = PySequence_Fast_ITEMS(candidates)[i];
-        int in = PySet_Contains(names, replica);
+        int in = positions[i] >= 0 ? has_bit(bits_ranked, positions[i])
+                 : others         ? PySet_Contains(others, replica)
+                                  : 0;
         if (in < 0 || (!in && PyList_Append(rest, replica) < 0)) goto fail;
     }
     if (PyList_GET_SIZE(rest) && PyList_Append(ranks, rest) < 0) goto fail;
     Py_DECREF(rest);
-    Py_DECREF(names);
+    Py_XDECREF(others);
     PyMem_Free(ranked);
     return ranks;
 fail:
     Py_XDECREF(rest);
-    Py_XDECREF(names);
+    Py_XDECREF(others);
     Py_XDECREF(ranks);
     PyMem_Free(ranked);
     return NULL;
@@ -253,15 +276,22 @@ static PyObject *rank(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize
     }
     uint64_t eligible[MAX_WORDS];
     PyObject *unheard = NULL, *result = NULL;
-    if (candidates_of(&s, &p, candidates, eligible, &unheard) < 0) goto done;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(candidates);
+    Py_ssize_t *positions = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(Py_ssize_t));
+    if (!positions) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (candidates_of(&s, &p, candidates, eligible, positions, &unheard) < 0) goto done;
     int apart = tells_apart(&s, &p, eligible, PyList_GET_SIZE(unheard) > 0);
     if (apart < 0) goto done;
     if (!apart) {
         result = Py_NewRef(Py_None); /* load alone decides */
         goto done;
     }
-    if (search(&s, &p, eligible, unheard, 0) == 0) result = ranks_of(&s, candidates);
+    if (search(&s, &p, eligible, unheard, 0) == 0) result = ranks_of(&s, &p, candidates, positions);
 done:
+    PyMem_Free(positions);
     Py_XDECREF(unheard);
     Py_DECREF(candidates);
     return finish(&s, &p, result);
