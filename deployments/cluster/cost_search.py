@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# What the C search reads of a load, in EngineLoad's order (it reads an EngineLoad by position).
+LOAD_FIELDS = ("num_running", "num_waiting", "queued_prompt_tokens", "kv_cache_usage")
+
 
 def warm_up() -> None:
     """Build (or load) the C module off the caller's thread: a process that routes calls this
@@ -38,10 +41,15 @@ def native() -> ModuleType | None:
     from deployments.cluster.native import NativeBuildError, load
 
     try:
-        return load("cost_search")
+        module = load("cost_search")
     except NativeBuildError as exc:
         logger.warning("the routing searches run in Python: %s", exc)
         return None
+    from engine.core.kv_events import EngineLoad
+
+    if EngineLoad._fields[:4] == LOAD_FIELDS:  # (else every load is read by name)
+        module.set_load_type(EngineLoad)
+    return module
 
 
 # Each call below answers as its reference in kv_scoring.py does, or NotImplemented where the

@@ -55,7 +55,7 @@ class Holdings(Mapping[str, Holding]):
         request_tokens: float = DEFAULT_WEIGHTS.request_tokens,
     ) -> None:
         self.replicas, self.groups, self.board, self.bits = replicas, groups, board, bits
-        self.known = known  # the bits of `replicas`
+        self.known = known  # the bits of `replicas` (the C searches take one for the other)
         self.roles = roles  # per role: the bits of its replicas, and their board
         self.request_tokens = request_tokens  # the weight the board's keys were taken with
         self.weights = (  # weights of that request_tokens (their load_key is the board's)

@@ -2,8 +2,9 @@
 against the Python reference (`_Search.reference`, `_ranks`, `_most_held_in_python` and
 `cheapest_held`'s of kv_scoring.py), result for result, on random clusters past 64 and 128
 replicas: small and big holder groups, tiers, loans, the router's requests in flight,
-replicas the index does not know, either search (`one`), loads read by position (EngineLoad,
-a tuple) and by name; and the fallbacks (an input the C code does not take, no compiler)."""
+replicas the index does not know, either search (`one`), loads read by position (EngineLoad)
+and by name (any other type); and the fallbacks (an input the C code does not take, no
+compiler)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import NamedTuple
 
 import pytest
 
 from deployments.cluster import cost_search, kv_scoring
 from deployments.cluster.kv_scoring import DEFAULT_WEIGHTS, Holding, Holdings, RoutingWeights
+from engine.core.kv_events import EngineLoad
 from tests.unit.test_kv_scoring import ROLES, check_ranks, lookup_from_an_index, random_load
 
 NUMBERS = (100, 16, 0, 32.0, 0.9, 0.1)  # prompt, block size, loan, the weights
@@ -91,7 +94,7 @@ def test_the_c_search_answers_as_the_python_one(seed: int) -> None:
 
 @dataclass(frozen=True)
 class NamedLoad:
-    """A load that is not a tuple (an engine's EngineLoad is): the C search reads it by name."""
+    """A load that is not a tuple: the C search reads it by name."""
 
     num_running: int
     num_waiting: int
@@ -99,14 +102,31 @@ class NamedLoad:
     kv_cache_usage: float
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_loads_that_are_not_tuples_are_read_by_name(seed: int) -> None:
+class ReorderedLoad(NamedTuple):
+    """A tuple of other fields first: read by name too (only EngineLoad by position)."""
+
+    kv_cache_usage: float
+    queued_prompt_tokens: int
+    num_waiting: int
+    num_running: int
+
+
+def test_the_c_search_reads_an_engine_load_by_position() -> None:
+    native()
+    assert EngineLoad._fields[:4] == cost_search.LOAD_FIELDS  # (its order, as C reads it)
+
+
+@pytest.mark.parametrize("kind", [NamedLoad, ReorderedLoad])
+@pytest.mark.parametrize("seed", range(4))
+def test_loads_of_other_types_are_read_by_name(seed: int, kind: type) -> None:
     rng = random.Random(seed)
-    holdings = {
-        r: h._replace(load=NamedLoad(*h.load[:4]) if h.load is not None else None)
-        for r, h in big_cluster(rng).items()
-    }
-    assert any(isinstance(h.load, NamedLoad) for h in holdings.values())
+    holdings = {}
+    for r, h in big_cluster(rng).items():
+        load = h.load
+        if load is not None:
+            load = kind(**{f: getattr(load, f) for f in cost_search.LOAD_FIELDS})
+        holdings[r] = h._replace(load=load)
+    assert any(isinstance(h.load, kind) for h in holdings.values())
     found = Holdings.of(holdings, DEFAULT_WEIGHTS.request_tokens)
     ongoing = {r: rng.randint(0, 6) for r in holdings if rng.random() < 0.3}
     search = kv_scoring._Search(found, 150, 16, DEFAULT_WEIGHTS, 0, ongoing)

@@ -71,6 +71,15 @@ def test_the_c_table_refuses_what_is_not_a_block_hash() -> None:
     with pytest.raises(TypeError):
         c.match(None)  # type: ignore[arg-type]
 
+    class Hash(bytes):  # its __hash__ could run Python code in the middle of a walk
+        pass
+
+    with pytest.raises(TypeError):
+        c.add(Hash(b"x"), 1)
+    c.add(b"x", 1)
+    with pytest.raises(TypeError):
+        c.match([Hash(b"x")])
+
 
 def test_the_index_runs_on_the_c_table_here() -> None:
     assert type(PrefixIndex()._holders).__name__ == "HolderTable"

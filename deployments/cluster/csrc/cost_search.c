@@ -217,6 +217,7 @@ static PyObject *ranks_of(const Search *s, const Parts *p, PyObject *candidates,
     uint64_t bits_ranked[MAX_WORDS] = {0};
     Ranked *ranked = PyMem_Malloc((size_t)(PyDict_GET_SIZE(s->costs) + 1) * sizeof(Ranked));
     PyObject *ranks = PyList_New(0), *others = NULL, *rest = NULL;
+    if (!ranked) PyErr_NoMemory();
     if (!ranked || !ranks) goto fail;
     while (PyDict_Next(s->costs, &pos, &key, &value))
         if (PyFloat_AS_DOUBLE(value) <= s->least)
@@ -414,7 +415,19 @@ done:
     return result;
 }
 
+/* set_load_type(type): a tuple type whose first four fields are an EngineLoad's, read by
+ * position from now on (cost_search.native() passes EngineLoad). */
+static PyObject *set_load_type(PyObject *Py_UNUSED(self), PyObject *type) {
+    if (!PyType_Check(type) || !PyType_IsSubtype((PyTypeObject *)type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "a load type is a tuple type");
+        return NULL;
+    }
+    Py_XSETREF(load_type, Py_NewRef(type));
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"set_load_type", set_load_type, METH_O, "set_load_type(EngineLoad): read by position."},
     {"up_to_least", (PyCFunction)(void (*)(void))up_to_least, METH_FASTCALL,
      "kv_scoring._Search.up_to_least over a Holdings: (costs, least)."},
     {"rank", (PyCFunction)(void (*)(void))rank, METH_FASTCALL,

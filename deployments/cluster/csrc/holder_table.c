@@ -95,7 +95,9 @@ static int rebuild(HolderTable *t, Py_ssize_t capacity, Py_ssize_t words) {
     unsigned char *old = t->slots;
     Py_ssize_t old_capacity = t->capacity, old_words = t->words;
     size_t old_size = slot_size(old_words);
-    unsigned char *slots = slots_alloc((size_t)capacity * slot_size(words));
+    size_t size = slot_size(words);
+    unsigned char *slots =
+        (size_t)capacity > SIZE_MAX / size ? NULL : slots_alloc((size_t)capacity * size);
     if (!slots) {
         PyErr_NoMemory();
         return -1;
@@ -125,8 +127,10 @@ static int bit_of(PyObject *arg, Py_ssize_t *bit) {
     return 0;
 }
 
+/* Exact bytes only: a subclass's __hash__ or __eq__ could run Python code (and change the
+ * table) in the middle of a walk. */
 static int key_of(PyObject *arg, char **key, Py_ssize_t *len) {
-    if (!PyBytes_Check(arg)) {
+    if (!PyBytes_CheckExact(arg)) {
         PyErr_SetString(PyExc_TypeError, "a block hash is bytes");
         return -1;
     }
@@ -269,7 +273,7 @@ static PyObject *table_get(HolderTable *t, PyObject *key_obj) {
 }
 
 static void prefetch_slot(HolderTable *t, PyObject *key_obj) {
-    if (!PyBytes_Check(key_obj) || PyBytes_GET_SIZE(key_obj) > KEY_BYTES) return;
+    if (!PyBytes_CheckExact(key_obj) || PyBytes_GET_SIZE(key_obj) > KEY_BYTES) return;
     uint64_t h = key_hash(key_obj);
     __builtin_prefetch(slot_at(t, (Py_ssize_t)(h & (uint64_t)(t->capacity - 1))));
 }
@@ -293,6 +297,7 @@ static PyObject *table_match(HolderTable *t, PyObject *hashes_obj) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), w = t->words;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     uint64_t *buffer = w ? PyMem_Calloc((size_t)w * 3, 8) : NULL;
+    if (w && !buffer) PyErr_NoMemory();
     if (!groups || (w && !buffer)) goto fail;
     if (!w) goto done; /* nothing was ever held */
     uint64_t *alive = buffer, *held = buffer + w, *gone = buffer + 2 * w;
@@ -342,6 +347,7 @@ static PyObject *table_num_entries(HolderTable *t, PyObject *Py_UNUSED(ignored))
         if (!count) return NULL;
         entries += PyLong_AsLongLong(count);
         Py_DECREF(count);
+        if (PyErr_Occurred()) return NULL;
     }
     return PyLong_FromLongLong(entries);
 }

@@ -69,8 +69,9 @@ static inline int is_empty(const uint64_t *a, Py_ssize_t words) {
 /* The position of a one-bit int's bit (-1 for 0, or for a bit past `words` words: in none of
  * the masks searched); -2 with an error set. */
 static inline Py_ssize_t bit_position(PyObject *bit, Py_ssize_t words) {
-#if PY_VERSION_HEX < 0x030D0000
-    /* A replica's bit is 1 << its number (the index's and `Holdings.of`'s numbering). */
+#if PY_VERSION_HEX < 0x030C0000
+    /* A replica's bit is 1 << its number (the index's and `Holdings.of`'s numbering). Before
+     * 3.12 an int's sign is its size's (3.12 keeps it in a tag Py_SIZE may not read). */
     if (PyLong_CheckExact(bit) && Py_SIZE(bit) >= 0) {
         size_t bits = _PyLong_NumBits(bit);
         return bits == 0 || bits > (size_t)words * 64 ? -1 : (Py_ssize_t)bits - 1;

@@ -49,13 +49,19 @@ static int number(PyObject *obj, PyObject *name, double *out) {
     return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* The type whose instances are read by position (`set_load_type`: EngineLoad, a named tuple
+ * whose first four fields are those below), or NULL. */
+static PyObject *load_type;
+
 /* An EngineLoad's (num_running, num_waiting, queued_prompt_tokens, kv_cache_usage): by
- * position where it is a tuple (as engine/core/kv_events.py makes it), else by name. */
+ * position where it is one (reading it by name, its instance dict's lookups were a third of
+ * a ranking's time), else by name. */
 static int load_numbers(PyObject *load, double *running, double *waiting, double *queued,
                         double *usage) {
     double *out[] = {running, waiting, queued, usage};
     PyObject *names[] = {s_running, s_waiting, s_queued, s_usage};
-    int by_position = PyTuple_Check(load) && PyTuple_GET_SIZE(load) >= 4;
+    int by_position = load_type && Py_IS_TYPE(load, (PyTypeObject *)load_type) &&
+                      PyTuple_GET_SIZE(load) >= 4;
     for (Py_ssize_t i = 0; i < 4; i++) {
         if (!by_position) {
             if (number(load, names[i], out[i]) < 0) return -1;
