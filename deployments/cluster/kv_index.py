@@ -7,7 +7,7 @@ Engines number their prefix cache's events in batches (engine/core/kv_events.py:
 where events were lost. A lookup answers every replica's holding of a prompt laid out so that
 the routers' searches skip most replicas (kv_holdings.Holdings): the holders grouped by how
 much they hold (a big group as a bit mask), and every replica by load, per role too
-(`LoadBoard`, kept sorted as loads arrive). A replica
+(load_board.py's `LoadBoard`, kept sorted as loads arrive). A replica
 that is no longer running is forgotten (`forget`: a replica that stops says so; a request
 router that sees a replica gone from its set says so for it).
 """
@@ -15,7 +15,6 @@ router that sees a replica gone from its set says so for it).
 from __future__ import annotations
 
 import asyncio
-import bisect
 import functools
 import logging
 import time
@@ -31,9 +30,9 @@ from deployments.cluster.kv_scoring import (
     HeldGroup,
     Holding,
     Holdings,
-    load_key,
     survey,
 )
+from deployments.cluster.load_board import LoadBoard
 from deployments.cluster.prefix_index import PrefixIndex
 from deployments.cluster.role_balance import ReplicaState, RoleOrders
 from engine.core.kv_events import EngineLoad, KVEventBatch, KVSnapshot
@@ -57,34 +56,6 @@ class _Announced:
 
 
 _UNANNOUNCED = _Announced()
-
-
-class LoadBoard:
-    """Every replica the index knows as (`load_key`, replica, its bit), least first, kept
-    sorted as loads change. `snapshot` is the board as a lookup hands it out (`Holdings.board`),
-    made at each change: the copy belongs to the change, off the requests' path."""
-
-    def __init__(self) -> None:
-        self._keys: dict[str, tuple[float, str, int]] = {}
-        self._sorted: list[tuple[float, str, int]] = []
-        self.snapshot: Board = ()
-
-    def place(self, replica: str, load: EngineLoad | None, bit: int) -> None:
-        entry = (load_key(load), replica, bit)
-        old = self._keys.get(replica)
-        if old == entry:
-            return
-        if old is not None:
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-        bisect.insort(self._sorted, entry)
-        self._keys[replica] = entry
-        self.snapshot = tuple(self._sorted)
-
-    def remove(self, replica: str) -> None:
-        old = self._keys.pop(replica, None)
-        if old is not None:
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-            self.snapshot = tuple(self._sorted)
 
 
 class _RoleTable:

@@ -1,6 +1,7 @@
 /* The routing searches in C: `_Search.up_to_least` and `rank_by_cost` of
  * deployments/cluster/kv_scoring.py (the reference in Python, which the tests hold these to,
- * result for result). The search itself is in search.h, masks as words in masks.h.
+ * result for result). The search itself is in search.h, the board it walks in board.h, masks
+ * as words in masks.h.
  *
  * Why C: at 128 replicas a routing decision runs this search three or four times (the
  * Router's survey, then each leg's ranking), and in Python its big-int masks, tuples and

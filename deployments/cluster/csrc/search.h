@@ -7,9 +7,11 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "board.h"
 #include "masks.h"
 
 /* Attribute names, interned once (module init: `intern_names`). */
@@ -73,19 +75,30 @@ static int load_numbers(PyObject *load, double *running, double *waiting, double
     return 0;
 }
 
+/* The router's requests in flight at `replica` (0 where `ongoing` has none). */
+static int ongoing_of(const Search *s, PyObject *replica, double *out) {
+    *out = 0.0;
+    if (!s->ongoing) return 0;
+    PyObject *v = PyDict_GetItemWithError(s->ongoing, replica);
+    if (!v) return PyErr_Occurred() ? -1 : 0;
+    *out = PyFloat_AsDouble(v);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* kv_cost.load_cost from a load's numbers (`reported` 0: no load reported). */
+static double load_part(const Search *s, double ongoing, int reported, double engine,
+                        double queued, double usage) {
+    if (!reported) return s->request_tokens * (ongoing > 0.0 ? ongoing : 0.0);
+    double cost = queued + s->request_tokens * (ongoing >= engine ? ongoing : engine);
+    if (usage >= s->hot_kv_usage) cost += (double)s->prompt;
+    return cost;
+}
+
 /* kv_cost.load_cost, the router's requests in flight read from `ongoing`; `holding` NULL for
  * a replica the index does not know (NOTHING_HELD). */
 static int load_cost(const Search *s, PyObject *replica, PyObject *holding, double *out) {
-    double ongoing = 0.0;
-    if (s->ongoing) {
-        PyObject *v = PyDict_GetItemWithError(s->ongoing, replica);
-        if (v) {
-            ongoing = PyFloat_AsDouble(v);
-            if (ongoing == -1.0 && PyErr_Occurred()) return -1;
-        } else if (PyErr_Occurred()) {
-            return -1;
-        }
-    }
+    double ongoing;
+    if (ongoing_of(s, replica, &ongoing) < 0) return -1;
     PyObject *load = Py_None;
     if (holding) {
         if (!PyTuple_Check(holding) || PyTuple_GET_SIZE(holding) < 2) {
@@ -94,16 +107,9 @@ static int load_cost(const Search *s, PyObject *replica, PyObject *holding, doub
         }
         load = PyTuple_GET_ITEM(holding, 1);
     }
-    if (load == Py_None) {
-        *out = s->request_tokens * (ongoing > 0.0 ? ongoing : 0.0);
-        return 0;
-    }
-    double running, waiting, queued, usage;
-    if (load_numbers(load, &running, &waiting, &queued, &usage) < 0) return -1;
-    double engine = running + waiting;
-    double cost = queued + s->request_tokens * (ongoing >= engine ? ongoing : engine);
-    if (usage >= s->hot_kv_usage) cost += (double)s->prompt;
-    *out = cost;
+    double running = 0.0, waiting = 0.0, queued = 0.0, usage = 0.0;
+    if (load != Py_None && load_numbers(load, &running, &waiting, &queued, &usage) < 0) return -1;
+    *out = load_part(s, ongoing, load != Py_None, running + waiting, queued, usage);
     return 0;
 }
 
@@ -115,11 +121,8 @@ static int put_cost(Search *s, PyObject *replica, double cost) {
     return rc;
 }
 
-/* _Walk.evaluate. */
-static int evaluate(Search *s, PyObject *replica, PyObject *holding, double term) {
-    double load;
-    if (load_cost(s, replica, holding, &load) < 0) return -1;
-    double cost = term + load;
+/* A walked replica's cost, kept (and the least so far). */
+static int settle(Search *s, PyObject *replica, double cost) {
     if (put_cost(s, replica, cost) < 0) return -1;
     if (cost < s->least) {
         s->least = cost;
@@ -128,6 +131,13 @@ static int evaluate(Search *s, PyObject *replica, PyObject *holding, double term
         s->at_least++;
     }
     return 0;
+}
+
+/* _Walk.evaluate. */
+static int evaluate(Search *s, PyObject *replica, PyObject *holding, double term) {
+    double load;
+    if (load_cost(s, replica, holding, &load) < 0) return -1;
+    return settle(s, replica, term + load);
 }
 
 static PyObject *holding_of(Search *s, PyObject *replica) {
@@ -177,25 +187,37 @@ typedef struct {
     uint64_t *mask;
 } Kind;
 
+/* Evaluates entry `replica` of kind term `term`: from its record where packed, else from its
+ * Holding. */
+static int evaluate_entry(Search *s, PyObject *replica, const Record *record, int packed,
+                          double term) {
+    if (!packed) {
+        PyObject *holding = holding_of(s, replica);
+        return holding ? evaluate(s, replica, holding, term) : -1;
+    }
+    double ongoing;
+    if (ongoing_of(s, replica, &ongoing) < 0) return -1;
+    int reported = !isnan(record->busy);
+    double load = load_part(s, ongoing, reported, record->busy, record->queued, record->usage);
+    return settle(s, replica, term + load);
+}
+
 /* _Walk.along: the board's replicas of `alive`, least loaded first, each costing its kind's
  * term plus its load, until none left can cost less than the least found. */
-static int walk(Search *s, PyObject *board, uint64_t *alive, Kind *kinds, Py_ssize_t n) {
+static int walk(Search *s, const BoardView *v, uint64_t *alive, Kind *kinds, Py_ssize_t n) {
     Py_ssize_t words = s->words;
     if (is_empty(alive, words) || n == 0) return 0;
     double lowest = kinds[0].term, least = s->least;
     int enough = s->at_least >= s->ties;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(board); i++) {
-        PyObject *entry = PyTuple_GET_ITEM(board, i); /* (load_key, replica, bit) */
-        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
-            PyErr_SetString(PyExc_TypeError, "a board entry is (load_key, replica, bit)");
-            return -1;
-        }
-        double key = PyFloat_AsDouble(PyTuple_GET_ITEM(entry, 0));
-        if (key == -1.0 && PyErr_Occurred()) return -1;
+    for (Py_ssize_t i = 0; i < v->n; i++) {
+        double key;
+        Py_ssize_t position;
+        PyObject *replica;
+        Record record;
+        int packed;
+        if (view_entry(v, i, words, &key, &position, &replica, &record, &packed) < 0) return -1;
         double floor = key + lowest;
         if (floor > least || (floor == least && enough)) return 0;
-        Py_ssize_t position = bit_position(PyTuple_GET_ITEM(entry, 2), words);
-        if (position == -2) return -1;
         if (!has_bit(alive, position)) continue;
         Py_ssize_t k = 0;
         while (k < n - 1 && !has_bit(kinds[k].mask, position)) k++; /* (the last: holds it) */
@@ -212,9 +234,7 @@ static int walk(Search *s, PyObject *board, uint64_t *alive, Kind *kinds, Py_ssi
             lowest = kinds[0].term;
             continue;
         }
-        PyObject *replica = PyTuple_GET_ITEM(entry, 1);
-        PyObject *holding = holding_of(s, replica);
-        if (!holding || evaluate(s, replica, holding, kinds[k].term) < 0) return -1;
+        if (evaluate_entry(s, replica, &record, packed, kinds[k].term) < 0) return -1;
         least = s->least;
         enough = s->at_least >= s->ties;
         alive[position / 64] &= ~((uint64_t)1 << (position % 64));
@@ -226,9 +246,10 @@ static int walk(Search *s, PyObject *board, uint64_t *alive, Kind *kinds, Py_ssi
 static int intern_names(void) {
     const char *names[] = {"num_running", "num_waiting", "queued_prompt_tokens", "kv_cache_usage",
                            "groups", "big", "board", "roles", "replicas", "bits", "known",
-                           "held_mask", "small_mask"};
+                           "held_mask", "small_mask", "packed", "names"};
     PyObject **slots[] = {&s_running, &s_waiting, &s_queued, &s_usage, &s_groups, &s_big,
-                          &s_board, &s_roles, &s_replicas, &s_bits, &s_known, &s_held, &s_small};
+                          &s_board, &s_roles, &s_replicas, &s_bits, &s_known, &s_held, &s_small,
+                          &s_packed, &s_names};
     for (size_t i = 0; i < sizeof names / sizeof *names; i++)
         if (!(*slots[i] = PyUnicode_InternFromString(names[i]))) return -1;
     return 0;
@@ -354,11 +375,11 @@ static int search(Search *s, const Parts *p, const uint64_t *eligible, PyObject 
         while (j > 0 && kinds[j - 1].term > kind.term) kinds[j] = kinds[j - 1], j--;
         kinds[j] = kind;
     }
+    BoardView view;
     PyObject *board = board_of(p, alive, words);
-    if (board && PyTuple_Check(board)) {
-        rc = walk(s, board, alive, kinds, n);
-    } else if (board) {
-        PyErr_SetString(PyExc_TypeError, "a board is a tuple");
+    if (board && view_open(board, &view) == 0) {
+        rc = walk(s, &view, alive, kinds, n);
+        view_close(&view);
     }
 done:
     PyMem_Free(kinds);
