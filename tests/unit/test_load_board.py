@@ -86,3 +86,27 @@ def test_the_c_search_over_a_packed_board_answers_as_over_its_entries(seed: int)
             both(search, answer.role_mask(role), ("unknown-0",), one=False)
             both(search, answer.role_mask(role), (), one=True)
     assert cost_search.native() is not None
+
+
+def test_the_c_search_reads_the_records_of_a_packed_board() -> None:
+    """The walk takes its loads from the records (not the Holdings): records that say every
+    engine is far busier than its Holding does give other costs than the reference's."""
+    rng = random.Random(3)
+    found = lookup_from_an_index(big_cluster(rng), rng)
+
+    def busier(board: PackedBoard) -> PackedBoard:
+        fields = [list(r) for r in RECORD.iter_unpack(board.packed)]
+        for f in fields:
+            f[1] = 1000.0 if math.isnan(f[1]) else f[1] + 1000.0
+        packed = b"".join(RECORD.pack(*f) for f in fields)
+        return PackedBoard(tuple(board), packed, board.names)
+
+    roles = {r: (mask, busier(b)) for r, (mask, b) in found.roles.items()}
+    parts = (found.replicas, found.groups, busier(found.board), found.bits, found.known, roles)
+    skewed = kv_scoring.Holdings(*parts, found._held, found.request_tokens)
+    args = (None, skewed.known, (), False, 150, 16, 0, 32.0, 0.9, 0.1)
+    costs, _ = cost_search.native().up_to_least(skewed, *args)
+    reference, _ = kv_scoring._Search(skewed, 150, 16, DEFAULT_WEIGHTS).reference(skewed.known)
+    walked = [r for r in costs if r not in found._held]
+    assert walked and all(costs[r] > reference.get(r, 0.0) for r in walked if r in reference)
+    assert costs != reference

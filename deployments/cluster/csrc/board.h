@@ -43,6 +43,9 @@ static int view_open(PyObject *board, BoardView *v) {
     }
     v->board = board;
     v->n = PyTuple_GET_SIZE(board);
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+    return 0; /* the records are little-endian (RECORD's "<"): read the entries instead */
+#endif
     if (PyTuple_CheckExact(board)) return 0;
     v->packed = PyObject_GetAttr(board, s_packed);
     v->names = v->packed ? PyObject_GetAttr(board, s_names) : NULL;
