@@ -74,9 +74,9 @@ class _RoleTable:
         self.board = LoadBoard()
 
     def put(self, replica: str, holding: Holding, bit: int) -> None:
+        self.board.place(replica, holding.load, bit)  # (first: a load it refuses changes nothing)
         self.idle = {**self.idle, replica: holding}
         self.known |= bit
-        self.board.place(replica, holding.load, bit)
 
     def drop(self, replica: str, bit: int) -> None:
         if replica in self.idle:

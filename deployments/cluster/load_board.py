@@ -63,6 +63,7 @@ class LoadBoard:
 
     def __init__(self) -> None:
         self._keys: dict[str, tuple[float, str, int]] = {}
+        self._records: dict[str, bytes] = {}  # each replica's RECORD, as in `_packed`
         self._sorted: list[tuple[float, str, int]] = []
         self._names: list[str] = []  # in step with `_sorted`
         self._packed = bytearray()  # a RECORD per entry, in step with `_sorted`
@@ -72,7 +73,7 @@ class LoadBoard:
         entry = (load_key(load), replica, bit)
         old = self._keys.get(replica)
         packed = record(load, bit)
-        if old == entry and self._record(bisect.bisect_left(self._sorted, old)) == packed:
+        if old == entry and self._records.get(replica) == packed:
             return
         if old is not None:
             self._delete(bisect.bisect_left(self._sorted, old))
@@ -81,16 +82,15 @@ class LoadBoard:
         self._names.insert(at, replica)
         self._packed[at * RECORD.size : at * RECORD.size] = packed
         self._keys[replica] = entry
+        self._records[replica] = packed
         self._snap()
 
     def remove(self, replica: str) -> None:
         old = self._keys.pop(replica, None)
+        self._records.pop(replica, None)
         if old is not None:
             self._delete(bisect.bisect_left(self._sorted, old))
             self._snap()
-
-    def _record(self, at: int) -> bytes:
-        return bytes(self._packed[at * RECORD.size : (at + 1) * RECORD.size])
 
     def _delete(self, at: int) -> None:
         del self._sorted[at], self._names[at]
