@@ -62,8 +62,8 @@ class LoadBoard:
     made at each change: the copy belongs to the change, off the requests' path."""
 
     def __init__(self) -> None:
-        self._keys: dict[str, tuple[float, str, int]] = {}
-        self._records: dict[str, bytes] = {}  # each replica's RECORD, as in `_packed`
+        # Each replica's entry and RECORD, as placed in `_sorted` and `_packed`.
+        self._placed: dict[str, tuple[tuple[float, str, int], bytes]] = {}
         self._sorted: list[tuple[float, str, int]] = []
         self._names: list[str] = []  # in step with `_sorted`
         self._packed = bytearray()  # a RECORD per entry, in step with `_sorted`
@@ -71,25 +71,23 @@ class LoadBoard:
 
     def place(self, replica: str, load: EngineLoad | None, bit: int) -> None:
         entry = (load_key(load), replica, bit)
-        old = self._keys.get(replica)
         packed = record(load, bit)
-        if old == entry and self._records.get(replica) == packed:
+        old = self._placed.get(replica)
+        if old == (entry, packed):
             return
         if old is not None:
-            self._delete(bisect.bisect_left(self._sorted, old))
+            self._delete(bisect.bisect_left(self._sorted, old[0]))
         at = bisect.bisect_left(self._sorted, entry)
         self._sorted.insert(at, entry)
         self._names.insert(at, replica)
         self._packed[at * RECORD.size : at * RECORD.size] = packed
-        self._keys[replica] = entry
-        self._records[replica] = packed
+        self._placed[replica] = (entry, packed)
         self._snap()
 
     def remove(self, replica: str) -> None:
-        old = self._keys.pop(replica, None)
-        self._records.pop(replica, None)
+        old = self._placed.pop(replica, None)
         if old is not None:
-            self._delete(bisect.bisect_left(self._sorted, old))
+            self._delete(bisect.bisect_left(self._sorted, old[0]))
             self._snap()
 
     def _delete(self, at: int) -> None:
