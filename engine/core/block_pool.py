@@ -50,6 +50,15 @@ class BlockHashToBlockMap:
             self._cache[key] = next(iter(entry.values()))
         return block
 
+    def block_hashes(self) -> list[BlockHash]:
+        """Each cached block's hash (a duplicate's once per block), in the order the hashes
+        were first cached."""
+        return [
+            key
+            for key, entry in self._cache.items()
+            for _ in range(1 if isinstance(entry, KVCacheBlock) else len(entry))
+        ]
+
     def num_blocks(self) -> int:
         return sum(1 if isinstance(e, KVCacheBlock) else len(e) for e in self._cache.values())
 
@@ -186,8 +195,12 @@ class BlockPool:
         return 1.0 - self.get_num_free_blocks() / usable
 
     def cached_block_hashes(self) -> list[BlockHash]:
-        """The hash of every cached block (one entry per block)."""
-        return [b.block_hash for b in self.blocks if b.block_hash is not None]
+        """The hash of every cached block (one entry per block), in the order they were cached:
+        a request's blocks one after another in prompt order, as its events listed them (the
+        KV index lays its entries out in the order it learns of them, and a walk over blocks
+        side by side is fast: deployments/cluster/csrc/holder_store.h). By block id, as the
+        pool holds them, a long-running engine's snapshot lists a prompt's blocks scattered."""
+        return self.cached_block_hash_to_block.block_hashes()
 
     def record_event(self, event: KVCacheEvent) -> None:
         """An event of a tier below this pool, in order with the pool's own."""

@@ -237,6 +237,26 @@ def test_cache_full_blocks_emits_block_stored() -> None:
     pool.check_integrity()
 
 
+def test_cached_hashes_are_listed_in_the_order_they_were_cached() -> None:
+    """A snapshot lists a prompt's blocks as its events did, whatever their block ids (the
+    KV index lays its entries out in that order); a duplicate's hash once per block."""
+    pool = BlockPool(10, enable_caching=True)
+    pool.free_blocks(list(reversed(pool.get_new_blocks(9))))  # the queue: ids 9 .. 1
+    first, second = hashed_request(list(range(12)), "a"), hashed_request(list(range(50, 58)))
+    blocks = pool.get_new_blocks(3)
+    assert ids(blocks) == [9, 8, 7]  # prompt order is not id order
+    pool.cache_full_blocks(first, blocks, 0, 3, BLOCK_SIZE)
+    pool.cache_full_blocks(second, pool.get_new_blocks(2), 0, 2, BLOCK_SIZE)
+    twin = pool.get_new_blocks(1)
+    pool.cache_full_blocks(hashed_request(list(range(4))), twin, 0, 1, BLOCK_SIZE)
+    expected = [*first.block_hashes, *second.block_hashes]
+    expected.insert(1, first.block_hashes[0])  # the duplicate, beside its first block
+    assert pool.cached_block_hashes() == expected
+    assert sorted(pool.cached_block_hashes()) == sorted(
+        b.block_hash for b in pool.blocks if b.block_hash is not None
+    )
+
+
 def test_cache_full_blocks_without_events_records_none() -> None:
     pool = BlockPool(4, enable_caching=True, enable_kv_cache_events=False)
     block = pool.get_new_blocks(1)[0]

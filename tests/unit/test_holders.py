@@ -2,12 +2,15 @@
 use) against its Python twin (holders.DictHolders) on random histories: adds and discards
 over hundreds of keys (sha256-sized, shorter, and longer than the slots hold inline), masks
 past 64 and 128 replicas, churn that leaves deleted slots behind; and the fallback where no
-compiler is."""
+compiler is. And the C table's layout: a walk over keys stored in the order walked reads the
+entry after the previous one (no probe), through holes, compaction and wider masks; and its
+memory is what tracemalloc counts (`bench index` reports it)."""
 
 from __future__ import annotations
 
 import hashlib
 import random
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -60,6 +63,59 @@ def test_the_c_table_keeps_growing_and_emptying() -> None:
     for key in keys[:1000]:
         c.add(key, 3)
     assert c.match(keys[:1000]) == [(1000, 1 << 3)] and len(c) == 1000
+
+
+def chain(start: int, count: int) -> list[bytes]:
+    return [hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(start, start + count)]
+
+
+def walk(table: holders.Holders, hashes: list[bytes]) -> tuple[list[tuple[int, int]], int]:
+    """The table's answer, and how many of the walk's blocks took a probe of its index."""
+    before = table.walk_counts()[1]  # type: ignore[attr-defined]
+    found = table.match(hashes)
+    return found, table.walk_counts()[1] - before  # type: ignore[attr-defined]
+
+
+def test_a_walk_follows_keys_stored_in_its_order() -> None:
+    """Stored one prompt after another, a walk probes its first block only; one that crosses
+    to keys stored later probes where it crosses; holes, a compaction (the arena full) and
+    masks widened past 64 replicas keep the order."""
+    c, py = c_table(), DictHolders()
+    first, second = chain(0, 300), chain(300, 200)
+    for table in (c, py):
+        for key in first + second:
+            table.add(key, 1)
+    assert walk(c, first) == ([(300, 2)], 1)
+    assert walk(c, first[:100] + second[:50]) == (py.match(first[:100] + second[:50]), 2)
+    for key in first[100:]:  # holes: the prompt's tail evicted
+        for table in (c, py):
+            table.discard(key, 1)
+    churn = chain(1000, 2000)  # the arena fills up: compacted (or doubled) in order
+    for key in churn:
+        for table in (c, py):
+            table.add(key, 70)  # past one mask word: every entry widens
+    assert walk(c, first[:100]) == ([(100, 2)], 1)
+    assert walk(c, second) == ([(200, 2)], 1)
+    assert walk(c, churn) == (py.match(churn), 1)
+    assert walk(c, churn[::-1])[1] == 2000  # against the order: every block probed
+    assert c.match(churn[::-1]) == py.match(churn[::-1])
+
+
+def test_the_c_tables_memory_is_counted_by_tracemalloc() -> None:
+    keys = chain(0, 50_000)
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        c = c_table()
+        for key in keys:
+            c.add(key, 3)
+        size = tracemalloc.get_traced_memory()[0] - before
+        del c
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert 64 * len(keys) <= size <= 256 * len(keys)  # an entry, its share of the index
+    assert after - before < size / 100  # freed with the table
 
 
 def test_the_c_table_refuses_what_is_not_a_block_hash() -> None:

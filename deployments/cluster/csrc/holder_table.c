@@ -2,11 +2,12 @@
  * reference implementation in Python): per block hash, the mask of the replicas holding it,
  * and a prompt's walk over it.
  *
- * Why not a dict of bytes to int: a prompt's walk is one probe per block, and at 100k-token
- * prompts (6,000 blocks) on an index of a million entries each probe of a dict misses the
- * cache three or four times (its slot, the key's bytes, the mask's int object). Here a slot
- * holds its key and mask inline (64 bytes at 128 replicas: one cache line), the walk
- * prefetches the slots of the blocks ahead of it, and masks are and-ed as machine words.
+ * Why not a dict of bytes to int: a prompt's walk is one lookup per block, and at 100k-token
+ * prompts (6,000 blocks) on an index of a million entries each lookup of a dict misses the
+ * cache three or four times (its slot, the key's bytes, the mask's int object). Here an entry
+ * holds its key and mask inline (64 bytes at 128 replicas: one cache line), entries sit in the
+ * order their prompts stored them (holder_store.h: a walk reads the next entry first, and
+ * most blocks need no probe), and masks are and-ed as machine words.
  *
  * Keys are compared whole: up to KEY_BYTES inline (a block hash is a 32-byte sha256 digest);
  * a longer key lives in a dict beside the table (`overflow`), exact as well.
@@ -15,106 +16,28 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
-#include <stdlib.h>
-#include <sys/mman.h>
 
+#include "holder_store.h"
 #include "masks.h"
 
-#define KEY_BYTES 32
-#define EMPTY 0u
-#define DELETED 1u
-#define PREFETCH_AHEAD 8
-#define HUGE_PAGE ((size_t)2 << 20)
-
-typedef struct {
-    uint64_t hash; /* EMPTY, DELETED, or the key's hash (never 0 or 1) */
-    uint64_t len;  /* the key's length (<= KEY_BYTES) */
-    unsigned char key[KEY_BYTES];
-    uint64_t mask[]; /* `words` of them */
-} Slot;
+#define FOLLOW_AHEAD 4 /* entries prefetched ahead of a walk following the arena */
+/* A walk probing the index prefetches slots this far ahead and, from those, entries half
+ * as far (keys not stored in the order walked: an index rebuilt from snapshots, which list
+ * an engine's blocks by block id; there a probe costs two misses, the slot and the entry). */
+#define PROBE_AHEAD 32
 
 typedef struct {
     PyObject_HEAD
-    unsigned char *slots; /* capacity slots of slot_size bytes */
-    Py_ssize_t capacity;  /* a power of two, or 0 */
-    Py_ssize_t live;      /* slots holding a key */
-    Py_ssize_t taken;     /* live and deleted slots (probes go past both) */
-    Py_ssize_t words;     /* mask words per slot */
-    PyObject *overflow;   /* longer keys: dict of bytes -> int mask */
+    Store store;
+    PyObject *overflow; /* longer keys: dict of bytes -> int mask */
+    /* A walk's blocks found at the entry after the previous one, and by a probe. */
+    unsigned long long followed, probed;
 } HolderTable;
-
-/* Zeroed room for the slots: aligned to a cache line (at 128 replicas a slot is 64 bytes:
- * one line, not two), and a large table on 2 MiB pages where the kernel gives them on request
- * (a walk's probes land on random pages: with 4 KiB pages each probe of a big table missed
- * the TLB too; a 512-block walk on a million entries took 110 us, 35 us on 2 MiB pages). */
-static unsigned char *slots_alloc(size_t size) {
-    size_t align = size >= HUGE_PAGE ? HUGE_PAGE : 64;
-    void *p = NULL;
-    if (posix_memalign(&p, align, size) != 0) return NULL;
-#ifdef MADV_HUGEPAGE
-    if (align == HUGE_PAGE) madvise(p, size, MADV_HUGEPAGE); /* a hint: fine if refused */
-#endif
-    memset(p, 0, size);
-    return p;
-}
-
-static size_t slot_size(Py_ssize_t words) { return sizeof(Slot) + (size_t)words * 8; }
-
-static Slot *slot_at(HolderTable *t, Py_ssize_t i) {
-    return (Slot *)(t->slots + (size_t)i * slot_size(t->words));
-}
 
 static uint64_t key_hash(PyObject *key) {
     Py_hash_t h = PyObject_Hash(key); /* cached in the bytes object */
     uint64_t u = (uint64_t)h;
     return u < 2 ? u + 2 : u;
-}
-
-/* The live slot of `key`, or NULL; with `insert`, the slot a new key would take (the first
- * deleted one on its probe path, else the empty one ending it). */
-static Slot *probe(HolderTable *t, uint64_t h, const char *key, Py_ssize_t len, Slot **insert) {
-    Py_ssize_t mask = t->capacity - 1, i = (Py_ssize_t)(h & (uint64_t)mask);
-    Slot *first_free = NULL;
-    for (;;) {
-        Slot *s = slot_at(t, i);
-        if (s->hash == EMPTY) {
-            if (insert) *insert = first_free ? first_free : s;
-            return NULL;
-        }
-        if (s->hash == DELETED) {
-            if (!first_free) first_free = s;
-        } else if (s->hash == h && s->len == (uint64_t)len && memcmp(s->key, key, len) == 0) {
-            return s;
-        }
-        i = (i + 1) & mask;
-    }
-}
-
-/* Rebuild with `capacity` slots of `words` mask words (the live slots only). */
-static int rebuild(HolderTable *t, Py_ssize_t capacity, Py_ssize_t words) {
-    unsigned char *old = t->slots;
-    Py_ssize_t old_capacity = t->capacity, old_words = t->words;
-    size_t old_size = slot_size(old_words);
-    size_t size = slot_size(words);
-    unsigned char *slots =
-        (size_t)capacity > SIZE_MAX / size ? NULL : slots_alloc((size_t)capacity * size);
-    if (!slots) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    t->slots = slots;
-    t->capacity = capacity;
-    t->words = words;
-    t->taken = t->live;
-    for (Py_ssize_t i = 0; i < old_capacity; i++) {
-        Slot *s = (Slot *)(old + (size_t)i * old_size);
-        if (s->hash == EMPTY || s->hash == DELETED) continue;
-        Slot *to = NULL;
-        probe(t, s->hash, (const char *)s->key, (Py_ssize_t)s->len, &to);
-        memcpy(to, s, sizeof(Slot) + (size_t)old_words * 8);
-    }
-    free(old);
-    return 0;
 }
 
 static int bit_of(PyObject *arg, Py_ssize_t *bit) {
@@ -165,16 +88,6 @@ done:
     return rc;
 }
 
-/* Room for one more key and for `bit` in every mask (a rebuild where not). */
-static int make_room(HolderTable *t, Py_ssize_t bit) {
-    Py_ssize_t words = t->words > bit / 64 ? t->words : bit / 64 + 1;
-    Py_ssize_t capacity = t->capacity ? t->capacity : 64;
-    int full = (t->taken + 1) * 2 > capacity;
-    if (full && (t->live + 1) * 4 > capacity) capacity *= 2; /* else: drop deleted slots */
-    if (!full && words == t->words && capacity == t->capacity) return 0;
-    return rebuild(t, capacity, words);
-}
-
 /* add's and discard's (key, bit). */
 static int parse_key_bit(PyObject *args, PyObject **key_obj, char **key, Py_ssize_t *len,
                          Py_ssize_t *bit) {
@@ -188,23 +101,13 @@ static PyObject *table_add(HolderTable *t, PyObject *args) {
     char *key;
     Py_ssize_t len, bit;
     if (parse_key_bit(args, &key_obj, &key, &len, &bit) < 0) return NULL;
-    if (make_room(t, bit) < 0) return NULL;
+    if (store_make_room(&t->store, bit / 64) < 0) return PyErr_NoMemory();
     if (len > KEY_BYTES) {
         if (overflow_update(t, key_obj, bit, 1) < 0) return NULL;
         Py_RETURN_NONE;
     }
-    uint64_t h = key_hash(key_obj);
-    Slot *free_slot = NULL, *s = probe(t, h, key, len, &free_slot);
-    if (!s) {
-        s = free_slot;
-        if (s->hash == EMPTY) t->taken++;
-        t->live++;
-        memset(s, 0, slot_size(t->words));
-        s->hash = h;
-        s->len = (uint64_t)len;
-        memcpy(s->key, key, len);
-    }
-    s->mask[bit / 64] |= (uint64_t)1 << (bit % 64);
+    Entry *e = store_add(&t->store, key_hash(key_obj), key, len);
+    e->mask[bit / 64] |= (uint64_t)1 << (bit % 64);
     Py_RETURN_NONE;
 }
 
@@ -217,14 +120,7 @@ static PyObject *table_discard(HolderTable *t, PyObject *args) {
         if (overflow_update(t, key_obj, bit, 0) < 0) return NULL;
         Py_RETURN_NONE;
     }
-    if (!t->capacity || bit / 64 >= t->words) Py_RETURN_NONE;
-    Slot *s = probe(t, key_hash(key_obj), key, len, NULL);
-    if (!s) Py_RETURN_NONE;
-    s->mask[bit / 64] &= ~((uint64_t)1 << (bit % 64));
-    for (Py_ssize_t w = 0; w < t->words; w++)
-        if (s->mask[w]) Py_RETURN_NONE;
-    s->hash = DELETED;
-    t->live--;
+    store_discard(&t->store, key_hash(key_obj), key, len, bit);
     Py_RETURN_NONE;
 }
 
@@ -244,38 +140,64 @@ static int int_to_mask(PyObject *value, uint64_t *mask, Py_ssize_t words) {
     return rc;
 }
 
-/* The mask of `key` into `out` (zeros where absent). */
-static int lookup_mask(HolderTable *t, PyObject *key_obj, uint64_t *out) {
+/* The entry holding `key` (NULL: none): entry `*next` where that is it (the walk's guess:
+ * the entry after the previous block's), else the one the index finds. `*next` becomes the
+ * entry after it (-1: no guess). */
+static Entry *find_entry(HolderTable *t, PyObject *key_obj, const char *key, Py_ssize_t len,
+                         Py_ssize_t *next) {
+    Store *s = &t->store;
+    Py_ssize_t at = *next;
+    if (at >= 0 && at < s->used && entry_is(entry_at(s, at), key, len)) {
+        t->followed++;
+    } else {
+        Slot *slot = store_find(s, key_hash(key_obj), key, len, NULL);
+        t->probed++;
+        at = slot ? slot_entry(slot) : -1;
+    }
+    *next = at < 0 ? -1 : at + 1;
+    return at < 0 ? NULL : entry_at(s, at);
+}
+
+/* The mask of `key` into `out` (zeros where absent); `next` as find_entry's. */
+static int lookup_mask(HolderTable *t, PyObject *key_obj, uint64_t *out, Py_ssize_t *next) {
     char *key;
-    Py_ssize_t len;
+    Py_ssize_t len, words = t->store.words;
     if (key_of(key_obj, &key, &len) < 0) return -1;
     if (len > KEY_BYTES) {
+        *next = -1;
         PyObject *value = PyDict_GetItemWithError(t->overflow, key_obj);
         if (!value) {
             if (PyErr_Occurred()) return -1;
-            memset(out, 0, (size_t)t->words * 8);
+            memset(out, 0, (size_t)words * 8);
             return 0;
         }
-        return int_to_mask(value, out, t->words);
+        return int_to_mask(value, out, words);
     }
-    Slot *s = t->capacity ? probe(t, key_hash(key_obj), key, len, NULL) : NULL;
-    if (s) memcpy(out, s->mask, (size_t)t->words * 8);
-    else memset(out, 0, (size_t)t->words * 8);
+    Entry *e = find_entry(t, key_obj, key, len, next);
+    if (e) memcpy(out, e->mask, (size_t)words * 8);
+    else memset(out, 0, (size_t)words * 8);
     return 0;
 }
 
 static PyObject *table_get(HolderTable *t, PyObject *key_obj) {
-    uint64_t *mask = PyMem_Calloc((size_t)t->words + 1, 8);
+    Py_ssize_t words = t->store.words, next = -1;
+    uint64_t *mask = PyMem_Calloc((size_t)words + 1, 8);
     if (!mask) return PyErr_NoMemory();
-    PyObject *result = lookup_mask(t, key_obj, mask) < 0 ? NULL : from_words(mask, t->words);
+    PyObject *result = lookup_mask(t, key_obj, mask, &next) < 0 ? NULL : from_words(mask, words);
     PyMem_Free(mask);
     return result;
 }
 
-static void prefetch_slot(HolderTable *t, PyObject *key_obj) {
-    if (!PyBytes_CheckExact(key_obj) || PyBytes_GET_SIZE(key_obj) > KEY_BYTES) return;
-    uint64_t h = key_hash(key_obj);
-    __builtin_prefetch(slot_at(t, (Py_ssize_t)(h & (uint64_t)(t->capacity - 1))));
+/* Prefetch the index slot of `key_obj` (entry = 0), or the entry its slot refers to. */
+static void prefetch_by_hash(HolderTable *t, PyObject *key_obj, int entry) {
+    Store *s = &t->store;
+    if (!s->capacity || !PyBytes_CheckExact(key_obj) || PyBytes_GET_SIZE(key_obj) > KEY_BYTES)
+        return;
+    uint64_t h = key_hash(key_obj); /* cached in the bytes object from then on */
+    Slot *slot = &s->slots[h & (uint64_t)(s->capacity - 1)];
+    if (!entry) __builtin_prefetch(slot);
+    else if (slot->ref >= FIRST_REF && slot->tag == (uint32_t)(h >> 32))
+        __builtin_prefetch(entry_at(s, slot_entry(slot)));
 }
 
 static int append_group(PyObject *groups, Py_ssize_t depth, const uint64_t *mask, Py_ssize_t w) {
@@ -294,7 +216,7 @@ static PyObject *table_match(HolderTable *t, PyObject *hashes_obj) {
     PyObject *seq = PySequence_Fast(hashes_obj, "block hashes are a sequence");
     if (!seq) return NULL;
     PyObject *groups = PyList_New(0);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), w = t->words;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), w = t->store.words;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     uint64_t *buffer = w ? PyMem_Calloc((size_t)w * 3, 8) : NULL;
     if (w && !buffer) PyErr_NoMemory();
@@ -302,11 +224,16 @@ static PyObject *table_match(HolderTable *t, PyObject *hashes_obj) {
     if (!w) goto done; /* nothing was ever held */
     uint64_t *alive = buffer, *held = buffer + w, *gone = buffer + 2 * w;
     for (Py_ssize_t k = 0; k < w; k++) alive[k] = ~(uint64_t)0;
-    for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) prefetch_slot(t, items[i]);
-    Py_ssize_t depth = 0;
+    Py_ssize_t depth = 0, next = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n) prefetch_slot(t, items[i + PREFETCH_AHEAD]);
-        if (lookup_mask(t, items[i], held) < 0) goto fail;
+        unsigned long long probes = t->probed;
+        if (lookup_mask(t, items[i], held, &next) < 0) goto fail;
+        if (t->probed != probes) { /* not where the arena's order said: probing */
+            if (i + PROBE_AHEAD < n) prefetch_by_hash(t, items[i + PROBE_AHEAD], 0);
+            if (i + PROBE_AHEAD / 2 < n) prefetch_by_hash(t, items[i + PROBE_AHEAD / 2], 1);
+        } else if (next >= 0 && next + FOLLOW_AHEAD < t->store.used) {
+            __builtin_prefetch(entry_at(&t->store, next + FOLLOW_AHEAD));
+        }
         int narrowed = 0, any = 0;
         for (Py_ssize_t k = 0; k < w; k++) {
             held[k] &= alive[k];
@@ -335,10 +262,11 @@ fail:
 
 static PyObject *table_num_entries(HolderTable *t, PyObject *Py_UNUSED(ignored)) {
     long long entries = 0;
-    for (Py_ssize_t i = 0; i < t->capacity; i++) {
-        Slot *s = slot_at(t, i);
-        if (s->hash == EMPTY || s->hash == DELETED) continue;
-        for (Py_ssize_t k = 0; k < t->words; k++) entries += __builtin_popcountll(s->mask[k]);
+    Store *s = &t->store;
+    for (Py_ssize_t i = 0; i < s->used; i++) {
+        Entry *e = entry_at(s, i);
+        if (e->hash == FREE) continue;
+        for (Py_ssize_t k = 0; k < s->words; k++) entries += __builtin_popcountll(e->mask[k]);
     }
     PyObject *key, *value;
     Py_ssize_t pos = 0;
@@ -352,7 +280,13 @@ static PyObject *table_num_entries(HolderTable *t, PyObject *Py_UNUSED(ignored))
     return PyLong_FromLongLong(entries);
 }
 
-static Py_ssize_t table_len(HolderTable *t) { return t->live + PyDict_GET_SIZE(t->overflow); }
+static PyObject *table_walk_counts(HolderTable *t, PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("(KK)", t->followed, t->probed);
+}
+
+static Py_ssize_t table_len(HolderTable *t) {
+    return t->store.live + PyDict_GET_SIZE(t->overflow);
+}
 
 static PyObject *table_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     if (PyTuple_GET_SIZE(args) || (kwargs && PyDict_GET_SIZE(kwargs))) {
@@ -370,7 +304,7 @@ static PyObject *table_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 }
 
 static void table_dealloc(HolderTable *t) {
-    free(t->slots);
+    store_clear(&t->store);
     Py_XDECREF(t->overflow);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
@@ -381,6 +315,8 @@ static PyMethodDef table_methods[] = {
     {"get", (PyCFunction)table_get, METH_O, "get(key): the mask of the replicas holding key."},
     {"match", (PyCFunction)table_match, METH_O, "match(hashes): [(blocks, mask)]."},
     {"num_entries", (PyCFunction)table_num_entries, METH_NOARGS, "(key, replica) pairs held."},
+    {"walk_counts", (PyCFunction)table_walk_counts, METH_NOARGS,
+     "(followed, probed): walks' blocks found next to the previous one, and by a probe."},
     {NULL, NULL, 0, NULL},
 };
 
