@@ -348,10 +348,19 @@ class _Simulation:
         tokens = request.prompt_tokens
         ranks = rank_by_cost(names, holdings, tokens, bs, self._inflight, lent_blocks=lent)
         if ranks is None:  # the cache says nothing: Serve's power of two choices
-            two = self.rng.sample(names, min(2, len(names)))
-            return min(two, key=lambda n: _busy(holdings.get(n)))
-        first = ranks[0]
-        return first[0] if len(first) == 1 else min(first, key=lambda n: _busy(holdings.get(n)))
+            first = self._two_of(names)
+        else:
+            first = ranks[0]
+        return first[0] if len(first) == 1 else min(first, key=lambda n: _busy(holdings, n))
+
+    def _two_of(self, names: list[str]) -> list[str]:
+        """Two of `names` at random, as `random.sample(names, 2)` chooses them (its Python
+        took a fifth of a ranking here; this is Serve's choice, not the router's)."""
+        if len(names) < 2:
+            return names
+        first = self.rng.randrange(len(names))
+        second = self.rng.randrange(len(names) - 1)
+        return [names[first], names[second + (second >= first)]]
 
     def _dynamo(self, request: SimRequest, sent: list[bytes], role: str) -> str:
         """Dynamo's KV router: overlap weight (1, its default) x blocks to prefill + blocks
@@ -421,7 +430,9 @@ def _as_sent(message: T) -> T:
     return pickle.loads(pickle.dumps(message))
 
 
-def _busy(holding: Any) -> int:
+def _busy(holdings: Mapping[str, Holding], replica: str) -> int:
+    """The requests the replica reported (Serve's queue length, as the sim stands it in)."""
+    holding = holdings[replica] if replica in holdings else None
     load = holding.load if holding is not None else None
     return (load.num_running + load.num_waiting) if load is not None else 0
 
