@@ -347,11 +347,9 @@ class _Simulation:
         bs = self.config.block_size
         tokens = request.prompt_tokens
         ranks = rank_by_cost(names, holdings, tokens, bs, self._inflight, lent_blocks=lent)
-        if ranks is None:  # the cache says nothing: Serve's power of two choices
-            first = self._two_of(names)
-        else:
-            first = ranks[0]
-        return first[0] if len(first) == 1 else min(first, key=lambda n: _busy(holdings, n))
+        # (None: the cache says nothing; Serve's power of two choices)
+        first = self._two_of(names) if ranks is None else ranks[0]
+        return first[0] if len(first) == 1 else min(first, key=lambda n: _busy(holdings.get(n)))
 
     def _two_of(self, names: list[str]) -> list[str]:
         """Two of `names` at random, as `random.sample(names, 2)` chooses them (its Python
@@ -430,9 +428,7 @@ def _as_sent(message: T) -> T:
     return pickle.loads(pickle.dumps(message))
 
 
-def _busy(holdings: Mapping[str, Holding], replica: str) -> int:
-    """The requests the replica reported (Serve's queue length, as the sim stands it in)."""
-    holding = holdings[replica] if replica in holdings else None
+def _busy(holding: Any) -> int:
     load = holding.load if holding is not None else None
     return (load.num_running + load.num_waiting) if load is not None else 0
 
