@@ -18,8 +18,9 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from deployments.cluster.kv_cost import DEFAULT_WEIGHTS, RoutingWeights
+
 if TYPE_CHECKING:
-    from deployments.cluster.kv_cost import RoutingWeights
     from deployments.cluster.kv_holdings import Holdings
 
 logger = logging.getLogger(__name__)
@@ -87,4 +88,9 @@ def most_held(holdings: Holdings) -> Any:
 
 
 def _of(weights: RoutingWeights) -> tuple[float, float, float]:
+    if weights is DEFAULT_WEIGHTS:  # (nearly every call)
+        return _DEFAULT_NUMBERS
     return weights.request_tokens, weights.hot_kv_usage, weights.tier_token_cost
+
+
+_DEFAULT_NUMBERS = _of(RoutingWeights())

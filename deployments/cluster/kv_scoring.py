@@ -8,7 +8,6 @@ which balances by queue length (`rank_by_cost` returns None).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,6 +26,7 @@ from deployments.cluster.kv_cost import (
     replica_cost,
 )
 from deployments.cluster.kv_holdings import SMALL_GROUP, HeldGroup, Holdings, as_holdings
+from deployments.cluster.once import once
 
 # The names of the cost and of the holdings are this module's too (the routers, the index and
 # the tests import them from here).
@@ -337,13 +337,13 @@ class CacheSurvey:
     weights: RoutingWeights = DEFAULT_WEIGHTS
     lent_blocks: int = 0  # the lender's blocks of the prompt
 
-    @functools.cached_property
+    @once
     def decode_holder(self) -> tuple[str, int] | None:
         """The cheapest decode replica, and the prompt tokens it holds (None: it holds none)."""
         p, bs, w = self.prompt_tokens, self.block_size, self.weights
         return cheapest(self.holdings, p, bs, w, "decode")
 
-    @functools.cached_property
+    @once
     def borrower(self) -> tuple[str, int] | None:
         """The prefill replica that would compute the prompt cheapest given the lender's
         blocks (by the engines' loads: the leg's router, knowing its own requests in flight,

@@ -34,6 +34,7 @@ from deployments.cluster import cost_search
 from deployments.cluster.kv_index import KVIndexServer
 from deployments.cluster.kv_scoring import (
     Holding,
+    Holdings,
     decode_holder,
     lender_worth_borrowing,
     rank_by_cost,
@@ -349,7 +350,12 @@ class _Simulation:
         ranks = rank_by_cost(names, holdings, tokens, bs, self._inflight, lent_blocks=lent)
         # (None: the cache says nothing; Serve's power of two choices)
         first = self._two_of(names) if ranks is None else ranks[0]
-        return first[0] if len(first) == 1 else min(first, key=lambda n: _busy(holdings.get(n)))
+        if len(first) == 1:
+            return first[0]
+        # Serve's choice by queue length, stood in for by the loads reported (every replica's
+        # is in `replicas`: a holder's Holding would be made for its load alone).
+        loads = holdings.replicas if isinstance(holdings, Holdings) else holdings
+        return min(first, key=lambda n: _busy(loads.get(n)))
 
     def _two_of(self, names: list[str]) -> list[str]:
         """Two of `names` at random, as `random.sample(names, 2)` chooses them (its Python
