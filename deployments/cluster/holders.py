@@ -2,7 +2,8 @@
 a prompt's walk over it: the storage under the prefix index (prefix_index.py).
 
 Two implementations of one contract: `HolderTable`, C compiled on first use (csrc/
-holder_table.c: slots holding their key and mask inline, prefetched ahead of the walk), and
+holder_table.c: entries holding their key and mask inline, side by side in the order their
+prompts stored them, so that a walk mostly reads the next entry; csrc/holder_store.h), and
 `DictHolders`, the same in Python (a dict of bytes to int), which is the reference the tests
 hold the C one to and what runs where no C compiler is. `holders()` makes the first that
 works here.

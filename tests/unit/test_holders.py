@@ -9,7 +9,11 @@ memory is what tracemalloc counts (`bench index` reports it)."""
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import subprocess
+import sys
+import textwrap
 import tracemalloc
 from pathlib import Path
 
@@ -116,6 +120,64 @@ def test_the_c_tables_memory_is_counted_by_tracemalloc() -> None:
         tracemalloc.stop()
     assert 64 * len(keys) <= size <= 256 * len(keys)  # an entry, its share of the index
     assert after - before < size / 100  # freed with the table
+
+
+# posix_memalign failing once, after `fail_after` calls pass (the table takes its arena and its
+# index from it): LD_PRELOADed into a child process.
+FAILING_ALLOC = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stddef.h>
+int fail_after = -1;
+int posix_memalign(void **p, size_t align, size_t size) {
+    static int (*real)(void **, size_t, size_t);
+    if (!real) real = dlsym(RTLD_NEXT, "posix_memalign");
+    if (fail_after == 0) { fail_after = -1; return ENOMEM; }
+    if (fail_after > 0) fail_after--;
+    return real(p, align, size);
+}
+"""
+
+RELAYOUT_OUT_OF_MEMORY = """
+import ctypes
+from deployments.cluster.native import load
+table = load("holder_table").HolderTable()
+keys = [bytes([i]) * 32 for i in range(64)]
+for key in keys:
+    table.add(key, 0)
+for key in keys[:40]:  # 40 holes: the next key compacts the full arena
+    table.discard(key, 0)
+ctypes.c_int.in_dll(ctypes.CDLL(None), "fail_after").value = 1  # the arena, not the index
+try:
+    table.add(b"n" * 32, 0)
+except MemoryError:
+    print("MemoryError")
+print(len(table), table.get(keys[50]), table.match(keys[40:]))
+table.add(keys[50], 1)
+for i in range(200):  # relayouts again
+    table.add(i.to_bytes(32, "little"), 0)
+print(len(table), table.get(keys[50]))
+"""
+
+
+def test_a_relayout_out_of_memory_leaves_the_table_as_it_was(tmp_path: Path) -> None:
+    """Where the compacted arena's index cannot be had, the add raises MemoryError and the
+    table answers as before (an arena compacted under the old index lost its keys, and the
+    next relayout crashed)."""
+    c_table()  # built (and cached) here first
+    shim = tmp_path / "failing_alloc.so"
+    source = tmp_path / "failing_alloc.c"
+    source.write_text(FAILING_ALLOC)
+    subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(shim), "-ldl"], check=True)
+    env = {**os.environ, "LD_PRELOAD": str(shim)}
+    script = textwrap.dedent(RELAYOUT_OUT_OF_MEMORY)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["MemoryError", "24 1 [(24, 1)]", "224 3"]
 
 
 def test_the_c_table_refuses_what_is_not_a_block_hash() -> None:

@@ -118,13 +118,8 @@ static Slot *store_find(const Store *s, uint64_t h, const char *key, Py_ssize_t 
     }
 }
 
-/* A new index of `capacity` slots over the live entries. */
-static int slots_rebuild(Store *s, Py_ssize_t capacity) {
-    Slot *slots = store_alloc((size_t)capacity, sizeof(Slot));
-    if (!slots) return -1;
-    store_free(s->slots);
-    s->slots = slots;
-    s->capacity = capacity;
+/* Point the index (`capacity` empty slots, installed) at every live entry. */
+static void slots_fill(Store *s) {
     s->taken = s->live;
     for (Py_ssize_t i = 0; i < s->used; i++) {
         Entry *e = entry_at(s, i);
@@ -133,7 +128,12 @@ static int slots_rebuild(Store *s, Py_ssize_t capacity) {
         store_find(s, e->hash, (const char *)e->key, (Py_ssize_t)e->len, &to);
         slot_point(to, e->hash, i);
     }
-    return 0;
+}
+
+static void slots_install(Store *s, Slot *slots, Py_ssize_t capacity) {
+    store_free(s->slots);
+    s->slots = slots;
+    s->capacity = capacity;
 }
 
 /* The slots for `live` keys: at most half taken, a quarter live after a rebuild. */
@@ -143,11 +143,27 @@ static Py_ssize_t slots_for(Py_ssize_t live) {
     return capacity;
 }
 
+/* A new index of `capacity` slots over the live entries (-1: no memory, nothing changed). */
+static int slots_rebuild(Store *s, Py_ssize_t capacity) {
+    Slot *slots = store_alloc((size_t)capacity, sizeof(Slot));
+    if (!slots) return -1;
+    slots_install(s, slots, capacity);
+    slots_fill(s);
+    return 0;
+}
+
 /* A new arena of `room` entries of `words` mask words, holding the live entries in their
- * order (holes dropped), and the index rebuilt over it. */
+ * order (holes dropped), and the index rebuilt over it. Both are allocated before either is
+ * installed: where memory runs out, the table is left as it was (an arena compacted under
+ * the old index would leave it pointing at entries that moved). */
 static int entries_relayout(Store *s, Py_ssize_t room, Py_ssize_t words) {
+    Py_ssize_t capacity = slots_for(s->live);
     unsigned char *entries = store_alloc((size_t)room, entry_size(words));
-    if (!entries) return -1;
+    Slot *slots = entries ? store_alloc((size_t)capacity, sizeof(Slot)) : NULL;
+    if (!slots) {
+        store_free(entries);
+        return -1;
+    }
     Py_ssize_t kept = 0;
     size_t old_size = entry_size(s->words), new_size = entry_size(words);
     for (Py_ssize_t i = 0; i < s->used; i++) {
@@ -160,7 +176,9 @@ static int entries_relayout(Store *s, Py_ssize_t room, Py_ssize_t words) {
     s->room = room;
     s->used = kept;
     s->words = words;
-    return slots_rebuild(s, slots_for(s->live));
+    slots_install(s, slots, capacity);
+    slots_fill(s);
+    return 0;
 }
 
 /* Room for one more key and for mask word `word` in every entry. */

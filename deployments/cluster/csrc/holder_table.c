@@ -141,49 +141,48 @@ static int int_to_mask(PyObject *value, uint64_t *mask, Py_ssize_t words) {
 }
 
 /* The entry holding `key` (NULL: none): entry `*next` where that is it (the walk's guess:
- * the entry after the previous block's), else the one the index finds. `*next` becomes the
- * entry after it (-1: no guess). */
-static Entry *find_entry(HolderTable *t, PyObject *key_obj, const char *key, Py_ssize_t len,
-                         Py_ssize_t *next) {
-    Store *s = &t->store;
+ * the entry after the previous block's), else the one the index finds (`*probed` set).
+ * `*next` becomes the entry after it (-1: no guess). */
+static Entry *find_entry(const Store *s, PyObject *key_obj, const char *key, Py_ssize_t len,
+                         Py_ssize_t *next, int *probed) {
     Py_ssize_t at = *next;
-    if (at >= 0 && at < s->used && entry_is(entry_at(s, at), key, len)) {
-        t->followed++;
-    } else {
+    *probed = !(at >= 0 && at < s->used && entry_is(entry_at(s, at), key, len));
+    if (*probed) {
         Slot *slot = store_find(s, key_hash(key_obj), key, len, NULL);
-        t->probed++;
         at = slot ? slot_entry(slot) : -1;
     }
     *next = at < 0 ? -1 : at + 1;
     return at < 0 ? NULL : entry_at(s, at);
 }
 
-/* The mask of `key` into `out` (zeros where absent); `next` as find_entry's. */
-static int lookup_mask(HolderTable *t, PyObject *key_obj, uint64_t *out, Py_ssize_t *next) {
+/* The mask of `key` as `words` words into `out` (zeros where absent); `next` and `probed`
+ * as find_entry's. Runs no Python code (keys are exact bytes; masks of long keys are ints,
+ * which the garbage collector does not track): the table cannot change under a walk. */
+static int lookup_mask(HolderTable *t, PyObject *key_obj, uint64_t *out, Py_ssize_t words,
+                       Py_ssize_t *next, int *probed) {
     char *key;
-    Py_ssize_t len, words = t->store.words;
+    Py_ssize_t len, held = t->store.words < words ? t->store.words : words;
     if (key_of(key_obj, &key, &len) < 0) return -1;
+    memset(out, 0, (size_t)words * 8);
+    *probed = 1;
     if (len > KEY_BYTES) {
         *next = -1;
         PyObject *value = PyDict_GetItemWithError(t->overflow, key_obj);
-        if (!value) {
-            if (PyErr_Occurred()) return -1;
-            memset(out, 0, (size_t)words * 8);
-            return 0;
-        }
+        if (!value) return PyErr_Occurred() ? -1 : 0;
         return int_to_mask(value, out, words);
     }
-    Entry *e = find_entry(t, key_obj, key, len, next);
-    if (e) memcpy(out, e->mask, (size_t)words * 8);
-    else memset(out, 0, (size_t)words * 8);
+    Entry *e = find_entry(&t->store, key_obj, key, len, next, probed);
+    if (e) memcpy(out, e->mask, (size_t)held * 8);
     return 0;
 }
 
 static PyObject *table_get(HolderTable *t, PyObject *key_obj) {
     Py_ssize_t words = t->store.words, next = -1;
+    int probed;
     uint64_t *mask = PyMem_Calloc((size_t)words + 1, 8);
     if (!mask) return PyErr_NoMemory();
-    PyObject *result = lookup_mask(t, key_obj, mask, &next) < 0 ? NULL : from_words(mask, words);
+    int rc = lookup_mask(t, key_obj, mask, words, &next, &probed);
+    PyObject *result = rc < 0 ? NULL : from_words(mask, words);
     PyMem_Free(mask);
     return result;
 }
@@ -200,14 +199,56 @@ static void prefetch_by_hash(HolderTable *t, PyObject *key_obj, int entry) {
         __builtin_prefetch(entry_at(s, slot_entry(slot)));
 }
 
-static int append_group(PyObject *groups, Py_ssize_t depth, const uint64_t *mask, Py_ssize_t w) {
-    PyObject *bits = from_words(mask, w);
-    if (!bits) return -1;
-    PyObject *group = Py_BuildValue("(nN)", depth, bits);
-    if (!group) return -1;
-    int rc = PyList_Append(groups, group);
-    Py_DECREF(group);
-    return rc;
+/* A walk's groups as it finds them: (depth, mask of `w` words) records, made into Python
+ * objects once the walk is over (an allocation of a tuple may run the garbage collector, and
+ * so finalizers, which could change the table in the middle of a walk). */
+typedef struct {
+    uint64_t *records; /* `count` of 1 + w words */
+    Py_ssize_t count, room, w;
+} Groups;
+
+static int groups_add(Groups *g, Py_ssize_t depth, const uint64_t *mask) {
+    if (g->count == g->room) {
+        Py_ssize_t room = g->room ? g->room * 2 : 8;
+        uint64_t *records = PyMem_Realloc(g->records, (size_t)room * (1 + g->w) * 8);
+        if (!records) return -1;
+        g->records = records;
+        g->room = room;
+    }
+    uint64_t *record = g->records + (size_t)g->count++ * (1 + g->w);
+    record[0] = (uint64_t)depth;
+    memcpy(record + 1, mask, (size_t)g->w * 8);
+    return 0;
+}
+
+/* [(blocks, mask)] of the groups recorded. */
+static PyObject *groups_list(const Groups *g) {
+    PyObject *list = PyList_New(g->count);
+    for (Py_ssize_t i = 0; list && i < g->count; i++) {
+        const uint64_t *record = g->records + (size_t)i * (1 + g->w);
+        PyObject *bits = from_words(record + 1, g->w);
+        PyObject *group = bits ? Py_BuildValue("(nN)", (Py_ssize_t)record[0], bits) : NULL;
+        if (!group) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, group);
+    }
+    return list;
+}
+
+/* One step of a walk: the blocks held by every replica so far (`alive`) narrowed by those
+ * holding this block (`held`); the replicas that drop out at `depth` recorded. 1: go on, 0:
+ * no replica holds this block, -1: no memory. */
+static int narrow(Groups *g, uint64_t *alive, const uint64_t *held, uint64_t *gone,
+                  Py_ssize_t depth) {
+    int narrowed = 0, any = 0;
+    for (Py_ssize_t k = 0; k < g->w; k++) {
+        gone[k] = alive[k] & ~held[k];
+        narrowed |= gone[k] != 0;
+        any |= (alive[k] & held[k]) != 0;
+    }
+    if (!narrowed) return 1;
+    if (depth && groups_add(g, depth, gone) < 0) return -1;
+    for (Py_ssize_t k = 0; k < g->w; k++) alive[k] &= held[k];
+    return any;
 }
 
 /* match(hashes): the replicas holding at least the prompt's first block, by the leading
@@ -215,49 +256,47 @@ static int append_group(PyObject *groups, Py_ssize_t depth, const uint64_t *mask
 static PyObject *table_match(HolderTable *t, PyObject *hashes_obj) {
     PyObject *seq = PySequence_Fast(hashes_obj, "block hashes are a sequence");
     if (!seq) return NULL;
-    PyObject *groups = PyList_New(0);
+    PyObject *result = NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), w = t->store.words;
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    uint64_t *buffer = w ? PyMem_Calloc((size_t)w * 3, 8) : NULL;
-    if (w && !buffer) PyErr_NoMemory();
-    if (!groups || (w && !buffer)) goto fail;
-    if (!w) goto done; /* nothing was ever held */
+    Groups g = {NULL, 0, 0, w};
+    uint64_t *buffer = PyMem_Calloc((size_t)w * 3 + 1, 8);
+    if (!buffer) {
+        PyErr_NoMemory();
+        goto done;
+    }
     uint64_t *alive = buffer, *held = buffer + w, *gone = buffer + 2 * w;
     for (Py_ssize_t k = 0; k < w; k++) alive[k] = ~(uint64_t)0;
     Py_ssize_t depth = 0, next = -1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long probes = t->probed;
-        if (lookup_mask(t, items[i], held, &next) < 0) goto fail;
-        if (t->probed != probes) { /* not where the arena's order said: probing */
+    int go_on = w > 0, probed; /* (no words: nothing was ever held) */
+    for (Py_ssize_t i = 0; i < n && go_on; i++) {
+        if (lookup_mask(t, items[i], held, w, &next, &probed) < 0) goto done;
+        if (probed) { /* not where the arena's order said: probing */
+            t->probed++;
             if (i + PROBE_AHEAD < n) prefetch_by_hash(t, items[i + PROBE_AHEAD], 0);
             if (i + PROBE_AHEAD / 2 < n) prefetch_by_hash(t, items[i + PROBE_AHEAD / 2], 1);
-        } else if (next >= 0 && next + FOLLOW_AHEAD < t->store.used) {
-            __builtin_prefetch(entry_at(&t->store, next + FOLLOW_AHEAD));
+        } else {
+            t->followed++;
+            if (next + FOLLOW_AHEAD < t->store.used)
+                __builtin_prefetch(entry_at(&t->store, next + FOLLOW_AHEAD));
         }
-        int narrowed = 0, any = 0;
-        for (Py_ssize_t k = 0; k < w; k++) {
-            held[k] &= alive[k];
-            gone[k] = alive[k] & ~held[k];
-            narrowed |= gone[k] != 0;
-            any |= held[k] != 0;
+        go_on = narrow(&g, alive, held, gone, depth);
+        if (go_on < 0) {
+            PyErr_NoMemory();
+            goto done;
         }
-        if (narrowed) {
-            if (depth && append_group(groups, depth, gone, w) < 0) goto fail;
-            if (!any) goto done;
-            memcpy(alive, held, (size_t)w * 8);
-        }
-        depth++;
+        depth += go_on;
     }
-    if (depth && append_group(groups, depth, alive, w) < 0) goto fail;
+    if (go_on && depth && groups_add(&g, depth, alive) < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = groups_list(&g);
 done:
     PyMem_Free(buffer);
+    PyMem_Free(g.records);
     Py_DECREF(seq);
-    return groups;
-fail:
-    PyMem_Free(buffer);
-    Py_DECREF(seq);
-    Py_XDECREF(groups);
-    return NULL;
+    return result;
 }
 
 static PyObject *table_num_entries(HolderTable *t, PyObject *Py_UNUSED(ignored)) {
