@@ -198,7 +198,8 @@ class _Simulation:
         self._active: dict[str, int] = dict.fromkeys(self.engines, 0)
         self._ends: list[tuple[float, str, int]] = []
         self._loads: dict[str, Any] = {}  # each engine's load as last published
-        self.events = 0
+        self.events = 0  # KV events published (one per engine step's stores or evictions)
+        self.event_blocks = 0  # the block hashes they carry (what per-block counts count)
         # The kv policy's decision time by part: the index lookup, the Router's survey, both
         # legs' rankings (requests sent to a decode replica's cache alone have none).
         self.parts_us: dict[str, list[float]] = {"lookup": [], "survey": [], "rankings": []}
@@ -260,6 +261,7 @@ class _Simulation:
             "tpot_ms": summarize([t * 1e3 for t in tpot_s], (0.5, 0.99)),
             "goodput_per_s": round(good / duration, 1),
             "kv_events_per_s": round(self.events / duration),
+            "kv_event_blocks_per_s": round(self.event_blocks / duration),
             **self._index_size(),
             **self._roles_report(),
         }
@@ -292,7 +294,9 @@ class _Simulation:
         last = self._loads.get(name)
         if batch is not None or (load is not last and load != last):
             self._loads[name] = load
-            self.events += len(batch.events) if batch is not None else 0
+            if batch is not None:
+                self.events += len(batch.events)
+                self.event_blocks += sum(len(getattr(e, "block_hashes", ())) for e in batch.events)
             batches = [batch] if batch is not None else []
             reply = self.index.publish(name, _as_sent(batches), load, now=now)
             if reply.switch_to and reply.switch_to != engine.role:

@@ -24,6 +24,8 @@ def test_policies_against_the_oracle_on_multi_turn_conversations() -> None:
     for result in policies.values():
         assert 0 <= result["hit_rate"] <= oracle + 1e-9
         assert result["decision_us"]["p50"] > 0 and result["index_entries"] > 0
+        # An event carries a step's blocks: more blocks than events (prompts of many blocks).
+        assert result["kv_event_blocks_per_s"] > result["kv_events_per_s"] > 0
     assert policies["kv"]["hit_rate"] > policies["round_robin"]["hit_rate"]
     assert policies["kv"]["decode_only_routes"] > 0  # cache-aware disaggregation was taken
     assert policies["round_robin"]["decode_only_routes"] == 0
