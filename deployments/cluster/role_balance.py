@@ -188,7 +188,8 @@ class RoleOrders:
         self._orders[replica] = (role, now)
 
     def announced(self, replica: str, role: str) -> None:
-        if self._orders.get(replica, ("",))[0] == role:
+        order = self._orders.get(replica)
+        if order is not None and order[0] == role:
             del self._orders[replica]  # done
 
     def forget(self, replica: str) -> None:

@@ -53,11 +53,13 @@ class BlockHashToBlockMap:
     def block_hashes(self) -> list[BlockHash]:
         """Each cached block's hash (a duplicate's once per block), in the order the hashes
         were first cached."""
-        return [
-            key
-            for key, entry in self._cache.items()
-            for _ in range(1 if isinstance(entry, KVCacheBlock) else len(entry))
-        ]
+        hashes: list[BlockHash] = []
+        for key, entry in self._cache.items():
+            if isinstance(entry, KVCacheBlock):
+                hashes.append(key)
+            else:
+                hashes.extend([key] * len(entry))
+        return hashes
 
     def num_blocks(self) -> int:
         return sum(1 if isinstance(e, KVCacheBlock) else len(e) for e in self._cache.values())

@@ -113,6 +113,30 @@ def test_the_index_actor_answers_per_role_with_each_replica_s_load():
     assert not server.apply("p1", [], busy)  # forgotten: announce again
 
 
+def test_each_role_s_answer_follows_its_replicas_as_they_switch_and_announce():
+    """The index makes each role's view at the change (not per lookup): a role looked up
+    before it has a replica, a switch out of one role into another, and a replica announcing
+    no role at all are each seen by the next lookup of every role they touch."""
+    from deployments.cluster.kv_index import KVIndexServer
+
+    index = KVIndexServer()
+    assert dict(index.lookup([b"1"], "prefill")) == {}  # no prefill replica yet
+    index.load_snapshot("x", KVSnapshot("e", 0, (b"1",)), "decode", load(1))
+    index.load_snapshot("p", KVSnapshot("e", 0, ()), "prefill", load(0))
+    assert set(index.lookup([b"1"], "prefill")) == {"p"}
+    assert set(index.lookup([b"1"], "decode")) == {"x"}
+    index.load_snapshot("x", KVSnapshot("e", 1, (b"1",)), "prefill", load(2))  # a switch
+    decode = index.lookup([b"1"], "decode")
+    assert dict(decode) == {} and decode.known == 0 and len(decode.board) == 0
+    prefill = index.lookup([b"1"], "prefill")
+    assert set(prefill) == {"x", "p"} and {n for _, n, _ in prefill.board} == {"x", "p"}
+    assert prefill["x"].cached_blocks == 1
+    assert index.lookup([b"1"]).roles["decode"][0] == 0
+    index.load_snapshot("n", KVSnapshot("e", 0, (b"1",)))  # no role (and no order pending)
+    assert index.lookup([b"1"])["n"].cached_blocks == 1
+    assert "n" not in index.lookup([b"1"], "prefill")
+
+
 def load(running: int = 0, queued: int = 0, usage: float = 0.1) -> EngineLoad:
     return EngineLoad(
         num_running=running, num_waiting=0, queued_prompt_tokens=queued, kv_cache_usage=usage
