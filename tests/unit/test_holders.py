@@ -28,6 +28,10 @@ def c_table() -> holders.Holders:
     return native.load("holder_table").HolderTable()  # type: ignore[no-any-return]
 
 
+def chain(start: int, count: int) -> list[bytes]:
+    return [hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(start, start + count)]
+
+
 def random_key(rng: random.Random) -> bytes:
     size = rng.choice([1, 8, 32, 32, 32, 33, 64])
     return hashlib.sha256(rng.randbytes(8)).digest()[:size].ljust(size, b"k")
@@ -57,7 +61,7 @@ def test_the_c_table_keeps_growing_and_emptying() -> None:
     """Many keys (the table doubles past half full), then every one discarded (deleted slots
     that later adds reuse), then added again: nothing left behind, nothing lost."""
     c = c_table()
-    keys = [hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(20_000)]
+    keys = chain(0, 20_000)
     for i, key in enumerate(keys):
         c.add(key, i % 130)
     assert len(c) == c.num_entries() == len(keys)
@@ -67,10 +71,6 @@ def test_the_c_table_keeps_growing_and_emptying() -> None:
     for key in keys[:1000]:
         c.add(key, 3)
     assert c.match(keys[:1000]) == [(1000, 1 << 3)] and len(c) == 1000
-
-
-def chain(start: int, count: int) -> list[bytes]:
-    return [hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(start, start + count)]
 
 
 def walk(table: holders.Holders, hashes: list[bytes]) -> tuple[list[tuple[int, int]], int]:
